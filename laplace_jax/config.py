@@ -1,0 +1,165 @@
+"""One frozen config for the Laplace model, its presets, and the counts that check it.
+
+Names follow the published description (REFERENCE.md): D = d_model, H = n_heads, d_k / d_v per head,
+a fixed geometric decay schedule between half-lives `decay_t_min` and `decay_t_max` tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+GPT2_VOCAB = 50_257
+PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
+
+
+@dataclasses.dataclass(frozen=True)
+class LaplaceConfig:
+  vocab_size: int = PADDED_VOCAB
+  d_model: int = 3072
+  n_layers: int = 24
+  n_heads: int = 16
+  d_k: int = 96          # per-head query/key width (half of d_model / n_heads)
+  d_v: int = 192         # per-head value width (full d_model / n_heads)
+  d_ff: int = 8192       # GLU inner width
+  conv_size: int = 4     # depth-wise causal conv kernel; the decode state keeps this many inputs
+  decay_t_min: float = 1.0     # shortest head half-life, tokens
+  decay_t_max: float = 2048.0  # longest head half-life, tokens
+  n_decay_tiers: int = 4       # heads are grouped into tiers; each tier shares one Head RMSNorm weight
+  chunk_size: int = 128        # GLA chunk (training and prefill)
+  max_seq_len: int = 2048      # training sequence length
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  param_dtype: str = "float32"
+  compute_dtype: str = "bfloat16"
+  remat: bool = True           # rematerialise each layer in the backward pass
+  unroll_chunks: bool = False  # statically unroll the chunk scan (what the Trainium port compiled)
+
+  def __post_init__(self):
+    def bad(field, value, expect, fix):
+      raise ValueError(f"LaplaceConfig.{field}={value!r}: expected {expect}. {fix}")
+
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_k", "d_v", "d_ff", "conv_size",
+              "n_decay_tiers", "chunk_size", "max_seq_len"):
+      v = getattr(self, f)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+        bad(f, v, "a positive integer", "Set it to a positive integer.")
+    if self.n_heads % self.n_decay_tiers:
+      bad("n_decay_tiers", self.n_decay_tiers, f"a divisor of n_heads={self.n_heads}",
+          "Choose a tier count that splits the heads evenly.")
+    if not (self.decay_t_min > 0 and self.decay_t_max > 0):
+      bad("decay_t_min/decay_t_max", (self.decay_t_min, self.decay_t_max), "positive half-lives",
+          "Half-lives are in tokens and must be > 0.")
+    if self.decay_t_max < self.decay_t_min:
+      bad("decay_t_max", self.decay_t_max, f">= decay_t_min={self.decay_t_min} (a non-reversed range)",
+          "Swap the two values.")
+    for f in ("param_dtype", "compute_dtype"):
+      v = getattr(self, f)
+      if v not in ("float32", "bfloat16", "float16"):
+        bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
+    if self.max_seq_len % self.chunk_size:
+      bad("max_seq_len", self.max_seq_len, f"a multiple of chunk_size={self.chunk_size}",
+          "Training sequences are split into whole chunks.")
+
+  # Derived widths of the fused projection W_qkvg: [q | k | v | g].
+  @property
+  def qk_width(self) -> int:
+    return self.n_heads * self.d_k
+
+  @property
+  def v_width(self) -> int:
+    return self.n_heads * self.d_v
+
+  @property
+  def qkvg_width(self) -> int:
+    return 2 * self.qk_width + 2 * self.v_width
+
+  def replace(self, **changes) -> "LaplaceConfig":
+    unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+    if unknown:
+      raise ValueError(f"unknown config field(s) {sorted(unknown)}; valid fields: "
+                       f"{[f.name for f in dataclasses.fields(self)]}")
+    return dataclasses.replace(self, **changes)
+
+
+def decay_half_lives(cfg: LaplaceConfig) -> np.ndarray:
+  """Half-life T_h in tokens of each head: geometric from decay_t_min to decay_t_max."""
+  h = np.arange(cfg.n_heads, dtype=np.float64)
+  frac = h / max(cfg.n_heads - 1, 1)
+  return cfg.decay_t_min * (cfg.decay_t_max / cfg.decay_t_min) ** frac
+
+
+def log_decays(cfg: LaplaceConfig) -> np.ndarray:
+  """g_gamma = ln λ_h with λ_h = 2^(−1/T_h): the fixed (not learned) per-head log decay, [H] fp32."""
+  return (-math.log(2.0) / decay_half_lives(cfg)).astype(np.float32)
+
+
+PRESETS: dict[str, LaplaceConfig] = {
+    "laplace-3b": LaplaceConfig(),
+    # ≈148M parameters: the published ratios (d_k = D/2H, d_v = D/H) at GPT-2-small width.
+    "small": LaplaceConfig(d_model=768, n_layers=10, n_heads=8, d_k=48, d_v=96, d_ff=2048,
+                           n_decay_tiers=4, compute_dtype="float32"),
+    # Tests and demos: compiles in seconds on a CPU.
+    "tiny": LaplaceConfig(d_model=64, n_layers=2, n_heads=4, d_k=8, d_v=16, d_ff=128,
+                          n_decay_tiers=2, max_seq_len=256, compute_dtype="float32", remat=False),
+}
+
+
+def get_config(name: str, **overrides) -> LaplaceConfig:
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+# ---- counts ---------------------------------------------------------------------------------------
+
+MUON_PARAM_NAMES = ("w_qkvg", "w_out", "w1", "w2", "w3")  # the 2-D hidden matrices of each layer
+
+
+def param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
+  """Per-layer parameter shapes (unstacked) plus the model-level ones, keyed by leaf name."""
+  D, H = cfg.d_model, cfg.n_heads
+  layer = {
+      "ln1_scale": (D,),
+      "conv_kernel": (cfg.conv_size, D),
+      "conv_bias": (D,),
+      "w_qkvg": (D, cfg.qkvg_width),
+      "aug_balance": (H, cfg.d_k),
+      "head_norm_scale": (cfg.n_decay_tiers, cfg.d_v),
+      "w_out": (cfg.v_width, D),
+      "ln2_scale": (D,),
+      "w1": (D, cfg.d_ff),
+      "w2": (D, cfg.d_ff),
+      "w3": (cfg.d_ff, D),
+  }
+  model = {"embed": (cfg.vocab_size, D), "final_norm_scale": (D,), "lm_head": (D, cfg.vocab_size)}
+  return {"layer": layer, "model": model}
+
+
+def param_counts(cfg: LaplaceConfig) -> dict[str, int]:
+  """Parameters split the way the optimizer splits them: Muon (2-D hidden matrices) and AdamW."""
+  shapes = param_shapes(cfg)
+  muon = sum(math.prod(s) for n, s in shapes["layer"].items() if n in MUON_PARAM_NAMES)
+  adam_layer = sum(math.prod(s) for n, s in shapes["layer"].items() if n not in MUON_PARAM_NAMES)
+  adam_model = sum(math.prod(s) for s in shapes["model"].values())
+  muon *= cfg.n_layers
+  adamw = adam_layer * cfg.n_layers + adam_model
+  return {"total": muon + adamw, "muon": muon, "adamw": adamw}
+
+
+def state_bytes_per_sequence(cfg: LaplaceConfig) -> int:
+  """Decode state per sequence: fp32 GLA matrices [H, d_k, d_v] and an fp32 conv window [conv, D]."""
+  gla = cfg.n_heads * cfg.d_k * cfg.d_v * 4
+  conv = cfg.conv_size * cfg.d_model * 4
+  return cfg.n_layers * (gla + conv)
+
+
+def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
+  """Model FLOPs per token: 2·(matmul params) plus the chunked GLA, ×3 for forward+backward."""
+  counts = param_counts(cfg)
+  matmul_params = counts["muon"] + cfg.d_model * cfg.vocab_size  # LM head; the embedding is a gather
+  C, K, V = cfg.chunk_size, cfg.d_k, cfg.d_v
+  gla = cfg.n_layers * cfg.n_heads * (2 * C * (K + V) + 4 * K * V)
+  fwd = 2 * matmul_params + gla
+  return 3 * fwd if training else fwd
