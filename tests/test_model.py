@@ -1,0 +1,137 @@
+"""The model: shapes, counts, forward == prefill + decode_step, one compile across prompt lengths."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laplace_jax import model
+from laplace_jax.config import (LaplaceConfig, get_config, param_counts, param_shapes,
+                                state_bytes_per_sequence)
+
+CFG = get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return model.init_params(CFG, jax.random.key(0))
+
+
+def test_laplace_3b_counts_match_published():
+  cfg = get_config("laplace-3b")
+  c = param_counts(cfg)
+  assert c["muon"] == 2_717_908_992
+  assert f"{c['total'] / 1e9:.3f}" == "3.028"
+  assert f"{c['adamw'] / 1e6:.1f}" == "309.6"
+  assert state_bytes_per_sequence(cfg) == 29_491_200
+  assert cfg.qkvg_width == 9216
+
+
+def test_param_tree_matches_declared_shapes_and_counts(params):
+  shapes = param_shapes(CFG)
+  for name, shape in shapes["layer"].items():
+    assert params["layers"][name].shape == (CFG.n_layers, *shape), name
+  for name, shape in shapes["model"].items():
+    assert params[name].shape == shape, name
+  assert sum(x.size for x in jax.tree.leaves(params)) == param_counts(CFG)["total"]
+  assert float(jnp.abs(params["layers"]["aug_balance"]).max()) == 0.0
+
+
+def test_small_preset_size():
+  assert 100e6 <= param_counts(get_config("small"))["total"] <= 150e6
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_decay_tiers=3), "divisor of n_heads"),
+    (dict(decay_t_min=10.0, decay_t_max=2.0), "reversed"),
+    (dict(decay_t_min=0.0), "positive half-lives"),
+    (dict(d_model=0), "positive integer"),
+    (dict(compute_dtype="int8"), "floating dtype"),
+    (dict(max_seq_len=100), "multiple of chunk_size"),
+])
+def test_invalid_configs_rejected(bad, match):
+  with pytest.raises(ValueError, match=match):
+    LaplaceConfig(**bad)
+
+
+def test_forward_shapes_and_causality(params):
+  toks = jax.random.randint(jax.random.key(1), (2, 40), 0, CFG.vocab_size)
+  logits = model.forward(params, toks, cfg=CFG)
+  assert logits.shape == (2, 40, CFG.vocab_size) and logits.dtype == jnp.float32
+  toks2 = toks.at[:, 30:].set(7)
+  logits2 = model.forward(params, toks2, cfg=CFG)
+  np.testing.assert_allclose(logits[:, :30], logits2[:, :30], atol=1e-5)
+  assert not np.allclose(logits[:, 30:], logits2[:, 30:])
+
+
+def test_forward_equals_prefill_then_decode(params):
+  """Logits of the full forward == prefill of a prefix then decode_step token by token (fp32)."""
+  B, T, P = 2, 300, 150  # prefix crosses a chunk boundary; decode crosses another
+  toks = jax.random.randint(jax.random.key(2), (B, T), 0, CFG.vocab_size)
+  full = model.forward(params, toks, cfg=CFG)
+  state = model.init_state(CFG, B)
+  logits, state = model.prefill(params, state, toks[:, :P], cfg=CFG)
+  np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-4, rtol=1e-4)
+  step = jax.jit(model.decode_step, static_argnames="cfg")
+  for t in range(P, T):
+    logits, state = step(params, state, toks[:, t], cfg=CFG)
+    np.testing.assert_allclose(logits, full[:, t], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_ragged_rows_match_separate_prefills(params):
+  toks = jax.random.randint(jax.random.key(3), (2, 200), 0, CFG.vocab_size)
+  lengths = np.array([200, 61])
+  logits, state = model.prefill(params, model.init_state(CFG, 2), toks, lengths, cfg=CFG)
+  l1, s1 = model.prefill(params, model.init_state(CFG, 1), toks[1:, :61], cfg=CFG)
+  np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
+  for k in state:
+    np.testing.assert_allclose(state[k][:, 1], s1[k][:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_state_size_independent_of_context(params):
+  sizes = []
+  for T in (1, 129, 700):
+    toks = jnp.ones((1, T), jnp.int32)
+    _, s = model.prefill(params, model.init_state(CFG, 1), toks, cfg=CFG)
+    sizes.append(sum(x.nbytes for x in jax.tree.leaves(s)))
+  assert sizes[0] == sizes[1] == sizes[2] == state_bytes_per_sequence(CFG)
+
+
+def test_one_compile_across_prompt_lengths_1_to_1000(params):
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+  rng = np.random.default_rng(0)
+  B = 8
+  model.prefill(params, model.init_state(CFG, B), np.ones((B, 1), np.int32), cfg=CFG)  # warm-up
+  before = len(compiles)
+  lengths = np.arange(1, 1001)
+  for i in range(0, 1000, B):  # every length 1…1,000 appears once, 8 prompts per call
+    n = lengths[i:i + B]
+    toks = rng.integers(0, CFG.vocab_size, (B, int(n.max())))
+    model.prefill(params, model.init_state(CFG, B), toks, n, cfg=CFG)
+  assert len(compiles) - before == 0
+
+
+def test_bad_inputs(params):
+  state = model.init_state(CFG, 2)
+  with pytest.raises(ValueError, match="token ids"):
+    model.decode_step(params, state, jnp.array([0, CFG.vocab_size]), cfg=CFG)
+  with pytest.raises(ValueError, match="expected \\[B\\]"):
+    model.decode_step(params, state, jnp.zeros((2, 3), jnp.int32), cfg=CFG)
+  other = model.init_state(CFG.replace(d_model=32), 2)
+  with pytest.raises(ValueError, match="another config"):
+    model.decode_step(params, other, jnp.zeros((2,), jnp.int32), cfg=CFG)
+  with pytest.raises(ValueError, match="batch"):
+    model.decode_step(params, state, jnp.zeros((3,), jnp.int32), cfg=CFG)
+  with pytest.raises(ValueError, match="integer"):
+    model.forward(params, jnp.zeros((1, 4), jnp.float32), cfg=CFG)
+
+
+def test_bf16_compute_close_to_fp32(params):
+  toks = jax.random.randint(jax.random.key(4), (1, 64), 0, CFG.vocab_size)
+  l32 = model.forward(params, toks, cfg=CFG)
+  l16 = model.forward(params, toks, cfg=CFG.replace(compute_dtype="bfloat16", remat=True))
+  assert l16.dtype == jnp.float32
+  assert np.linalg.norm(l16 - l32) / np.linalg.norm(l32) < 3e-2
