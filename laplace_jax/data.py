@@ -12,10 +12,12 @@ API (the trainer's side):
       endless; next() -> {"inputs": int32 [B_local, T], "targets": int32 [B_local, T]} with
       B_local = global_batch_size // process_count. `.get_state()` / `.set_state(state)` take JSON-able
       dicts (it is a grain DatasetIterator, so grain's and Orbax's checkpoint handlers accept it);
-      `.last_wait_s` is how long the last next() blocked: the "input wait" to log.
+      `.last_wait_s` is how long the last next() blocked: the "input wait" to log. Use it as a
+      context manager or call `.close()` to stop its prefetch thread (it is also stopped at exit).
   make_eval_batches(data_dir, *, seq_len, global_batch_size, process_index=None, process_count=None,
                     split="val", max_batches=None, vocab_size=None) -> list of the same dicts
-      the held-out split in stored order, packed the same way: identical on every call.
+      the held-out split in stored order, EOS-joined and packed into full global batches; identical on
+      every call and for any process count, so build it once and reuse it.
   load_manifest(data_dir) -> dict;  check_vocab(manifest, vocab_size)
 
 Packing. A global batch has B = global_batch_size rows. The document stream, shuffled by `seed` and

@@ -138,6 +138,20 @@ def test_resume_from_state_matches_uninterrupted(corpus, prefetch):
     np.testing.assert_array_equal(want["targets"], got["targets"])
 
 
+def test_grain_checkpoint_handler_restores_the_stream(corpus, tmp_path):
+  from etils import epath
+  handler = grain.checkpoint.CheckpointHandler()   # what an Orbax CheckpointManager item uses
+  with _train(corpus[0], prefetch=2) as it:
+    _take(it, 6)
+    handler.save(epath.Path(tmp_path), it)
+    want = _take(it, 3)
+  with _train(corpus[0], prefetch=2) as it:
+    handler.restore(epath.Path(tmp_path), it)
+    got = _take(it, 3)
+  for w, g in zip(want, got):
+    np.testing.assert_array_equal(w["inputs"], g["inputs"])
+
+
 def test_state_from_another_layout_is_refused(corpus):
   path = corpus[0]
   with _train(path) as it:

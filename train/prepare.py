@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -217,8 +217,11 @@ class ShardWriter:
 def write_token_dataset(out_dir: Path, docs: Iterable[tuple[np.ndarray, str]], *, sources: list[dict],
                         vocab_size: int = tok.VOCAB_SIZE, eos_id: int = tok.EOS_ID,
                         tokenizer: str = tok.TOKENIZER_NAME, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                        extra: dict | None = None) -> dict:
-  """Write (token ids, split) pairs into `out_dir` (which must exist) and its manifest; returns it."""
+                        extra: Callable[[], dict] | None = None) -> dict:
+  """Write (token ids, split) pairs into `out_dir` (which must exist) and its manifest; returns it.
+
+  `extra()` adds manifest fields; it is called after the last document, so it may report counts.
+  """
   dtype = data_lib.token_dtype(vocab_size)
   writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens) for s in data_lib.SPLITS}
   max_id = -1
@@ -230,7 +233,7 @@ def write_token_dataset(out_dir: Path, docs: Iterable[tuple[np.ndarray, str]], *
   manifest = {"format": data_lib.FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size,
               "eos_id": eos_id, "dtype": dtype, "max_token_id": max_id,
               "record": f"one document per record: little-endian {dtype} token ids, EOS not included",
-              "splits": {s: w.close() for s, w in writers.items()}, "sources": sources, **(extra or {})}
+              "splits": {s: w.close() for s, w in writers.items()}, "sources": sources, **(extra() if extra else {})}
   with open(out_dir / data_lib.MANIFEST_NAME, "w") as f:
     json.dump(manifest, f, indent=1)
   return manifest
@@ -322,8 +325,8 @@ def prepare(inputs: list[str], output, *, corpus: str | None = None,
         raise PrepareError(f"input {src['path']!r} holds no non-empty text; remove it from the inputs")
 
   output.parent.mkdir(parents=True, exist_ok=True)
+  _remove_stale_partials(output)
   tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir()
   t0 = time.perf_counter()
   try:
@@ -332,8 +335,8 @@ def prepare(inputs: list[str], output, *, corpus: str | None = None,
                         max_documents=max_documents, counts=counts, bar=bar)
       manifest = write_token_dataset(
           tmp, docs, sources=sources, shard_tokens=shard_tokens,
-          extra={"val_fraction": val_fraction, "skipped_empty_documents": counts["skipped_empty"],
-                 "corpus": corpus})
+          extra=lambda: {"val_fraction": val_fraction, "corpus": corpus,
+                         "skipped_empty_documents": counts["skipped_empty"]})
     if counts["documents"] == 0:
       raise PrepareError("the inputs hold no non-empty documents; nothing to write")
     _swap_into_place(tmp, output)
@@ -342,6 +345,17 @@ def prepare(inputs: list[str], output, *, corpus: str | None = None,
     raise
   manifest["seconds"] = time.perf_counter() - t0
   return manifest
+
+
+def _remove_stale_partials(output: Path) -> None:
+  """Delete half-written directories that killed runs left beside `output` (their process is gone)."""
+  for path in output.parent.glob(f".{output.name}.partial-*"):
+    try:
+      os.kill(int(path.name.rsplit("-", 1)[1]), 0)
+    except ProcessLookupError:
+      shutil.rmtree(path, ignore_errors=True)
+    except (ValueError, PermissionError):
+      pass
 
 
 def _swap_into_place(tmp: Path, output: Path) -> None:
@@ -394,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
   if output is None:
     print("prepare: error: --output is required when PATHs are given", file=sys.stderr)
     return 2
-  sep = None if args.txt_separator is None else args.txt_separator.encode().decode("unicode_escape")
+  sep = args.txt_separator
+  if sep is not None:   # understand \n etc.; the latin-1 round trip keeps non-ASCII characters intact
+    sep = sep.encode("latin-1", "backslashreplace").decode("unicode_escape")
   try:
     m = prepare(args.inputs, output, corpus=corpus,
                 val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
