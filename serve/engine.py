@@ -1,0 +1,339 @@
+"""Continuous-batching decode engine over a fixed number of slots (JetStream-style).
+
+Each `step()`: drop cancelled requests, admit queued prompts into free slots (prefill in 128-token chunks,
+a few chunks per step while others decode, then insert), run one compiled generate step over all slots,
+and hand out the tokens of the step before (one device-to-host copy per step; the next step is already
+queued on the device while the host reads the last). Requests only meet the engine through `submit`,
+`cancel` and the `on_deliver` callback, so it runs the same in a test loop or a server thread.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import secrets
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from serve.slots import SlotFunctions, host_settings
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+class QueueFull(Exception):
+  """Every slot is busy and the waiting queue is at its bound."""
+
+
+@dataclasses.dataclass
+class Request:
+  """One completion. The engine fills `output_ids`, `finish_reason` ('stop', 'length', 'cancelled',
+  'error') and sets `done`; `on_deliver` sees each step's new tokens as they come."""
+  prompt_ids: Sequence[int]
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_ids: Sequence[int] = ()
+  id: int = dataclasses.field(default_factory=lambda: next(_ids))
+  output_ids: list = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  submitted_at: float = 0.0
+  first_token_at: float | None = None
+  cancelled: bool = False
+  slot: int | None = None
+  context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
+
+  def __hash__(self):
+    return self.id
+
+  def __eq__(self, other):
+    return self is other
+
+
+Delivery = tuple  # (request, new token ids, finish_reason or None)
+
+
+class Engine:
+  """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`."""
+
+  def __init__(self, params, cfg, *, model=None, n_slots: int = 8, prefill_batch: int = 1,
+               max_queue: int = 256, max_stop_ids: int = 8, valid_vocab: int | None = None,
+               prefill_chunks_per_step: int = 4, mesh=None,
+               on_deliver: Callable[[list[Delivery]], None] | None = None):
+    if model is None:
+      from laplace_jax import model
+    for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
+                    ("prefill_chunks_per_step", prefill_chunks_per_step)):
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}={v!r}: expected a positive integer.")
+    if max_queue < 0:
+      raise ValueError(f"max_queue={max_queue}: expected >= 0 (0: refuse when all slots are busy).")
+    self.cfg, self.params = cfg, params
+    self.valid_vocab = cfg.vocab_size if valid_vocab is None else valid_vocab
+    self.n_slots, self.prefill_batch, self.max_queue = n_slots, prefill_batch, max_queue
+    self.chunks_per_step = prefill_chunks_per_step
+    self.fns = SlotFunctions(model, cfg, n_slots=n_slots, prefill_batch=prefill_batch,
+                             n_stop=max_stop_ids, valid_vocab=self.valid_vocab, mesh=mesh)
+    self.on_deliver = on_deliver or (lambda deliveries: None)
+    self.table = self.fns.empty_table()
+    self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
+    self.reserved: set[int] = set()                           # held by the prefill in progress
+    self.queue: collections.deque[Request] = collections.deque()
+    self.prefill: dict | None = None                          # the prefill batch in progress
+    self.pending: collections.deque = collections.deque()     # dispatched, not yet read back
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self._cancels: list[Request] = []
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    self.error: BaseException | None = None
+    self.stats = {"requests": 0, "finished": 0, "rejected": 0, "tokens": 0, "steps": 0,
+                  "prefill_tokens": 0}
+    self._rate = collections.deque()  # (time, tokens) of recent steps, for tokens/s
+
+  # ---- the caller's side (any thread) ----
+
+  def submit(self, req: Request) -> Request:
+    """Queue a request; raises ValueError on bad settings, QueueFull past the queue bound."""
+    self._validate(req)
+    with self._lock:
+      busy = sum(r is not None for r in self.slot_req) + len(self.reserved)
+      if len(self.queue) >= self.max_queue + max(0, self.n_slots - busy):
+        self.stats["rejected"] += 1
+        raise QueueFull(f"{len(self.queue)} requests already wait for {self.n_slots} busy slots")
+      if req.seed is None:
+        req.seed = secrets.randbits(32)
+      req.submitted_at = time.perf_counter()
+      self.queue.append(req)
+      self.stats["requests"] += 1
+    self._wake.set()
+    return req
+
+  def cancel(self, req: Request):
+    """Stop a request (client gone); its slot is freed on the engine's next step."""
+    with self._lock:
+      req.cancelled = True
+      self._cancels.append(req)
+    self._wake.set()
+
+  def _validate(self, req: Request):
+    n = len(req.prompt_ids)
+    if n == 0:
+      raise ValueError("prompt is empty: expected at least one token.")
+    ids = np.asarray(req.prompt_ids)
+    if not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
+      raise ValueError(f"prompt_ids must be a flat list of integer token ids, got dtype {ids.dtype} "
+                       f"with shape {ids.shape}.")
+    if ids.min() < 0 or ids.max() >= self.valid_vocab:
+      raise ValueError(f"prompt token ids span [{ids.min()}, {ids.max()}]: expected ids in "
+                       f"[0, {self.valid_vocab}).")
+    if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+      raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer >= 1.")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+      raise ValueError(f"temperature={req.temperature}, top_p={req.top_p}, top_k={req.top_k}: expected "
+                       "temperature >= 0, 0 < top_p <= 1, top_k >= 0 (0 = off).")
+    if len(req.stop_ids) > self.fns.n_stop:
+      raise ValueError(f"{len(req.stop_ids)} stop ids: at most {self.fns.n_stop} per request.")
+    if req.seed is not None and not 0 <= req.seed < 2**32:
+      raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**32).")
+
+  # ---- status ----
+
+  @property
+  def active_slots(self) -> int:
+    return sum(r is not None for r in self.slot_req)
+
+  @property
+  def queue_depth(self) -> int:
+    return len(self.queue)
+
+  def tokens_per_second(self, window: float = 10.0) -> float:
+    now = time.perf_counter()
+    while self._rate and self._rate[0][0] < now - window:
+      self._rate.popleft()
+    if len(self._rate) < 2:
+      return 0.0
+    span = max(now - self._rate[0][0], 1e-9)
+    return sum(n for _, n in list(self._rate)[1:]) / span
+
+  def idle(self) -> bool:
+    return not (self.queue or self.prefill or self.pending or self.active_slots or self._cancels)
+
+  # ---- the engine's side (one thread) ----
+
+  def step(self) -> bool:
+    """One round: cancels, admission and prefill, one generate step, read back. False when idle."""
+    self._apply_cancels()
+    self._advance_prefill()
+    dispatched = False
+    if self.active_slots:
+      self.table, out = self.fns.generate(self.params, self.table)
+      self.pending.append(("gen", out, tuple(self.slot_req)))
+      self.stats["steps"] += 1
+      dispatched = True
+    # Keep one generate step in flight while reading the previous one back.
+    while self.pending and (len(self.pending) > 1 or not dispatched):
+      self._read_back(self.pending.popleft())
+    return not self.idle()
+
+  def _apply_cancels(self):
+    with self._lock:
+      cancels, self._cancels = self._cancels, []
+      for r in cancels:
+        if r in self.queue:
+          self.queue.remove(r)
+    out = []
+    for r in cancels:
+      if r.finish_reason is None:
+        self._finish(r, "cancelled")
+        out.append((r, [], "cancelled"))
+    if out:
+      self.on_deliver(out)
+
+  def _finish(self, r: Request, reason: str):
+    r.finish_reason = reason
+    if r.slot is not None and self.slot_req[r.slot] is r:
+      self.slot_req[r.slot] = None
+    self.stats["finished"] += 1
+    r.done.set()
+
+  def _advance_prefill(self):
+    budget = self.chunks_per_step if self.active_slots else 1 << 30
+    while budget > 0:
+      if self.prefill is None and not self._start_prefill():
+        return
+      pf = self.prefill
+      C = self.cfg.chunk_size
+      c = pf["next_chunk"]
+      tokens = np.zeros((self.prefill_batch, C), np.int32)
+      lengths = np.zeros((self.prefill_batch,), np.int32)
+      for i, r in enumerate(pf["reqs"]):
+        piece = r.prompt_ids[c * C:(c + 1) * C]
+        tokens[i, :len(piece)] = piece
+        lengths[i] = len(piece)
+      pf["state"] = self.fns.prefill_chunk(self.params, pf["state"], tokens, lengths)
+      self.stats["prefill_tokens"] += int(lengths.sum())
+      pf["next_chunk"] += 1
+      budget -= 1
+      if pf["next_chunk"] == pf["n_chunks"]:
+        self._insert(pf)
+
+  def _start_prefill(self) -> bool:
+    """Take up to prefill_batch queued requests that have free slots; False if none."""
+    free = [s for s, r in enumerate(self.slot_req) if r is None and s not in self.reserved]
+    with self._lock:
+      take = []
+      while self.queue and len(take) < min(self.prefill_batch, len(free)):
+        take.append(self.queue.popleft())
+    if not take:
+      return False
+    slots = free[:len(take)]
+    self.reserved.update(slots)
+    C = self.cfg.chunk_size
+    n_chunks = max(-(-len(r.prompt_ids) // C) for r in take)
+    self.prefill = {"reqs": take, "slots": slots, "n_chunks": n_chunks, "next_chunk": 0,
+                    "state": self.fns.empty_prefill()}
+    return True
+
+  def _insert(self, pf):
+    rows = [{"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "seed": r.seed,
+             "max_tokens": r.max_tokens, "stop_ids": list(r.stop_ids)} for r in pf["reqs"]]
+    settings = host_settings(rows, self.prefill_batch, self.fns.n_stop)
+    slot_idx = np.full((self.prefill_batch,), self.n_slots, np.int32)  # >= n_slots: dropped
+    slot_idx[:len(pf["slots"])] = pf["slots"]
+    self.table, out = self.fns.insert(self.params, self.table, pf["state"], slot_idx, settings)
+    for r, s in zip(pf["reqs"], pf["slots"]):
+      self.reserved.discard(s)
+      if r.finish_reason is None:  # cancelled during prefill: leave the slot free
+        self.slot_req[s], r.slot = r, s
+    self.pending.append(("insert", out, tuple(pf["reqs"])))
+    self.prefill = None
+
+  def _read_back(self, item):
+    kind, out, owners = item
+    out = np.asarray(out)  # the one device-to-host copy of this step: [2, n] tokens and finished flags
+    now = time.perf_counter()
+    deliveries, n_tokens = [], 0
+    for i, r in enumerate(owners):
+      if r is None or r.finish_reason is not None:
+        continue
+      tok, done = int(out[0, i]), bool(out[1, i])
+      r.output_ids.append(tok)
+      if r.first_token_at is None:
+        r.first_token_at = now
+      n_tokens += 1
+      if done:
+        reason = "stop" if tok in r.stop_ids else "length"
+        self._finish(r, reason)
+        deliveries.append((r, [tok], reason))
+      else:
+        deliveries.append((r, [tok], None))
+    self.stats["tokens"] += n_tokens
+    self._rate.append((now, n_tokens))
+    if deliveries:
+      self.on_deliver(deliveries)
+
+  # ---- running ----
+
+  def run_until_idle(self, max_steps: int = 1_000_000):
+    """Step until nothing is queued, prefilling, decoding or unread (tests and benchmarks)."""
+    for _ in range(max_steps):
+      if not self.step():
+        return
+    raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+  def generate(self, requests: Sequence[Request]) -> list[list[int]]:
+    """Submit all, run to completion, return each request's output ids."""
+    for r in requests:
+      self.submit(r)
+    self.run_until_idle()
+    return [r.output_ids for r in requests]
+
+  def start(self):
+    """Run the loop in a background thread until `stop()`."""
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
+    self._thread.start()
+
+  def stop(self, timeout: float = 30.0):
+    self._stop.set()
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+      self._thread = None
+
+  def _loop(self):
+    while not self._stop.is_set():
+      self._wake.clear()
+      try:
+        busy = self.step()
+      except Exception as e:  # a broken step fails every request in flight; the server reports it
+        log.exception("engine step failed")
+        self.error = e
+        self._fail_all()
+        return
+      if not busy:
+        self._wake.wait(0.5)
+
+  def _fail_all(self):
+    with self._lock:
+      waiting = list(self.queue)
+      self.queue.clear()
+    live = [r for r in self.slot_req if r is not None] + (self.prefill or {}).get("reqs", []) + waiting
+    out = []
+    for r in live:
+      if r.finish_reason is None:
+        self._finish(r, "error")
+        out.append((r, [], "error"))
+    self.on_deliver(out)
+
+  def warmup(self):
+    """Compile every function by serving one short request to completion."""
+    self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])

@@ -1,0 +1,115 @@
+"""Per-slot sampling inside the compiled step: greedy, temperature, top-k, top-p, seeded per slot.
+
+Every setting is an array over slots, so no request changes a compiled shape. A slot's random number for
+its n-th generated token is uniform(fold_in(key(seed), n)): the draw depends only on the slot's own seed
+and position, never on which other requests share the batch. Sampling is by inverse CDF with that one
+uniform, over the exact (renormalised) distribution. top-k / top-p look at the TOPK_CAP most likely
+tokens; rows whose kept set does not fit in them find their cut-offs by bisection over the whole
+vocabulary instead (32 passes, no sort: a full sort costs ~10x more on a CPU).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+TOPK_CAP = 64  # candidates examined by the fast top-k / top-p path (a static shape)
+
+
+def slot_uniforms(seed_S, pos_S):
+  """One U[0, 1) draw per slot from (seed, position)."""
+  def one(seed, pos):
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), pos), (), F32)
+  return jax.vmap(one)(seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32))
+
+
+def _pick(weights_SxW, u_S):
+  """Index of the first cumulative weight above u·total (inverse CDF); argmax where all weights vanish."""
+  cdf = jnp.cumsum(weights_SxW, axis=-1)
+  above = cdf > (u_S * cdf[:, -1])[:, None]
+  return jnp.where(above.any(-1), jnp.argmax(above, -1), jnp.argmax(weights_SxW, -1))
+
+
+def _filtered(sorted_logits_SxW, sorted_ids_SxW, lse_S, u_S, top_k_S, top_p_S):
+  """Sample from candidates sorted by descending logit: keep the top-k, then the top-p nucleus of the
+  renormalised top-k distribution (as vLLM and HF do). Returns (token_S, mass_S) where mass is the
+  renormalised probability the W candidates hold (< top_p means the nucleus runs past them)."""
+  W = sorted_logits_SxW.shape[-1]
+  probs = jnp.exp(sorted_logits_SxW - lse_S[:, None])
+  rank = jnp.arange(W)[None, :]
+  k_on = (top_k_S > 0)[:, None]
+  in_k = ~k_on | (rank < top_k_S[:, None])
+  z = jnp.where(k_on[:, 0], jnp.sum(jnp.where(in_k, probs, 0.0), -1), 1.0)  # top-k renormaliser
+  p = jnp.where(in_k, probs, 0.0) / z[:, None]
+  before = jnp.cumsum(p, -1) - p
+  keep = in_k & ((before < top_p_S[:, None]) | (rank == 0))
+  j = _pick(jnp.where(keep, p, 0.0), u_S)
+  return jnp.take_along_axis(sorted_ids_SxW, j[:, None], -1)[:, 0], jnp.sum(p, -1)
+
+
+def _sortable(x):
+  """uint32 keys that order like the float32 values."""
+  i = jax.lax.bitcast_convert_type(x, jnp.int32)
+  i = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+  return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _cutoff(key_SxV, w_SxV, target_S):
+  """Per row, the smallest key t with sum(w[key > t]) < target, by bisection over the 32 key bits."""
+  S = key_SxV.shape[0]
+  def halve(_, lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    ok = jnp.sum(jnp.where(key_SxV > mid[:, None], w_SxV, 0.0), -1) < target_S
+    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+  init = (jnp.zeros((S,), jnp.uint32), jnp.full((S,), 0xFFFFFFFF, jnp.uint32))
+  return jax.lax.fori_loop(0, 32, halve, init)[1]
+
+
+def _filtered_full(scaled_SxV, lse_S, u_S, top_k_S, top_p_S):
+  """The same rule as `_filtered` over the whole vocabulary: token i is in the top-k when fewer than k
+  tokens have a larger logit, in the nucleus when the (renormalised) mass above it is < top_p."""
+  S, V = scaled_SxV.shape
+  key = _sortable(scaled_SxV)
+  probs = jnp.exp(scaled_SxV - lse_S[:, None])
+  k_cut = _cutoff(key, jnp.ones_like(probs), jnp.where(top_k_S > 0, top_k_S, V + 1).astype(F32))
+  in_k = key >= k_cut[:, None]
+  p = jnp.where(in_k, probs, 0.0)
+  p = p / jnp.sum(p, -1, keepdims=True)
+  keep = in_k & (key >= _cutoff(key, p, top_p_S)[:, None])
+  return _pick(jnp.where(keep, p, 0.0), u_S)
+
+
+def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int):
+  """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
+  (the model's padded vocabulary rows) are never produced."""
+  S, V = logits_SxV.shape
+  logits = jnp.where(jnp.arange(V)[None, :] < valid_vocab, logits_SxV.astype(F32), -jnp.inf)
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+  hot = temperature_S > 0
+  scaled = logits / jnp.where(hot, temperature_S, 1.0)[:, None]
+  u = slot_uniforms(seed_S, pos_S)
+  top_k = jnp.where(top_k_S >= V, 0, top_k_S)
+  filt = hot & ((top_k > 0) | (top_p_S < 1.0))
+  plain = hot & ~filt
+
+  # Batch-level conds skip work no slot needs; each row's result depends on its own row alone.
+  def full_dist():
+    return _pick(jax.nn.softmax(scaled, -1), u).astype(jnp.int32)
+  tok_plain = jax.lax.cond(plain.any(), full_dist, lambda: greedy)
+
+  lse = jax.nn.logsumexp(scaled, -1)
+  cap = min(TOPK_CAP, V)
+  def capped():
+    vals, ids = jax.lax.top_k(scaled, cap)
+    return _filtered(vals, ids, lse, u, top_k, top_p_S)
+  tok_cap, mass = jax.lax.cond(filt.any(), capped, lambda: (greedy, jnp.ones((S,), F32)))
+  # The capped pass is exact when the top-k set lies inside the cap, or (top-k off) the nucleus closes in it.
+  fits = jnp.where(top_k > 0, top_k <= cap, mass >= top_p_S)
+  need_full = filt & ~fits
+  def full():
+    return _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32)
+  tok_full = jax.lax.cond(need_full.any(), full, lambda: greedy)
+
+  tok = jnp.where(need_full, tok_full, tok_cap)
+  return jnp.where(filt, tok, jnp.where(plain, tok_plain, greedy)).astype(jnp.int32)
