@@ -64,35 +64,36 @@ def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_
   # Per-token log decay [B, T, H]: g_gamma where real, 0 where masked. Padding T up to a whole number of
   # chunks uses the same trick, so the final state is exact for any T.
   g_BxTxH = jnp.broadcast_to(g_gamma.astype(F32), (B, T, H))
-  valid = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
-  g_BxTxH = jnp.where(valid[..., None], g_BxTxH, 0.0)
-  kz = jnp.where(valid[..., None, None], k, 0)
+  kz = k
+  if mask is not None:
+    g_BxTxH = jnp.where(mask[..., None], g_BxTxH, 0.0)
+    kz = jnp.where(mask[..., None, None], k, 0)
   N = -(-T // C)
   pad = N * C - T
   if pad:
     padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, kz, v, g_BxTxH = padt(q), padt(kz), padt(v), padt(g_BxTxH)
 
-  # [B, N, C, H, ·]: chunk-major views.
-  q_ = q.reshape(B, N, C, H, K).astype(F32) * scale
-  k_ = kz.reshape(B, N, C, H, K).astype(F32)
-  v_ = v.reshape(B, N, C, H, V).astype(F32)
+  # [B, H, N, C, ·]: head-major chunk views, so every contraction below is a plain batched matmul.
+  chunks = lambda x: jnp.moveaxis(x.reshape(B, N, C, H, x.shape[-1]), 3, 1).astype(F32)
+  q_ = chunks(q) * scale
+  k_, v_ = chunks(kz), chunks(v)
   # b_i = cumulative log decay inside the chunk, inclusive (b_i = γ·(i+1) without a mask); all <= 0.
-  b_BxNxCxH = jnp.cumsum(g_BxTxH.reshape(B, N, C, H), axis=2)
-  b_last_BxNxH = b_BxNxCxH[:, :, -1]
+  b_BxHxNxC = jnp.cumsum(jnp.moveaxis(g_BxTxH.reshape(B, N, C, H), 3, 1), axis=-1)
+  b_last_BxHxN = b_BxHxNxC[..., -1]
 
   # Intra-chunk: o_i += Σ_{j<=i} exp(b_i - b_j) (q_i·k_j) v_j. The exponent is masked *before* exp so the
-  # (positive) upper triangle never overflows.
+  # (positive) upper triangle never overflows; nothing is ever divided by a cumulative decay.
   causal_CxC = jnp.tril(jnp.ones((C, C), bool))
-  diff = b_BxNxCxH[:, :, :, None, :] - b_BxNxCxH[:, :, None, :, :]          # [B,N,Ci,Cj,H]
-  decay_BxNxCxCxH = jnp.exp(jnp.where(causal_CxC[None, None, :, :, None], diff, -jnp.inf))
-  att_BxNxCxCxH = jnp.einsum("bnihk,bnjhk->bnijh", q_, k_) * decay_BxNxCxCxH
-  o_intra = jnp.einsum("bnijh,bnjhv->bnihv", att_BxNxCxCxH, v_)
+  diff = b_BxHxNxC[..., :, None] - b_BxHxNxC[..., None, :]                 # [B,H,N,Ci,Cj]
+  decay_BxHxNxCxC = jnp.exp(jnp.where(causal_CxC, diff, -jnp.inf))
+  att_BxHxNxCxC = jnp.einsum("bhnik,bhnjk->bhnij", q_, k_) * decay_BxHxNxCxC
+  o_intra = jnp.einsum("bhnij,bhnjv->bhniv", att_BxHxNxCxC, v_)
 
   # Per-chunk state contribution U_n = Σ_j exp(b_last - b_j) k_j v_j^T and the chunk's total decay.
-  k_dec = k_ * jnp.exp(b_last_BxNxH[:, :, None, :] - b_BxNxCxH)[..., None]
-  u_BxNxHxKxV = jnp.einsum("bnjhk,bnjhv->bnhkv", k_dec, v_)
-  d_BxNxH = jnp.exp(b_last_BxNxH)
+  k_dec = k_ * jnp.exp(b_last_BxHxN[..., None] - b_BxHxNxC)[..., None]
+  u_BxHxNxKxV = jnp.einsum("bhnjk,bhnjv->bhnkv", k_dec, v_)
+  d_BxHxN = jnp.exp(b_last_BxHxN)
 
   # The only sequential part: S_n = d_n S_{n-1} + U_n over a static number of chunks; emits S_{n-1}.
   s0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
@@ -102,13 +103,13 @@ def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_
     return d_BxH[..., None, None] * s_prev + u, s_prev
 
   final_state, s_prev_NxBxHxKxV = jax.lax.scan(
-      step, s0, (jnp.moveaxis(d_BxNxH, 1, 0), jnp.moveaxis(u_BxNxHxKxV, 1, 0)),
+      step, s0, (jnp.moveaxis(d_BxHxN, 2, 0), jnp.moveaxis(u_BxHxNxKxV, 2, 0)),
       unroll=N if unroll else 1)
 
   # Inter-chunk readout: o_i += exp(b_i) q_i^T S_{n-1}.
-  q_dec = q_ * jnp.exp(b_BxNxCxH)[..., None]
-  o_inter = jnp.einsum("bnihk,nbhkv->bnihv", q_dec, s_prev_NxBxHxKxV)
-  o = (o_intra + o_inter).reshape(B, N * C, H, V)[:, :T]
+  q_dec = q_ * jnp.exp(b_BxHxNxC)[..., None]
+  o_inter = jnp.einsum("bhnik,bhnkv->bhniv", q_dec, jnp.moveaxis(s_prev_NxBxHxKxV, 0, 2))
+  o = jnp.moveaxis(o_intra + o_inter, 1, 3).reshape(B, N * C, H, V)[:, :T]
   return o.astype(out_dtype), final_state
 
 
