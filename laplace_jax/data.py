@@ -30,8 +30,8 @@ state is, per row, the index of its current document and the offset inside it.
 """
 from __future__ import annotations
 
-import functools
 import atexit
+import functools
 import json
 import os
 import time

@@ -233,7 +233,8 @@ def write_token_dataset(out_dir: Path, docs: Iterable[tuple[np.ndarray, str]], *
   manifest = {"format": data_lib.FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size,
               "eos_id": eos_id, "dtype": dtype, "max_token_id": max_id,
               "record": f"one document per record: little-endian {dtype} token ids, EOS not included",
-              "splits": {s: w.close() for s, w in writers.items()}, "sources": sources, **(extra() if extra else {})}
+              "splits": {s: w.close() for s, w in writers.items()}, "sources": sources,
+              **(extra() if extra else {})}
   with open(out_dir / data_lib.MANIFEST_NAME, "w") as f:
     json.dump(manifest, f, indent=1)
   return manifest
