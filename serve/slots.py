@@ -13,8 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
+from laplace_jax import sharding
 from serve import sampling
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_ids")
@@ -44,7 +44,7 @@ class SlotFunctions:
       if n_slots % mesh.size:
         raise ValueError(f"n_slots={n_slots} is not a multiple of the mesh's {mesh.size} devices: the slot "
                          "table is split evenly over them. Pick a multiple (or a smaller mesh).")
-      rep = NamedSharding(mesh, P())
+      rep = sharding.replicated(mesh)
       table_sh = slot_table_shardings(table_shape, mesh)
       pf_sh = jax.tree.map(lambda _: rep, pf_shape)
     self.table_shardings = table_sh
@@ -109,14 +109,10 @@ def _jit(f, donate=(), out=None):
 
 
 def slot_table_shardings(table_shape, mesh):
-  """Split the slot axis over every mesh axis: the model state's axis 1, axis 0 of the per-slot arrays."""
-  axes = tuple(mesh.axis_names)
-  def spec(path, leaf):
-    in_model = path and getattr(path[0], "key", None) == "model"
-    dims = [None] * leaf.ndim
-    dims[1 if in_model else 0] = axes
-    return NamedSharding(mesh, P(*dims))
-  return jax.tree_util.tree_map_with_path(spec, table_shape)
+  """Split the slot axis over every device: the model state's axis 1, axis 0 of the per-slot arrays."""
+  rest = {k: v for k, v in table_shape.items() if k != "model"}
+  return {"model": sharding.decode_state_shardings(table_shape["model"], mesh),
+          **sharding.batch_shardings(rest, mesh)}
 
 
 def host_settings(rows: list[dict], prefill_batch: int, n_stop: int) -> dict:

@@ -1,0 +1,88 @@
+"""`python -m serve`: the OpenAI-compatible completion server over the continuous-batching engine."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+
+from laplace_jax.config import PRESETS, get_config
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  w = p.add_argument_group("model")
+  w.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model config preset")
+  src = w.add_mutually_exclusive_group()
+  src.add_argument("--checkpoint", help="params directory written by laplace_jax.checkpoint.export_params")
+  src.add_argument("--random-init", action="store_true", help="serve random weights (benchmarks, demos)")
+  w.add_argument("--seed", type=int, default=0, help="init seed for --random-init")
+  w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>)")
+  e = p.add_argument_group("engine")
+  e.add_argument("--n-slots", type=int, help="concurrent sequences decoded per step "
+                 "(default: 1280 for laplace-3b, 64 otherwise)")
+  e.add_argument("--prefill-batch", type=int, default=4, help="prompts prefilled together")
+  e.add_argument("--prefill-chunks-per-step", type=int, default=4,
+                 help="128-token prefill chunks run between two decode steps")
+  e.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
+  e.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
+  e.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
+  e.add_argument("--mesh-devices", type=int, default=1, help="devices that split the slots (1: no mesh)")
+  h = p.add_argument_group("http")
+  h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
+  h.add_argument("--port", type=int, default=8000)
+  h.add_argument("--api-key", default=os.environ.get("LAPLACE_API_KEY"),
+                 help="require 'Authorization: Bearer KEY' on /v1/* (default: $LAPLACE_API_KEY)")
+  args = p.parse_args(argv)
+  if not args.checkpoint and not args.random_init:
+    p.error("no weights: pass --checkpoint PATH (an export_params directory) or --random-init")
+  return args
+
+
+def build(args):
+  """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
+  from serve import loading, protocol
+  from serve.engine import Engine
+  from serve.server import Server
+
+  cfg = get_config(args.preset)
+  n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
+  mesh = loading.make_serving_mesh(args.mesh_devices)
+  tok = loading.gpt2_tokenizer()
+  params = loading.load_params(cfg, checkpoint=args.checkpoint, seed=args.seed, mesh=mesh)
+  engine = Engine(params, cfg, n_slots=n_slots, prefill_batch=args.prefill_batch,
+                  prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
+                  valid_vocab=tok.vocab_size, mesh=mesh)
+  t = time.perf_counter()
+  engine.warmup()
+  logging.info("engine ready: %s, %d slots, compiled in %.1f s", args.preset, n_slots, time.perf_counter() - t)
+  limits = protocol.Limits(model_name=args.model_name or f"laplace-{args.preset}", vocab_size=tok.vocab_size,
+                           eos_id=tok.eos_id, max_tokens=args.max_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop)
+  return Server(engine, tok, limits, api_key=args.api_key)
+
+
+async def serve_forever(server, host, port):
+  bound = await server.start(host, port)
+  logging.info("serving %s on http://%s:%d", server.limits.model_name, host, bound)
+  stop = asyncio.Event()
+  loop = asyncio.get_running_loop()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    loop.add_signal_handler(sig, stop.set)
+  await stop.wait()
+  logging.info("shutting down")
+  await server.stop()
+
+
+def main(argv=None):
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  args = parse_args(argv)
+  server = build(args)
+  asyncio.run(serve_forever(server, args.host, args.port))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,141 @@
+"""OpenAI-style /v1/completions request parsing: every field checked, every error a 4xx with a message."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable
+
+
+class ApiError(Exception):
+  """An error the client caused (or 429): status, message, offending parameter."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param = status, message, param
+    self.kind = kind or {401: "authentication_error", 404: "not_found_error",
+                         429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclasses.dataclass
+class Limits:
+  model_name: str
+  vocab_size: int            # ids the tokenizer knows (GPT-2: 50,257)
+  eos_id: int | None
+  max_tokens: int            # cap on max_tokens per request
+  max_prompt_tokens: int
+  max_stop_ids: int          # device-side stop ids per request, EOS included
+
+
+@dataclasses.dataclass
+class Completion:
+  prompt_ids: list
+  max_tokens: int
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int | None
+  stop: list            # stop strings, matched on the text
+  stop_ids: list        # stop token ids, matched on the device (EOS unless ignore_eos)
+  stream: bool
+  include_usage: bool
+  return_token_ids: bool
+
+
+def _is_int(x):
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x):
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _get(obj, name, default, check, expect):
+  v = obj.get(name, None)
+  if v is None:
+    return default
+  if not check(v):
+    raise ApiError(400, f"'{name}' is {json.dumps(v)[:80]}: expected {expect}.", name)
+  return v
+
+
+def parse_body(raw: bytes) -> dict:
+  try:
+    obj = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object.") from None
+  if not isinstance(obj, dict):
+    raise ApiError(400, f"request body is a JSON {type(obj).__name__}: expected a JSON object.")
+  return obj
+
+
+def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
+  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+    p = p[0]  # the one-element batch form
+  if isinstance(p, str):
+    if not p:
+      raise ApiError(400, "'prompt' is an empty string: expected text or token ids.", "prompt")
+    ids = encode(p)
+  elif isinstance(p, list) and all(_is_int(t) for t in p):
+    if not p:
+      raise ApiError(400, "'prompt' is an empty list: expected at least one token id.", "prompt")
+    bad = [t for t in p if not 0 <= t < limits.vocab_size]
+    if bad:
+      raise ApiError(400, f"'prompt' has token ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size}).",
+                     "prompt")
+    ids = list(p)
+  elif isinstance(p, list):
+    raise ApiError(400, "'prompt' is a list that is neither token ids nor a single prompt: this server takes "
+                   "one prompt per request (send several requests).", "prompt")
+  else:
+    raise ApiError(400, f"'prompt' is a {type(p).__name__}: expected a string or a list of token ids.", "prompt")
+  if len(ids) > limits.max_prompt_tokens:
+    raise ApiError(400, f"the prompt has {len(ids)} tokens: at most {limits.max_prompt_tokens} are allowed "
+                   "(--max-prompt-tokens).", "prompt")
+  return ids
+
+
+def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -> Completion:
+  """Validate an OpenAI completions request against this server's limits."""
+  model = obj.get("model")
+  if model is not None and model != limits.model_name:
+    raise ApiError(404, f"model {json.dumps(model)[:80]} is not served here: this server serves "
+                   f"'{limits.model_name}' (GET /v1/models).", "model")
+  if "prompt" not in obj:
+    raise ApiError(400, "'prompt' is missing: expected a string or a list of token ids.", "prompt")
+  ids = _prompt_ids(obj["prompt"], limits, encode)
+  max_tokens = _get(obj, "max_tokens", 16, lambda v: _is_int(v) and 1 <= v <= limits.max_tokens,
+                    f"an integer in [1, {limits.max_tokens}]")
+  temperature = float(_get(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
+  top_p = float(_get(obj, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
+  top_k = _get(obj, "top_k", 0, lambda v: _is_int(v) and v >= -1, "an integer >= 0 (0 or -1: off)")
+  seed = _get(obj, "seed", None, lambda v: _is_int(v) and 0 <= v < 2**32, "an integer in [0, 2**32)")
+  stop = _get(obj, "stop", [], lambda v: (isinstance(v, str) and v) or (
+      isinstance(v, list) and len(v) <= 4 and all(isinstance(s, str) and s for s in v)),
+      "a non-empty string or a list of at most 4 non-empty strings")
+  stop = [stop] if isinstance(stop, str) else list(stop)
+  ignore_eos = _get(obj, "ignore_eos", False, lambda v: isinstance(v, bool), "true or false")
+  room = limits.max_stop_ids - (0 if ignore_eos or limits.eos_id is None else 1)
+  stop_ids = _get(obj, "stop_token_ids", [], lambda v: isinstance(v, list) and len(v) <= room and all(
+      _is_int(t) and 0 <= t < limits.vocab_size for t in v),
+      f"a list of at most {room} token ids in [0, {limits.vocab_size})")
+  if not ignore_eos and limits.eos_id is not None and limits.eos_id not in stop_ids:
+    stop_ids = [*stop_ids, limits.eos_id]
+  stream = _get(obj, "stream", False, lambda v: isinstance(v, bool), "true or false")
+  opts = _get(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
+  include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
+  return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
+  # Accepted only at the values that mean "off": anything else would be silently ignored otherwise.
+  for name, off, ok in (("n", 1, lambda v: v == 1), ("best_of", 1, lambda v: v == 1),
+                        ("echo", False, lambda v: v is False), ("logprobs", None, lambda v: v is None),
+                        ("suffix", None, lambda v: v is None), ("presence_penalty", 0, lambda v: v == 0),
+                        ("frequency_penalty", 0, lambda v: v == 0), ("logit_bias", {}, lambda v: v == {})):
+    v = obj.get(name)
+    if v is not None and not ok(v):
+      raise ApiError(400, f"'{name}'={json.dumps(v)[:80]} is not supported by this server: omit it or send "
+                     f"{json.dumps(off)}.", name)
+  return Completion(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0),
+                    top_p=top_p, seed=seed, stop=stop, stop_ids=list(stop_ids), stream=stream,
+                    include_usage=include_usage, return_token_ids=return_ids)
