@@ -1,0 +1,159 @@
+"""The training step: token-weighted loss, micro-batch accumulation, skip on non-finite, AOT compile on a mesh.
+
+    state = {"params", "opt_state", "step": int32, "rng": key data uint32[2], "bad_steps": int32}
+    batch = {"inputs": int32 [B, T], "targets": int32 [B, T], optional "weights": f32 [B, T]}
+
+`compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
+so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from laplace_jax import model, sharding
+from laplace_jax.config import LaplaceConfig
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Settings of the compiled step (not of the model or the optimizer)."""
+  micro_batches: int = 1   # the global batch is split into this many sequential micro-batches
+  z_loss: float = 0.0      # weight of logsumexp² (keeps the softmax normaliser near 1)
+
+  def __post_init__(self):
+    if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+      raise ValueError(f"micro_batches={self.micro_batches!r}: expected a positive integer.")
+    if not self.z_loss >= 0:
+      raise ValueError(f"z_loss={self.z_loss!r}: expected a weight >= 0 (0 disables it).")
+
+
+def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
+  """(Σ weighted token loss incl. z-loss, {"ce": Σ ce, "z": Σ z, "tokens": Σ weights}), all fp32."""
+  logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg).astype(F32)
+  w_BxT = batch.get("weights", jnp.ones(batch["targets"].shape, F32)).astype(F32)
+  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  target_logit = jnp.take_along_axis(logits_BxTxV, batch["targets"][..., None], axis=-1)[..., 0]
+  ce = jnp.sum((lse_BxT - target_logit) * w_BxT)
+  z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
+  return ce + z_loss * z, {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
+
+
+def _split_micro(x_BxT, m: int, mesh: Mesh | None):
+  """[B, ...] -> [m, B/m, ...] where micro-batch i takes rows i, i+m, …: every device keeps its own rows
+  in every micro-batch (splitting contiguous rows would move a micro-batch onto a subset of devices)."""
+  B = x_BxT.shape[0]
+  x = jnp.swapaxes(x_BxT.reshape(B // m, m, *x_BxT.shape[1:]), 0, 1)
+  if mesh is not None:
+    x = jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2)))))
+  return x
+
+
+def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTransformation,
+               step_cfg: StepConfig = StepConfig(), mesh: Mesh | None = None, lr_schedule=None):
+  """One optimizer step over the global batch, accumulated over micro-batches; pure."""
+  params = state["params"]
+  m = step_cfg.micro_batches
+  grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(p, mb, cfg=cfg, z_loss=step_cfg.z_loss), has_aux=True)
+
+  def micro(acc, mb):
+    (_, aux), g = grad_fn(params, mb)
+    g = jax.tree.map(lambda a, b: a + b.astype(F32), acc[0], g)
+    return (g, jax.tree.map(jnp.add, acc[1], aux)), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
+  aux0 = {"ce": jnp.zeros((), F32), "z": jnp.zeros((), F32), "tokens": jnp.zeros((), F32)}
+  micro_batches = jax.tree.map(lambda x: _split_micro(x, m, mesh), batch)
+  (g_sum, aux), _ = jax.lax.scan(micro, (zeros, aux0), micro_batches)
+  n_tok = jnp.maximum(aux["tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / n_tok, g_sum)      # token-weighted mean over the whole batch
+  loss = aux["ce"] / n_tok
+  grad_norm = optax.tree.norm(grads)
+
+  updates, new_opt = optimizer.update(grads, state["opt_state"], params)
+  new_params = optax.apply_updates(params, updates)
+  # A non-finite loss or gradient leaves params and optimizer state untouched; the host counts the run.
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  new_state = {
+      "params": keep(new_params, params),
+      "opt_state": keep(new_opt, state["opt_state"]),
+      "step": state["step"] + ok.astype(jnp.int32),
+      "rng": state["rng"],
+      "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
+  }
+  metrics = {"loss": loss, "z_loss": aux["z"] / n_tok, "grad_norm": grad_norm, "tokens": aux["tokens"],
+             "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
+  if lr_schedule is not None:
+    metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), F32)
+  return new_state, metrics
+
+
+# ---- state, shardings, compile --------------------------------------------------------------------
+
+def init_train_state(cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int) -> dict:
+  key = jax.random.key(seed)
+  params = model.init_params(cfg, key)
+  return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+          "rng": jax.random.key_data(key), "bad_steps": jnp.zeros((), jnp.int32)}
+
+
+def train_state_shardings(abstract_state, mesh: Mesh):
+  """FSDP shardings for params and optimizer state (same rule, so moments sit with their params)."""
+  rep = sharding.replicated(mesh)
+  return {"params": sharding.param_shardings(abstract_state["params"], mesh),
+          "opt_state": sharding.param_shardings(abstract_state["opt_state"], mesh),
+          "step": rep, "rng": rep, "bad_steps": rep}
+
+
+def abstract_train_state(cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0):
+  """ShapeDtypeStructs of the train state (with shardings when a mesh is given); allocates nothing."""
+  shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed))
+  if mesh is None:
+    return shapes
+  shards = train_state_shardings(shapes, mesh)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shards)
+
+
+def init_train_state_on_mesh(cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int) -> dict:
+  """Create the train state directly in its sharded layout (no full copy on one device)."""
+  shards = train_state_shardings(jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed)), mesh)
+  return jax.jit(lambda: init_train_state(cfg, optimizer, seed), out_shardings=shards)()
+
+
+def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None) -> dict:
+  sh = None if mesh is None else NamedSharding(mesh, sharding.batch_spec((global_batch, seq_len), mesh))
+  tok = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sh)
+  return {"inputs": tok, "targets": tok}
+
+
+def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
+                       step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None) -> Any:
+  """Lower and compile the step ahead of time for these shapes and shardings; returns the executable.
+
+  Raises ValueError before compiling when the batch does not split over the mesh or the micro-batches."""
+  n_dev = mesh.devices.size
+  if global_batch % (step_cfg.micro_batches * n_dev):
+    raise ValueError(f"global batch {global_batch} must split into micro_batches={step_cfg.micro_batches} "
+                     f"× {n_dev} devices (a multiple of {step_cfg.micro_batches * n_dev}); change the batch size "
+                     "or the number of micro-batches.")
+  state = abstract_state if abstract_state is not None else abstract_train_state(cfg, optimizer, mesh)
+  batch = abstract_batch(global_batch, seq_len, mesh)
+  state_sh = jax.tree.map(lambda s: s.sharding, state)
+  batch_sh = jax.tree.map(lambda s: s.sharding, batch)
+
+  def step(state, batch):
+    return train_step(state, batch, cfg=cfg, optimizer=optimizer, step_cfg=step_cfg, mesh=mesh,
+                      lr_schedule=lr_schedule)
+
+  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
+  return jitted.lower(state, batch).compile()

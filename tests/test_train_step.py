@@ -1,0 +1,116 @@
+"""The compiled train step: accumulation, non-finite skipping, one compile, mesh == single device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from laplace_jax import sharding, train_step as ts
+from laplace_jax.config import get_config
+
+CFG = get_config("tiny", max_seq_len=128)
+T = 64
+
+
+def _batch(B, seed=0, T=T):
+  toks = np.random.default_rng(seed).integers(0, 2000, (B, T + 1)).astype(np.int32)
+  return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+def _run(opt, mesh, batches, micro=1, cfg=CFG):
+  comp = ts.compile_train_step(cfg, opt, mesh, global_batch=batches[0]["inputs"].shape[0], seq_len=T,
+                               step_cfg=ts.StepConfig(micro_batches=micro))
+  state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(batches[0]["inputs"].shape[0], T, mesh))
+  losses = []
+  for b in batches:
+    state, m = comp(state, jax.device_put(b, batch_sh))
+    losses.append(float(m["loss"]))
+  return state, losses
+
+
+def test_loss_matches_plain_cross_entropy():
+  from laplace_jax import model
+  params = model.init_params(CFG, jax.random.key(0))
+  b = _batch(2)
+  total, aux = ts.loss_sums(params, b, cfg=CFG)
+  logits = model.forward(params, b["inputs"], cfg=CFG)
+  ref = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).sum()
+  np.testing.assert_allclose(total, ref, rtol=1e-5)
+  assert float(aux["tokens"]) == 2 * T
+
+
+def test_accumulation_equals_one_big_batch():
+  """4 micro-batches give the same step as the whole batch at once (token-weighted mean)."""
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  batches = [_batch(8, s) for s in range(2)]
+  s1, l1 = _run(optax.sgd(0.5), mesh, batches, micro=1)
+  s4, l4 = _run(optax.sgd(0.5), mesh, batches, micro=4)
+  np.testing.assert_allclose(l1, l4, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_weights_make_accumulation_token_weighted():
+  """Masked tokens count zero: loss == mean over weighted tokens only, however the batch is split."""
+  from laplace_jax import model
+  params = model.init_params(CFG, jax.random.key(0))
+  b = _batch(4)
+  w = np.ones((4, T), np.float32)
+  w[0, 10:] = 0
+  w[3, :] = 0
+  b["weights"] = w
+  total, aux = ts.loss_sums(params, b, cfg=CFG)
+  logits = model.forward(params, b["inputs"], cfg=CFG)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
+  np.testing.assert_allclose(total / aux["tokens"], (ce * w).sum() / w.sum(), rtol=1e-5)
+
+
+def test_sharded_step_matches_single_device():
+  batches = [_batch(16, s) for s in range(3)]
+  one = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  eight = sharding.make_mesh(data=2, fsdp=4)
+  _, l1 = _run(optax.adamw(1e-3), one, batches, micro=2)
+  _, l8 = _run(optax.adamw(1e-3), eight, batches, micro=2)
+  np.testing.assert_allclose(l1, l8, rtol=2e-5)
+
+
+def test_non_finite_step_is_skipped_and_counted():
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  opt = optax.adamw(1e-3)
+  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=2, seq_len=T)
+  state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
+  state["params"]["final_norm_scale"] = state["params"]["final_norm_scale"].at[0].set(jnp.nan)
+  before = jax.tree.map(np.asarray, state["params"])
+  for i in range(2):
+    state, m = comp(state, _batch(2, i))
+    assert bool(m["skipped"]) and int(m["bad_steps"]) == i + 1
+  assert int(state["step"]) == 0
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_no_recompilation_over_a_run():
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+  opt = optax.adamw(1e-3)
+  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=8, seq_len=T)
+  state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(8, T, mesh))
+  state, _ = comp(state, jax.device_put(_batch(8), batch_sh))
+  n = len(compiles)
+  for s in range(5):
+    state, m = comp(state, jax.device_put(_batch(8, s), batch_sh))
+    float(m["loss"])
+  assert len(compiles) == n
+
+
+def test_bad_batch_sizes_rejected_before_compiling():
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    ts.compile_train_step(CFG, optax.adamw(1e-3), mesh, global_batch=8, seq_len=T,
+                          step_cfg=ts.StepConfig(micro_batches=2))
+  with pytest.raises(ValueError, match="micro_batches"):
+    ts.StepConfig(micro_batches=0)
