@@ -87,6 +87,7 @@ class Checkpointer:
     """Starts an async save of `step` if the interval says so (or `force`); returns whether it did.
 
     The arrays are copied to host before this returns, so the caller may donate them right away.
+    Every process calls this; `data_state` is this process's iterator state (saved per process).
     """
     step = _check_step(step)
     meta = _meta_json(metadata, data_state)
@@ -134,8 +135,13 @@ class Checkpointer:
     good = self.latest_step()
     kept = ("there is no earlier checkpoint" if good is None else
             f"the last good checkpoint (step {good}) is untouched")
-    fix = (f"The disk is full: free space under {self.directory} (or pick another directory)"
-           if _is_disk_full(error) else f"Check that {self.directory} is writable and has free space")
+    if _is_disk_full(error):
+      fix = f"The disk is full: free space under {self.directory} (or pick another directory)"
+    elif isinstance(error, OSError):
+      fix = f"Check that {self.directory} is writable and has free space"
+    else:  # e.g. a leaf Orbax cannot write
+      fix = ("Fix the cause above (leaves must be jax.Arrays or numpy arrays; in a multi-process run, "
+             "global jax.Arrays)")
     return CheckpointSaveError(f"Saving checkpoint step {step} to {self.directory} failed "
                                f"({type(error).__name__}: {error}); {kept}. {fix}, then save again.")
 

@@ -323,3 +323,56 @@ def test_export_params_for_serving_and_load_on_any_sharding(tmp_path):
     ckpt.load_params(tmp_path / "nothing")
   plain = ocp.StandardCheckpointer().restore(tmp_path / "export" / "params", _abstract(expected, mesh4))
   _assert_tree_equal(plain, expected)
+
+
+_TWO_PROCESSES = textwrap.dedent("""
+  import os, sys
+  pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax, jax.numpy as jnp, numpy as np
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from laplace_jax import checkpoint as ckpt
+  from laplace_jax.sharding import DATA, FSDP, make_mesh
+  mesh = make_mesh(2, 4)
+  sharded, replicated = NamedSharding(mesh, P(DATA, FSDP)), NamedSharding(mesh, P())
+  state = {"w": jax.jit(lambda: jnp.arange(64.0).reshape(8, 8), out_shardings=sharded)(),
+           "step": jax.jit(lambda: jnp.int32(5), out_shardings=replicated)()}
+  with ckpt.Checkpointer(directory) as ck:
+    ck.save(5, state, data_state={"pos": 100 + pid}, metadata={"config": {"d_model": 8}})
+  with ckpt.Checkpointer(directory) as ck:
+    got = ck.restore(abstract_state=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  assert got.data_state == {"pos": 100 + pid}, got.data_state
+  for a, b in zip(got.train_state["w"].addressable_shards, state["w"].addressable_shards):
+    np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+  print("ok", flush=True)
+""")
+
+
+def test_two_processes_save_their_own_data_state_and_one_process_reshards(tmp_path):
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(i), str(port), str(tmp_path / "run")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=120) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
+  step_dir = tmp_path / "run" / "5"
+  assert sorted(p.name for p in (step_dir / "data_state").glob("*.json")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  mesh = make_mesh(1, 8)  # one process, 8 devices: the parameters reshard, the data position cannot
+  abstract = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P(DATA, FSDP))),
+              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+  with ckpt.Checkpointer(tmp_path / "run") as ck:
+    with pytest.raises(ValueError, match=r"2.json.*1 process.*restore_data=False"):
+      ck.restore(abstract_state=abstract)
+    got = ck.restore(abstract_state=abstract, restore_data=False)
+  np.testing.assert_array_equal(got.train_state["w"], np.arange(64.0).reshape(8, 8))
+  assert int(got.train_state["step"]) == 5 and got.data_state is None
