@@ -7,6 +7,7 @@ On disk, one Orbax CheckpointManager directory (every item readable with plain O
       data_state/process_<i>-of-<n>.json   grain's own iterator-checkpoint format, one file per process
       meta/metadata                  JSON: the caller's metadata (incl. "config") + "data_state_kind"
     <directory>/<step>.orbax-checkpoint-tmp*/   a save in flight or cut short; never counted as a step
+    <directory>/<step>.corrupt/      a damaged step that restore(step=None) skipped, kept for inspection
 
 Orbax writes each step under a temporary name and renames it when complete, so a crash or a full disk
 mid-save leaves the previous steps intact; old steps are deleted only after a newer one is finalised.
@@ -316,6 +317,9 @@ def export_params(params, path, *, config=None) -> None:
 def load_params(path, abstract_params=None, *, shardings=None, config=None):
   """Loads exported params onto `abstract_params`' shardings, or onto `shardings` (one Sharding or a
   pytree of them), or as host numpy arrays when neither is given; checks `config` if given."""
+  if abstract_params is not None and shardings is not None:
+    raise ValueError("load_params got both abstract_params and shardings. Pass one: abstract_params "
+                     "carries its own shardings.")
   path = epath.Path(path).absolute()
   if not (path / "params").exists():
     raise FileNotFoundError(f"No exported params at {path} (expected {path / 'params'}). Pass the "
