@@ -1,0 +1,166 @@
+"""Bytes each device sends and receives in the collectives of a compiled XLA program (its HLO text).
+
+Read from `jitted.lower(...).compile().as_text()`, so nothing needs to run or allocate. Per collective, with
+G devices in its replica group and S the bytes of the per-device buffer, the bandwidth-optimal (ring /
+pairwise) volumes each device sends, and also receives:
+  all-to-all      S·(G−1)/G      (S = its operand = its result)
+  all-gather      R·(G−1)/G      (R = the gathered result)
+  reduce-scatter  S·(G−1)/G      (S = the unreduced operand = G·result)
+  all-reduce      2·S·(G−1)/G    (a reduce-scatter then an all-gather)
+  collective-permute  S
+A collective inside a while loop counts once per iteration (XLA's known_trip_count); one inside a
+conditional counts once per branch (an upper bound).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import defaultdict
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1}
+KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
+         "ragged-all-to-all", "collective-broadcast")
+
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(
+    k + suffix for k in sorted(KINDS, key=len, reverse=True) for suffix in ("-start", "")) + r")\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEES = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str          # one of KINDS
+  name: str          # HLO instruction name
+  buffer_bytes: int  # S (or R for all-gather) as in the module docstring
+  group_size: int
+  count: int         # executions per program run (while-loop trip counts multiplied in)
+  op_name: str       # jax metadata op_name: the named scopes that produced it
+
+  @property
+  def sent_bytes(self) -> float:
+    g = self.group_size
+    if self.kind == "collective-permute":
+      return float(self.buffer_bytes) * self.count
+    factor = 2.0 if self.kind == "all-reduce" else 1.0
+    return factor * self.buffer_bytes * (g - 1) / g * self.count
+
+  @property
+  def received_bytes(self) -> float:
+    return self.sent_bytes
+
+
+def _array_bytes(type_text: str) -> list[int]:
+  out = []
+  for dtype, dims in _ARRAY.findall(type_text):
+    size = 1
+    for d in filter(None, dims.split(",")):
+      size *= int(d)
+    out.append(size * DTYPE_BYTES.get(dtype, DTYPE_BYTES.get(dtype[:2], 1)))
+  return out
+
+
+def _group_size(attrs: str, n_devices: int) -> int:
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+  if m:
+    return int(m.group(2))
+  m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
+  if m:
+    return len(m.group(1).split(","))
+  return n_devices
+
+
+def _buffer_bytes(kind: str, start: bool, type_text: str, group: int) -> int:
+  arrays = _array_bytes(type_text)
+  if not arrays:
+    return 0
+  if kind == "all-to-all" or kind == "ragged-all-to-all":
+    return sum(arrays) if not start else arrays[-1]
+  if kind == "all-gather":
+    return max(arrays)                      # the gathered result
+  if kind == "reduce-scatter":
+    return group * (arrays[-1] if start else sum(arrays))  # the unreduced operand
+  return arrays[0] if start else sum(arrays)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  comps, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _HEADER.match(line)
+      if m:
+        current = m.group(2)
+        comps[current] = []
+        if m.group(1):
+          entry = current
+    elif line.strip() == "}":
+      current = None
+    else:
+      comps[current].append(line)
+  return comps, entry
+
+
+def _execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+  """How often each computation runs per program run (entry = 1; while bodies × trip count)."""
+  counts: dict[str, int] = defaultdict(int)
+  stack = [(entry, 1)]
+  while stack:
+    name, n = stack.pop()
+    if name not in comps:
+      continue
+    counts[name] += n
+    for line in comps[name]:
+      trip = _TRIP.search(line)
+      for role, callee in _CALLEES.findall(line):
+        mult = int(trip.group(1)) if (role in ("body", "condition") and trip) else 1
+        stack.append((callee, n * mult))
+      for group in _BRANCHES.findall(line):
+        for callee in group.split(","):
+          stack.append((callee.strip().lstrip("%"), n))
+  return counts
+
+
+def parse_collectives(hlo_text: str, n_devices: int) -> list[Collective]:
+  """Every collective in a compiled HLO module, with how often it runs per call."""
+  comps, entry = _computations(hlo_text)
+  counts = _execution_counts(comps, entry) if entry else defaultdict(lambda: 1)
+  out = []
+  for comp, lines in comps.items():
+    for line in lines:
+      m = _OPCODE.match(line)
+      if not m or not counts.get(comp, 0):
+        continue
+      name, type_text, opcode, rest = m.groups()
+      start = opcode.endswith("-start")
+      kind = opcode[:-len("-start")] if start else opcode
+      group = _group_size(rest, n_devices)
+      op = re.search(r'op_name="([^"]*)"', rest)
+      out.append(Collective(kind, name, _buffer_bytes(kind, start, type_text, group), group, counts[comp],
+                            op.group(1) if op else ""))
+  return out
+
+
+def traffic_by_kind(collectives: list[Collective], op_name_filter: str | None = None) -> dict[str, dict]:
+  """{kind: {count, sent_bytes, received_bytes}} per device, optionally only ops whose op_name matches."""
+  table: dict[str, dict] = {}
+  for c in collectives:
+    if op_name_filter and op_name_filter not in c.op_name:
+      continue
+    row = table.setdefault(c.kind, {"count": 0, "sent_bytes": 0.0, "received_bytes": 0.0})
+    row["count"] += c.count
+    row["sent_bytes"] += c.sent_bytes
+    row["received_bytes"] += c.received_bytes
+  return table
+
+
+def total_bytes(collectives: list[Collective], op_name_filter: str | None = None) -> float:
+  """Bytes sent plus received per device per call."""
+  return sum(r["sent_bytes"] + r["received_bytes"] for r in traffic_by_kind(collectives, op_name_filter).values())
+
+
+def summary_json(collectives: list[Collective]) -> str:
+  return json.dumps(traffic_by_kind(collectives), indent=1, sort_keys=True)

@@ -1,0 +1,192 @@
+"""Muon against optax.contrib.muon (one device) and against itself on one device (8-device mesh)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers, muon as optax_muon
+from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+from laplace_jax import config, hlo_traffic, sharding
+from laplace_jax.muon import (MuonState, make_plan, muon, newton_schulz, ns_flops, ns_flops_per_device,
+                              orthogonalize)
+
+# Stacks with both orientations, a square one, counts that don't divide 8 and a plain 2-D matrix.
+SHAPES = {"w_qkvg": (3, 16, 48), "w_out": (3, 24, 16), "w1": (2, 16, 32), "w3": (5, 32, 16), "m2d": (24, 40)}
+
+
+def _tree(seed, shapes=SHAPES):
+  rng = np.random.default_rng(seed)
+  return {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+
+
+def _run(tx, params, grads_seq):
+  """Apply tx for each gradient in grads_seq; return the list of updates and the final state."""
+  state, outs = tx.init(params), []
+  step = jax.jit(tx.update)
+  for g in grads_seq:
+    u, state = step(g, state, params)
+    outs.append(u)
+    params = optax.apply_updates(params, u)
+  return outs, state
+
+
+def _dims(tree):
+  return jax.tree.map(lambda x: MuonDimensionNumbers(x.ndim - 2, x.ndim - 1), tree)
+
+
+def test_newton_schulz_matches_optax_and_orthogonalizes():
+  x = _tree(0, {"a": (24, 40)})["a"]
+  ours = newton_schulz(x, eps=1e-8)
+  theirs = orthogonalize_via_newton_schulz(x, jnp.asarray((3.4445, -4.7750, 2.0315)), 5, eps=1e-8)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+  s = np.linalg.svd(np.asarray(ours), compute_uv=False)
+  assert 0.5 < s.min() and s.max() < 1.3  # the quintic's known band around 1
+  u, _, vt = np.linalg.svd(np.asarray(x), full_matrices=False)
+  cos = np.sum(np.asarray(ours) * (u @ vt)) / (np.linalg.norm(ours) * np.linalg.norm(u @ vt))
+  assert cos > 0.95
+  np.testing.assert_allclose(newton_schulz(x.T), newton_schulz(x).T, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov,scale_mode,weight_decay,schedule", [
+    (True, "reference", 0.0, False),
+    (False, "adamw_rms", 0.1, True),
+])
+def test_matches_optax_contrib_muon(nesterov, scale_mode, weight_decay, schedule):
+  params = _tree(1)
+  grads = [_tree(10 + i) for i in range(3)]
+  lr = optax.linear_schedule(0.05, 0.01, 3) if schedule else 0.02
+  ours = muon(lr, nesterov=nesterov, scale_mode=scale_mode, weight_decay=weight_decay, eps=1e-7)
+  theirs = optax_muon(lr, eps=1e-7, nesterov=nesterov, weight_decay=weight_decay,
+                      consistent_rms=0.2 if scale_mode == "adamw_rms" else None,
+                      muon_weight_dimension_numbers=_dims(params))
+  u_ours, _ = _run(ours, params, grads)
+  u_theirs, _ = _run(theirs, params, grads)
+  for a, b in zip(u_ours, u_theirs):
+    for k in params:
+      np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-7, err_msg=k)
+
+
+def test_stacked_leaf_is_independent_matrices():
+  """A [L, in, out] leaf updates like L separate 2-D leaves given to optax's muon with default dims."""
+  params, grads = _tree(2, {"w": (3, 16, 40)}), [_tree(20 + i, {"w": (3, 16, 40)}) for i in range(2)]
+  u_stack, _ = _run(muon(0.02), params, grads)
+  for l in range(3):
+    p2 = {"w": params["w"][l]}
+    g2 = [{"w": g["w"][l]} for g in grads]
+    u2, _ = _run(optax_muon(0.02, eps=1e-7), p2, g2)
+    for a, b in zip(u_stack, u2):
+      np.testing.assert_allclose(a["w"][l], b["w"], rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(learning_rate=-0.1), "learning_rate=-0.1"),
+    (dict(learning_rate=float("nan")), "learning_rate=nan"),
+    (dict(beta=1.0), "beta=1.0"),
+    (dict(beta=-0.1), "beta=-0.1"),
+    (dict(ns_steps=0), "ns_steps=0"),
+    (dict(ns_coeffs=(1.0, 2.0)), "ns_coeffs"),
+    (dict(weight_decay=-1.0), "weight_decay=-1.0"),
+    (dict(scale_mode="spectral"), "scale_mode='spectral'"),
+    (dict(distribution="broadcast"), "distribution='broadcast'"),
+])
+def test_bad_settings_fail_at_construction(kwargs, needle):
+  kwargs = {"learning_rate": 0.02, **kwargs}
+  with pytest.raises(ValueError, match=None) as e:
+    muon(kwargs.pop("learning_rate"), **kwargs)
+  assert needle in str(e.value) and "expected" in str(e.value)
+
+
+def test_bad_leaves_fail_at_init():
+  with pytest.raises(ValueError, match="expected matrices"):
+    muon(0.02).init({"scale": jnp.ones(8)})
+  mesh = sharding.make_mesh(fsdp=8)
+  with pytest.raises(ValueError, match=r"\['w'\].*\(2, 12, 20\).*8"):
+    muon(0.02, mesh=mesh).init({"w": jnp.ones((2, 12, 20))})
+
+
+# ---- distribution ----------------------------------------------------------------------------------
+
+def _sharded(tree, mesh):
+  return jax.device_put(tree, jax.tree.map(
+      lambda x: jax.NamedSharding(mesh, sharding.matrix_spec(x.shape, mesh)), tree))
+
+
+def _sharded_state(state, mesh):
+  return MuonState(jax.device_put(state.count, sharding.replicated(mesh)), _sharded(state.mu, mesh))
+
+
+@pytest.mark.parametrize("data,fsdp", [(1, 8), (2, 4)])
+def test_distributed_update_is_bit_identical(data, fsdp):
+  mesh = sharding.make_mesh(data=data, fsdp=fsdp)
+  params, grads = _tree(3), [_tree(30 + i) for i in range(3)]
+  lr = optax.cosine_decay_schedule(0.03, 10)
+  single, s_state = _run(muon(lr, weight_decay=0.1), params, grads)
+  for distribution in ("all_to_all", "gather"):
+    tx = muon(lr, weight_decay=0.1, mesh=mesh, distribution=distribution)
+    p, state, step = _sharded(params, mesh), None, jax.jit(tx.update)
+    state = _sharded_state(tx.init(p), mesh)
+    for want, g in zip(single, grads):
+      u, state = step(_sharded(g, mesh), state, p)
+      p = optax.apply_updates(p, u)
+      for k in params:
+        np.testing.assert_array_equal(u[k], want[k], err_msg=f"{distribution} {k}")
+    for k in params:
+      np.testing.assert_array_equal(state.mu[k], s_state.mu[k])
+
+
+def _compiled_text(distribution, mesh):
+  tx = muon(0.02, mesh=mesh, distribution=distribution)
+  g = _sharded(_tree(4), mesh)
+  state = _sharded_state(tx.init(g), mesh)
+  return jax.jit(tx.update).lower(g, state).compile().as_text()
+
+
+def test_hlo_uses_two_all_to_alls_and_no_gather():
+  mesh = sharding.make_mesh(fsdp=8)
+  a2a = hlo_traffic.parse_collectives(_compiled_text("all_to_all", mesh), 8)
+  gather = hlo_traffic.parse_collectives(_compiled_text("gather", mesh), 8)
+  assert sorted(c.kind for c in a2a) == ["all-to-all", "all-to-all"]
+  assert all("muon_orthogonalize" in c.op_name for c in a2a)
+  assert {c.kind for c in gather} == {"all-gather"}  # the control: this check can see gathers
+  # All-to-all traffic: 4 transfers of the padded per-peer chunk, 7/8 of it leaving the device.
+  total = sum(np.prod(s) for s in SHAPES.values())
+  plan = make_plan(list(SHAPES.values()), 8)
+  assert hlo_traffic.total_bytes(a2a) == pytest.approx(4 * 4 * plan.chunk * 8 * 7 / 8)
+  assert hlo_traffic.total_bytes(gather) == pytest.approx(2 * 4 * total * 7 / 8)
+
+
+def test_plan_owns_every_matrix_once_and_balances_laplace_3b():
+  shapes = config.param_shapes(config.get_config("laplace-3b"))["layer"]
+  stacks = [(24,) + shapes[n] for n in config.MUON_PARAM_NAMES]
+  plan = make_plan(stacks, 64)
+  owned = sorted(i for o in plan.owned for i in o)
+  assert owned == list(range(120))
+  report = ns_flops_per_device(stacks, 64)
+  assert report["total"] == sum(24 * ns_flops(s[1:]) for s in stacks)
+  assert sum(report["per_device"]) == report["total"]
+  assert report["max_over_mean"] < 1.2
+  # 96 of the 120 matrices hold ≥ 25M values, so some owner must take two of them: the chunk is
+  # two [3072, 8192] shards, the least any whole-matrix assignment can do.
+  assert plan.chunk == 2 * 3072 * 8192 // 64
+
+
+def test_orthogonalize_pads_when_devices_outnumber_matrices():
+  mesh = sharding.make_mesh(fsdp=8)
+  tree = _tree(5, {"a": (3, 16, 8)})
+  want = orthogonalize(tree)
+  got = jax.jit(lambda t: orthogonalize(t, mesh=mesh))(_sharded(tree, mesh))
+  np.testing.assert_array_equal(got["a"], want["a"])
+
+
+def test_column_sharded_matrices_reassemble_correctly():
+  """fan_in not divisible by 8 -> column shards: same values (XLA may fuse the reassembling transpose
+  into the norm's reduction, so equality is to rounding here; row shards are bit-identical above)."""
+  mesh = sharding.make_mesh(fsdp=8)
+  tree = _tree(6, {"c": (3, 20, 16), "d": (12, 40)})
+  assert all(sharding.matrix_spec(x.shape, mesh)[-1] == "fsdp" for x in tree.values())
+  want = orthogonalize(tree)
+  for distribution in ("all_to_all", "gather"):
+    got = jax.jit(lambda t: orthogonalize(t, mesh=mesh, distribution=distribution))(_sharded(tree, mesh))
+    for k in tree:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
