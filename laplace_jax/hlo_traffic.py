@@ -14,7 +14,6 @@ conditional counts once per branch (an upper bound).
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections import defaultdict
 
@@ -161,6 +160,3 @@ def total_bytes(collectives: list[Collective], op_name_filter: str | None = None
   """Bytes sent plus received per device per call."""
   return sum(r["sent_bytes"] + r["received_bytes"] for r in traffic_by_kind(collectives, op_name_filter).values())
 
-
-def summary_json(collectives: list[Collective]) -> str:
-  return json.dumps(traffic_by_kind(collectives), indent=1, sort_keys=True)
