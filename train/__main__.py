@@ -1,0 +1,45 @@
+"""`python -m train`: see `python -m train --help` (and train/config.py for the config system)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _setup_jax(tc):
+  """Device simulation and multi-process initialisation, before any JAX backend starts."""
+  import jax
+  if tc.simulate_devices:
+    jax.config.update("jax_num_cpu_devices", tc.simulate_devices)
+    jax.config.update("jax_platforms", "cpu")
+  coordinator = tc.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  n_proc = int(os.environ.get("JAX_NUM_PROCESSES", tc.num_processes))
+  proc_id = int(os.environ.get("JAX_PROCESS_ID", tc.process_id))
+  if coordinator and n_proc > 1:
+    if jax.config.jax_platforms in ("cpu",) or tc.simulate_devices:
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=n_proc, process_id=proc_id)
+
+
+def main(argv=None) -> int:
+  from train.config import load_config
+  try:
+    rc = load_config(sys.argv[1:] if argv is None else argv)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  _setup_jax(rc.train)
+  from train.loop import run, TrainingError
+  try:
+    summary = run(rc)
+  except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  import jax
+  if jax.process_index() == 0:
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,189 @@
+"""The training program's one config system: preset → TOML file → command-line flags, later wins.
+
+A TOML file has up to three tables, each mirroring a dataclass: [train] (TrainConfig below), [model]
+(laplace_jax.config.LaplaceConfig) and [optimizer] (laplace_jax.optimizer.OptimizerConfig). On the command
+line, train fields are `--steps 100`, model and optimizer fields `--model.d_model 128`,
+`--optimizer.peak_lr 3e-3`. Every field is a flag and `--help` lists them all with their defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+import typing
+from typing import Any
+
+from laplace_jax.config import LaplaceConfig, get_config, PRESETS
+from laplace_jax.optimizer import OptimizerConfig
+
+HELP = {
+    "preset": f"model preset: one of {sorted(PRESETS)}",
+    "data_dir": "prepared data (python -m train.prepare); prepared from the embedded corpus if missing and "
+                "it is the default",
+    "out_dir": "run directory: checkpoints/, metrics.jsonl, loss.png, export/",
+    "steps": "total optimizer steps of the run (a resumed run continues to this number)",
+    "global_batch": "sequences per optimizer step, over all devices and micro-batches",
+    "seq_len": "tokens per sequence (0: the model's max_seq_len)",
+    "micro_batches": "split each step into this many accumulated micro-batches (memory)",
+    "z_loss": "weight of the z-loss logsumexp² term (0 disables it)",
+    "mesh_data": "data-parallel axis size of the device mesh",
+    "mesh_fsdp": "FSDP axis size (0: all devices left after mesh_data)",
+    "simulate_devices": "CPU only: simulate this many devices (XLA host device count); 0 keeps the real ones",
+    "seed": "seed of the initialisation and of the data order",
+    "log_every": "write metrics every N steps",
+    "eval_every": "held-out eval loss every N steps (0: only at the end)",
+    "eval_batches": "held-out batches per eval",
+    "save_every": "checkpoint every N steps (the last step is always saved)",
+    "keep_checkpoints": "keep the newest N checkpoints",
+    "resume": "resume from the newest checkpoint in out_dir when one exists (--no-resume starts afresh, "
+              "which needs an empty checkpoint directory)",
+    "max_bad_steps": "stop after this many consecutive non-finite steps",
+    "compile_only": "lower and compile the step from abstract shapes, print memory and time, then exit",
+    "coordinator": "multi-process: coordinator address host:port (or JAX_COORDINATOR_ADDRESS)",
+    "num_processes": "multi-process: process count (or JAX_NUM_PROCESSES)",
+    "process_id": "multi-process: this process's id (or JAX_PROCESS_ID)",
+    "sample_tokens": "after training, print this many tokens sampled from the final params (0: none)",
+    "sample_prompt": "prompt for the sample",
+    "progress": "show a progress bar",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  preset: str = "tiny"
+  data_dir: str = "data/kjv"
+  out_dir: str = "runs/tiny"
+  steps: int = 200
+  global_batch: int = 16
+  seq_len: int = 0
+  micro_batches: int = 1
+  z_loss: float = 1e-4
+  mesh_data: int = 1
+  mesh_fsdp: int = 0
+  simulate_devices: int = 0
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 50
+  eval_batches: int = 4
+  save_every: int = 100
+  keep_checkpoints: int = 3
+  resume: bool = True
+  max_bad_steps: int = 10
+  compile_only: bool = False
+  coordinator: str = ""
+  num_processes: int = 1
+  process_id: int = 0
+  sample_tokens: int = 0
+  sample_prompt: str = "In the beginning"
+  progress: bool = True
+
+  def __post_init__(self):
+    for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",
+              "max_bad_steps", "num_processes", "save_every"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"--{f}={getattr(self, f)}: expected a positive integer.")
+    for f in ("seq_len", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
+              "process_id"):
+      if getattr(self, f) < 0:
+        raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
+    if self.preset not in PRESETS:
+      raise ValueError(f"--preset={self.preset!r}: expected one of {sorted(PRESETS)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  train: TrainConfig
+  model: LaplaceConfig
+  optimizer: OptimizerConfig
+
+  def to_dict(self) -> dict:
+    return {"train": dataclasses.asdict(self.train), "model": dataclasses.asdict(self.model),
+            "optimizer": dataclasses.asdict(self.optimizer)}
+
+
+_SECTIONS = {"train": TrainConfig, "model": LaplaceConfig, "optimizer": OptimizerConfig}
+
+
+def _parse_bool(s: str) -> bool:
+  if s.lower() in ("1", "true", "yes", "on"):
+    return True
+  if s.lower() in ("0", "false", "no", "off"):
+    return False
+  raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (use true/false)")
+
+
+def _field_type(cls, f):
+  t = typing.get_type_hints(cls)[f.name]
+  origin = typing.get_args(t)
+  return t if not origin else next(a for a in origin if a is not type(None))
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m train", description="Train a Laplace model with pjit over a device mesh.",
+      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config", metavar="FILE.toml", help="TOML file with [train], [model], [optimizer] tables")
+  for section, cls in _SECTIONS.items():
+    group = ap.add_argument_group(f"[{section}]")
+    for f in dataclasses.fields(cls):
+      flag = f"--{f.name}" if section == "train" else f"--{section}.{f.name}"
+      t = _field_type(cls, f)
+      default = f.default
+      if section == "train":
+        helptext = HELP.get(f.name, "")
+      else:
+        helptext = f.metadata.get("help", "") if f.metadata else ""
+      if t is bool and section == "train":
+        group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
+                           default=None, help=f"{helptext} (default: {default})")
+      else:
+        typ = _parse_bool if t is bool else (t if t in (int, float, str) else str)
+        group.add_argument(flag, dest=f"{section}.{f.name}", type=typ, default=None, metavar=t.__name__.upper()
+                           if hasattr(t, "__name__") else "V", help=f"{helptext} (default: {default!r})".strip())
+  return ap
+
+
+def _apply(cls, base, values: dict, where: str):
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = set(values) - names
+  if unknown:
+    raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {sorted(names)}")
+  return dataclasses.replace(base, **values) if values else base
+
+
+def optimizer_defaults(preset: str, steps: int) -> OptimizerConfig:
+  """laplace-3b: the published schedule (3,815 warm-up steps of 190,735). Smaller presets: the schedule
+  spans the run (5% warm-up) and AdamW (embeddings, head) runs hotter, as small models tolerate."""
+  if preset == "laplace-3b":
+    return OptimizerConfig()
+  return OptimizerConfig(total_steps=steps, warmup_steps=max(1, steps // 20), adamw_lr=3e-3)
+
+
+def read_toml(path: str) -> dict:
+  try:
+    with open(path, "rb") as fh:
+      data = tomllib.load(fh)
+  except FileNotFoundError:
+    raise ValueError(f"--config {path}: no such file.") from None
+  except tomllib.TOMLDecodeError as e:
+    raise ValueError(f"--config {path}: not valid TOML ({e}).") from None
+  unknown = set(data) - set(_SECTIONS)
+  if unknown:
+    raise ValueError(f"--config {path}: unknown table(s) {sorted(unknown)}; expected {sorted(_SECTIONS)}.")
+  return data
+
+
+def load_config(argv=None) -> RunConfig:
+  """Parse flags (and the TOML file they name) into a validated RunConfig: preset → TOML → flags."""
+  args = vars(build_parser().parse_args(argv))
+  toml = read_toml(args.pop("config")) if args.get("config") else {}
+  args.pop("config", None)
+  flags = {sec: {k.split(".", 1)[1]: v for k, v in args.items() if k.startswith(sec + ".") and v is not None}
+           for sec in _SECTIONS}
+  train_vals = {**toml.get("train", {}), **flags["train"]}
+  train = _apply(TrainConfig, TrainConfig(), train_vals, "[train]")
+  model = _apply(LaplaceConfig, get_config(train.preset), {**toml.get("model", {}), **flags["model"]},
+                 "[model]")
+  optimizer = _apply(OptimizerConfig, optimizer_defaults(train.preset, train.steps),
+                     {**toml.get("optimizer", {}), **flags["optimizer"]}, "[optimizer]")
+  return RunConfig(train, model, optimizer)

@@ -1,0 +1,243 @@
+"""The training loop: mesh, compiled step, grain data, Orbax checkpoints, metrics, eval, loss curve."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laplace_jax import checkpoint, data, model, sharding, train_step as ts
+from laplace_jax import optimizer as optim
+from laplace_jax.config import flops_per_token, param_counts
+from train.config import RunConfig, TrainConfig
+
+
+class TrainingError(RuntimeError):
+  """A run that cannot go on (e.g. a run of non-finite steps); the last checkpoint is intact."""
+
+
+def log0(*a):
+  if jax.process_index() == 0:
+    print(*a, flush=True)
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
+  """Measured fp32 matmul FLOP/s of one local device: the denominator of the MFU we report."""
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(reps):
+    f(a).block_until_ready()
+  per_device = 2 * n ** 3 * reps / (time.perf_counter() - t)
+  # Simulated CPU devices share the host's cores: the host's peak is one device's, not N of them.
+  n_dev = 1 if jax.default_backend() == "cpu" else jax.local_device_count()
+  return per_device * n_dev * jax.process_count()
+
+
+def describe_memory(compiled) -> str:
+  m = compiled.memory_analysis()
+  if m is None:
+    return "memory analysis unavailable on this backend"
+  gib = lambda b: b / 2 ** 30
+  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  return (f"per device: arguments {gib(m.argument_size_in_bytes):.2f} GiB, outputs "
+          f"{gib(m.output_size_in_bytes):.2f} GiB (aliased {gib(m.alias_size_in_bytes):.2f}), temporaries "
+          f"{gib(m.temp_size_in_bytes):.2f} GiB; peak ≈ {gib(total):.2f} GiB")
+
+
+def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
+  """The prepared data's manifest; the embedded corpus is prepared on first use of the default path."""
+  path = Path(tc.data_dir)
+  if not (path / "manifest.json").exists():
+    if tc.data_dir != TrainConfig.data_dir:
+      raise FileNotFoundError(f"--data_dir {path}: no manifest.json there. Prepare it first: "
+                              f"python -m train.prepare YOUR_FILES -o {path}")
+    if jax.process_index() == 0:
+      from train import prepare
+      log0(f"preparing the embedded corpus (King James Bible) into {path} …")
+      prepare.main(["--corpus", "kjv", "-o", str(path), "--no-progress"])
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("data prepared")
+  manifest = data.load_manifest(path)
+  data.check_vocab(manifest, vocab_size)
+  return manifest
+
+
+def _write_loss_curve(metrics_path: Path, png: Path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
+  train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+  evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    ax.plot(*zip(*train), label="train loss")
+  if evals:
+    ax.plot(*zip(*evals), "o-", label="held-out loss")
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/token)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(png, dpi=100)
+  plt.close(fig)
+
+
+def run(rc: RunConfig) -> dict:
+  """Train as configured; returns a summary (first/last loss, eval loss, steps, tokens/s)."""
+  tc, cfg = rc.train, rc.model
+  seq_len = tc.seq_len or cfg.max_seq_len
+  mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
+  opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
+  lr_schedule = optim.lr_schedule(rc.optimizer.adamw_lr, rc.optimizer)  # reported as "lr"
+  step_cfg = ts.StepConfig(micro_batches=tc.micro_batches, z_loss=tc.z_loss)
+  counts = param_counts(cfg)
+  log0(f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
+       f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
+       f"{jax.default_backend()} device(s), {jax.process_count()} process(es)")
+
+  abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed)
+  t0 = time.perf_counter()
+  compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=tc.global_batch, seq_len=seq_len,
+                                   step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract)
+  compile_s = time.perf_counter() - t0
+  log0(f"train step compiled in {compile_s:.1f} s; {describe_memory(compiled)}")
+  if tc.compile_only:
+    m = compiled.memory_analysis()
+    return {"compile_s": compile_s, "memory": None if m is None else {
+        "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}}
+
+  ensure_data(tc, cfg.vocab_size)
+  out = Path(tc.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  ckpt_dir = out / "checkpoints"
+  ckpt = checkpoint.Checkpointer(ckpt_dir, max_to_keep=tc.keep_checkpoints)
+  it = data.make_train_iterator(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
+                                seed=tc.seed, vocab_size=cfg.vocab_size)
+  latest = ckpt.latest_step()
+  if latest is not None and not tc.resume:
+    raise ValueError(f"--no-resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
+                     "use another --out_dir or remove that directory to start afresh.")
+  if latest is not None:
+    restored = ckpt.restore(abstract_state=abstract, config=dataclasses.asdict(cfg))
+    state, start = restored.train_state, restored.step
+    if restored.data_state is not None:
+      it.set_state(restored.data_state)
+    log0(f"resumed from {ckpt_dir} at step {start}")
+  else:
+    state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed), 0
+
+  eval_batches = data.make_eval_batches(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
+                                        max_batches=tc.eval_batches, vocab_size=cfg.vocab_size) \
+      if tc.eval_batches else []
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh))
+  to_global = lambda b: jax.tree.map(
+      lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, b)
+  eval_fn = jax.jit(lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],
+                    in_shardings=(jax.tree.map(lambda s: s.sharding, abstract["params"]), batch_sh))
+
+  def evaluate(params):
+    ce = tok = 0.0
+    for b in eval_batches:
+      aux = eval_fn(params, to_global(b))
+      ce, tok = ce + float(aux["ce"]), tok + float(aux["tokens"])
+    return ce / max(tok, 1.0)
+
+  peak = matmul_peak_flops()
+  fpt = flops_per_token(cfg.replace(chunk_size=min(cfg.chunk_size, seq_len)))
+  metrics_path = out / "metrics.jsonl"
+  mfile = open(metrics_path, "a") if jax.process_index() == 0 else None
+  bar = None
+  if tc.progress and jax.process_index() == 0:
+    from tqdm import tqdm
+    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+  summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None, "compile_s": compile_s}
+  tokens_per_step = tc.global_batch * seq_len
+
+  def record(i, m, wait, since):
+    """Wait for step i's metrics, log them; `since` is when the previous step's metrics were in."""
+    m = jax.device_get(m)
+    done = time.perf_counter()
+    dt = done - since
+    if int(m["bad_steps"]) >= tc.max_bad_steps:
+      raise TrainingError(f"{int(m['bad_steps'])} consecutive non-finite steps (loss {float(m['loss'])}, "
+                          f"grad norm {float(m['grad_norm'])}) at step {i}; stopping. The last checkpoint in "
+                          f"{ckpt_dir} is intact: lower the learning rates or check the data, then resume.")
+    tps = tokens_per_step / dt
+    row = {"step": i, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+           "z_loss": float(m["z_loss"]), "skipped": bool(m["skipped"]), "tokens_per_s": tps,
+           "mfu": tps * fpt / peak, "input_wait_s": wait, "step_s": dt, "time": time.time()}
+    summary["first_loss"] = summary["first_loss"] or row["loss"]
+    summary["last_loss"] = row["loss"]
+    summary["tokens_per_s"] = tps
+    if bool(m["skipped"]):
+      log0(f"step {i}: non-finite loss or gradient, update skipped ({int(m['bad_steps'])} in a row)")
+    if mfile and (i % tc.log_every == 0 or i == tc.steps):
+      mfile.write(json.dumps(row) + "\n")
+      mfile.flush()
+    if bar:
+      bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{100 * row['mfu']:.1f}%")
+      bar.update(1)
+    return done
+
+  def say(msg):
+    bar.write(msg) if bar else log0(msg)
+
+  since, pending = time.perf_counter(), None
+  try:
+    for i in range(start + 1, tc.steps + 1):
+      b = next(it)
+      wait = it.last_wait_s
+      state, m = compiled(state, to_global(b))
+      if pending:  # read the previous step's metrics while this one runs (one step of lag, no stall)
+        since = record(*pending, since)
+      pending = (i, m, wait)
+      is_eval = tc.eval_batches and ((tc.eval_every and i % tc.eval_every == 0) or i == tc.steps)
+      is_save = i % tc.save_every == 0 or i == tc.steps
+      if is_eval or is_save:
+        record(*pending, since)
+        pending = None
+        if is_eval:
+          summary["eval_loss"] = evaluate(state["params"])
+          if mfile:
+            mfile.write(json.dumps({"step": i, "eval_loss": summary["eval_loss"]}) + "\n")
+            mfile.flush()
+          say(f"step {i}: held-out loss {summary['eval_loss']:.4f}")
+        if is_save:
+          ckpt.save(i, state, data_state=it.get_state(), metadata={"config": dataclasses.asdict(cfg)},
+                    force=i == tc.steps)
+        since = time.perf_counter()  # eval and save time is not step time
+  finally:
+    ckpt.close()
+    it.close()
+    if bar:
+      bar.close()
+    if mfile:
+      mfile.close()
+
+  summary["end_step"] = tc.steps
+  if jax.process_index() == 0:
+    _write_loss_curve(metrics_path, out / "loss.png")
+    export = out / "export" / f"step_{tc.steps}"
+    if not export.exists():
+      checkpoint.export_params(state["params"], export, config=dataclasses.asdict(cfg))
+    summary["export"] = str(export)
+    log0(f"loss curve: {out / 'loss.png'}; params for serving: {export}")
+  if tc.sample_tokens:
+    from laplace_jax import generate, tokenizer
+    params = jax.device_get(state["params"])
+    ids = generate.generate(params, tokenizer.encode(tc.sample_prompt), tc.sample_tokens, cfg=cfg,
+                            valid_vocab=tokenizer.VOCAB_SIZE, seed=tc.seed)
+    summary["sample"] = tc.sample_prompt + tokenizer.decode(ids)
+    log0("sample (explicit-state decode):\n" + summary["sample"])
+  return summary
