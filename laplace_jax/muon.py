@@ -13,9 +13,10 @@ all_to_all returns the shards. Matrices are assigned to owners longest-processin
 Newton–Schulz FLOPs, and C (the per-pair chunk) is padded to the busiest owner's share, which is what
 "pad the count to a multiple of the device count" becomes when owners hold different shapes. A device
 runs only its own matrices (a lax.switch on its fsdp index). With fan_in shards (the sharding rule's first
-choice) the result is bit-identical to one device; the stages are arranged so XLA fuses them alike on both
-(explicit reciprocals, per-matrix lax.map, no transpose next to the norm). The "gather" variant (all_gather every
-matrix, orthogonalise all, keep the own shard) exists to measure the traffic this saves.
+choice) the result is bit-identical to one device: the stages are fenced so XLA fuses them alike on both
+(optimization barriers, per-matrix lax.map, no transpose next to the norm; the tests fail without
+each). The "gather" variant (all_gather every matrix, orthogonalise all, keep the own shard)
+exists to measure the traffic this saves.
 """
 from __future__ import annotations
 
@@ -47,14 +48,12 @@ class MuonState(NamedTuple):
 
 def newton_schulz(x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7) -> jax.Array:
   """Approximate U Vᵀ of one matrix: Frobenius-normalise, then `steps` quintic Newton–Schulz iterations."""
-  # The barriers keep XLA from fusing the norm's reduction (or the output) into whatever produced or consumes
-  # the matrix, which would change the summation order between one-device and distributed runs.
+  # The barriers stop XLA fusing the norm's reduction (or the result) with whatever produces (consumes) the
+  # matrix, which differs on one device and on a mesh and would change the summation order.
   x_MxN = jax.lax.optimization_barrier(x_MxN)
   transpose = x_MxN.shape[0] > x_MxN.shape[1]  # iterate on the wide orientation: A = X Xᵀ is the small side
   x = x_MxN.T if transpose else x_MxN
-  # Multiply by an explicit reciprocal: XLA may rewrite a division by a broadcast scalar into one, in some
-  # programs and not others, and the two round differently.
-  x = x * (1.0 / (jnp.linalg.norm(x) + eps))
+  x = x / (jnp.linalg.norm(x) + eps)
   a, b, c = (jnp.asarray(v, x.dtype) for v in coeffs)
   for _ in range(steps):
     gram = x @ x.T
@@ -101,7 +100,7 @@ class Plan:
   mats: tuple[_Mat, ...]
   owned: tuple[tuple[int, ...], ...]  # per device: indices into mats, in mats order
   chunk: int                          # elements each device sends to each peer (padded)
-  signatures: tuple[tuple[int, ...], ...]  # distinct owned-shape lists; one switch branch each
+  signatures: tuple[tuple, ...]  # distinct ((m, n), shard_dim) lists owned; one switch branch each
   branch_of_device: tuple[int, ...]
 
 
@@ -292,7 +291,8 @@ def _check_settings(learning_rate, beta, ns_steps, ns_coeffs, eps, weight_decay,
   if distribution not in DISTRIBUTIONS:
     _bad("distribution", distribution, f"one of {DISTRIBUTIONS}")
   if mesh is not None and FSDP not in mesh.shape:
-    _bad("mesh", dict(mesh.shape), f"a mesh with an '{FSDP}' axis", "Build it with laplace_jax.sharding.make_mesh.")
+    _bad("mesh", dict(mesh.shape), f"a mesh with an '{FSDP}' axis",
+         "Build it with laplace_jax.sharding.make_mesh.")
 
 
 def _check_leaves(tree, mesh):
@@ -328,18 +328,18 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
     count = optax.safe_int32_increment(state.count)
     mu = jax.tree.map(lambda g, m: (1 - beta) * g + beta * m, updates, mu_prev)
     if nesterov:  # optax.contrib.muon's form: both terms bias-corrected
-      inv_mu, inv_g = 1 / (1 - beta ** (count + 1)), 1 / (1 - beta ** count)
-      mu_hat = jax.tree.map(lambda m, g: beta * (m * inv_mu.astype(m.dtype)) + (1 - beta) * (g * inv_g.astype(g.dtype)),
-                            mu, updates)
+      c_mu, c_g = 1 - beta ** (count + 1), 1 - beta ** count
+      mu_hat = jax.tree.map(
+          lambda m, g: beta * (m / c_mu.astype(m.dtype)) + (1 - beta) * (g / c_g.astype(g.dtype)), mu, updates)
     else:
-      inv_mu = 1 / (1 - beta ** count)
-      mu_hat = jax.tree.map(lambda m: m * inv_mu.astype(m.dtype), mu)
+      c_mu = 1 - beta ** count
+      mu_hat = jax.tree.map(lambda m: m / c_mu.astype(m.dtype), mu)
     mu, mu_hat = barrier((mu, mu_hat))
     ortho = orthogonalize(mu_hat, mesh=mesh, distribution=distribution, ns_steps=ns_steps,
                           ns_coeffs=ns_coeffs, eps=eps)
     ortho, params = barrier((ortho, params if weight_decay else None))
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    # One scalar factor per term (explicit reciprocals above, too): nothing for XLA to refold differently.
+    # One scalar factor per term: no constant chain for XLA to refold differently on each path.
     new = jax.tree.map(lambda o: o * jnp.asarray(-lr * update_scale(o.shape, scale_mode), o.dtype), ortho)
     if weight_decay:
       new = jax.tree.map(lambda u, p: u + p * jnp.asarray(-lr * weight_decay, p.dtype), new, params)

@@ -5,7 +5,8 @@ Defaults are the laplace-3b run: 524,288 tokens per step, 3,815 warm-up steps, 1
 steps), linear warm-up to the peak (peak·(t+1)/warm-up) then cosine decay to 10% of it. Muon (reference
 shape scaling) peaks at 0.02 with no weight decay, as in the public Muon recipes; AdamW peaks at 3e-4
 with β = (0.9, 0.95), eps 1e-8 and decoupled weight decay 0.1 on the embedding and LM head only (norm
-scales, conv, aug_balance are not decayed). Gradients are clipped to a global norm of 1.0 before either optimizer sees them.
+scales, conv, aug_balance are not decayed). Gradients are clipped to a global norm of 1.0 before either
+optimizer sees them.
 """
 from __future__ import annotations
 

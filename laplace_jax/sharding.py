@@ -130,7 +130,8 @@ def leaf_spec(names: Sequence[str], shape: Sequence[int], mesh: Mesh, *,
   dims = range(1 if is_stacked(names) else 0, len(shape))
   dim = _pick_dim(shape, dims, n)
   if dim is None:
-    raise ValueError(f"{name}: shape {tuple(shape)} has no dim{' after the layer axis' if is_stacked(names) else ''}"
+    where = " after the layer axis" if is_stacked(names) else ""
+    raise ValueError(f"{name}: shape {tuple(shape)} has no dim{where}"
                      f" divisible by the '{FSDP}' axis size {n}, and {math.prod(shape):,} elements is too "
                      f"large to replicate (min_shard_elements={min_shard_elements:,}). Choose an fsdp size "
                      "that divides one of its dims, or raise min_shard_elements to replicate it.")
