@@ -277,6 +277,8 @@ class Engine:
         deliveries.append((r, [tok], None))
     self.stats["tokens"] += n_tokens
     self._rate.append((now, n_tokens))
+    while self._rate[0][0] < now - 60:
+      self._rate.popleft()
     if deliveries:
       self.on_deliver(deliveries)
 
@@ -337,3 +339,5 @@ class Engine:
   def warmup(self):
     """Compile every function by serving one short request to completion."""
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
+    self.stats = dict.fromkeys(self.stats, 0)
+    self._rate.clear()

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import hmac
 import json
+import threading
 import time
 import uuid
 
@@ -44,7 +45,7 @@ class Server:
     # handler_cancellation: a client that goes away cancels its handler, whose `finally` frees the slot.
     self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
     await self.runner.setup()
-    site = web.TCPSite(self.runner, host, port)
+    site = web.TCPSite(self.runner, host, port, backlog=4096)
     await site.start()
     return site._server.sockets[0].getsockname()[1]
 
@@ -52,6 +53,11 @@ class Server:
     if self.runner is not None:
       await self.runner.cleanup()
     self.engine.stop()
+
+  @property
+  def open_connections(self) -> int:
+    server = None if self.runner is None else self.runner.server
+    return 0 if server is None else len(server.connections)
 
   # ---- engine thread -> event loop ----
 
@@ -109,11 +115,13 @@ class Server:
          [("", round(e.tokens_per_second(), 3))]),
         ("active_slots", "gauge", "Slots decoding a request.", [("", e.active_slots)]),
         ("slots", "gauge", "Slots in the engine.", [("", e.n_slots)]),
+        ("open_connections", "gauge", "Open HTTP connections.", [("", self.open_connections)]),
         ("queue_depth", "gauge", "Requests waiting for a slot.", [("", e.queue_depth)]),
         ("generated_tokens_total", "counter", "Output tokens produced.", [("", s["tokens"])]),
         ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prefill_tokens"])]),
         ("decode_steps_total", "counter", "Compiled generate steps run.", [("", s["steps"])]),
         ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
+        ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
         ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
         ("http_responses_total", "counter", "HTTP responses by status code.",
          [(f'{{code="{c}"}}', n) for c, n in sorted(self.responses.items())]),
@@ -192,15 +200,38 @@ class Server:
     send = lambda obj: resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
     out_ids, sent = [], 0
     try:
-      async for piece, reason in self._pieces(req, c, out_ids):
-        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
-        if c.return_token_ids:
-          choice["token_ids"], sent = out_ids[sent:], len(out_ids)
-        await send({**meta, "object": "text_completion", "choices": [choice]})
-    except ApiError as e:  # headers are out: report in the stream
-      await send(e.body())
-    if c.include_usage:
-      await send({**meta, "object": "text_completion", "choices": [], "usage": self._usage(c, out_ids)})
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+      try:
+        async for piece, reason in self._pieces(req, c, out_ids):
+          choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+          if c.return_token_ids:
+            choice["token_ids"], sent = out_ids[sent:], len(out_ids)
+          await send({**meta, "object": "text_completion", "choices": [choice]})
+      except ApiError as e:  # headers are out: report in the stream
+        await send(e.body())
+      if c.include_usage:
+        await send({**meta, "object": "text_completion", "choices": [], "usage": self._usage(c, out_ids)})
+      await resp.write(b"data: [DONE]\n\n")
+      await resp.write_eof()
+    except ConnectionResetError:  # the client left; `completions` frees the slot
+      pass
     return resp
+
+
+class InThread:
+  """Run a Server on its own event-loop thread (tests, notebooks): `with InThread(server) as port: ...`."""
+
+  def __init__(self, server: Server, host: str = "127.0.0.1", port: int = 0):
+    self.server, self.host, self.port = server, host, port
+    self.loop = asyncio.new_event_loop()
+    self.thread = threading.Thread(target=self.loop.run_forever, name="serve-http", daemon=True)
+
+  def __enter__(self) -> int:
+    self.thread.start()
+    self.port = asyncio.run_coroutine_threadsafe(self.server.start(self.host, self.port), self.loop).result(60)
+    return self.port
+
+  def __exit__(self, *exc):
+    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+    self.loop.call_soon_threadsafe(self.loop.stop)
+    self.thread.join(10)
+    self.loop.close()

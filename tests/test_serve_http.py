@@ -1,0 +1,177 @@
+"""serve.server over loopback: completions with and without streaming, stop strings, auth, 4xx for
+malformed input (and the server keeps serving), 429 past the queue, disconnects free their slots."""
+import asyncio
+import json
+import time
+
+import aiohttp
+import jax
+import pytest
+
+from laplace_jax import get_config, model
+from serve import loading, protocol
+from serve.engine import Engine
+from serve.server import InThread, Server
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return loading.gpt2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served(tok):
+  """A tiny model behind the server: 4 slots, a queue of 2, max_tokens <= 64, an API key."""
+  cfg = get_config("tiny")
+  engine = Engine(model.init_params(cfg, jax.random.key(1)), cfg, n_slots=4, prefill_batch=2, max_queue=2,
+                  valid_vocab=tok.vocab_size)
+  engine.warmup()
+  limits = protocol.Limits(model_name="laplace-tiny", vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                           max_tokens=64, max_prompt_tokens=1000, max_stop_ids=engine.fns.n_stop)
+  server = Server(engine, tok, limits, api_key=KEY)
+  with InThread(server) as port:
+    yield f"http://127.0.0.1:{port}", server
+
+
+def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, raw=None):
+  """One request: (status, parsed JSON or SSE event list)."""
+  async def go():
+    async with aiohttp.ClientSession() as s:
+      data = raw if raw is not None else (None if body is None else json.dumps(body))
+      async with s.request(method, url + path, data=data, headers=headers) as r:
+        text = await r.text()
+        if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+          return r.status, [e[len("data: "):] for e in text.split("\n\n") if e]
+        return r.status, (json.loads(text) if "json" in r.headers.get("Content-Type", "") else text)
+  return asyncio.run(go())
+
+
+def test_round_trip_text_and_ids(served, tok):
+  url, _ = served
+  st, a = call(url, body={"model": "laplace-tiny", "prompt": "Hello world", "max_tokens": 12,
+                          "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+  assert st == 200, a
+  ch = a["choices"][0]
+  assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 12
+  assert ch["text"] == tok.token_bytes(ch["token_ids"]).decode("utf-8", "replace")
+  assert a["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}
+  st, b = call(url, body={"prompt": [15496, 995], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                          "return_token_ids": True})
+  assert st == 200 and b["choices"][0]["token_ids"] == ch["token_ids"]
+
+
+def test_streaming_matches_non_streaming(served):
+  url, _ = served
+  body = {"prompt": "The King James Bible", "max_tokens": 20, "temperature": 0.8, "top_k": 50, "seed": 11,
+          "ignore_eos": True}
+  st, whole = call(url, body=body)
+  assert st == 200
+  st, events = call(url, body={**body, "stream": True, "stream_options": {"include_usage": True}})
+  assert st == 200 and events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  usage = chunks[-1]
+  assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+  text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+  assert text == whole["choices"][0]["text"]
+  assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+  assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+
+
+def test_stop_string_cuts_the_text(served):
+  url, _ = served
+  body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+  full = call(url, body=body)[1]["choices"][0]["text"]
+  stop = full[len(full) // 2:len(full) // 2 + 3]
+  cut = full[:full.index(stop)]
+  for stream in (False, True):
+    st, out = call(url, body={**body, "stop": [stop], "stream": stream})
+    assert st == 200
+    if stream:
+      chunks = [json.loads(e)["choices"][0] for e in out[:-1]]
+      text, reason = "".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]
+    else:
+      text, reason = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
+    assert (text, reason) == (cut, "stop")
+
+
+def test_models_health_metrics_and_auth(served):
+  url, _ = served
+  st, m = call(url, "GET", "/v1/models")
+  assert st == 200 and m["data"][0]["id"] == "laplace-tiny"
+  assert call(url, "GET", "/health", headers={})[0] == 200
+  st, text = call(url, "GET", "/metrics", headers={})
+  assert st == 200
+  for name in ("tokens_per_second", "active_slots", "queue_depth", "generated_tokens_total"):
+    assert f"\nlaplace_serve_{name} " in text
+  st, err = call(url, body={"prompt": "hi"}, headers={})
+  assert st == 401 and "API key" in err["error"]["message"]
+  st, err = call(url, body={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+  assert st == 401
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (None, 400, None),                                               # malformed JSON (raw below)
+    ([1, 2], 400, None),                                             # not an object
+    ({}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [1, 50257]}, 400, "prompt"),
+    ({"prompt": [1, -1]}, 400, "prompt"),
+    ({"prompt": [1] * 1001}, 400, "prompt"),                         # over max_prompt_tokens
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 65}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": True}, 400, "top_k"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "hi", "stop": 3}, 400, "stop"),
+    ({"prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+])
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, body, status, param):
+  url, _ = served
+  st, err = call(url, body=body, raw="{not json" if body is None else None)
+  assert st == status, err
+  assert err["error"]["param"] == param and err["error"]["message"]
+  assert call(url, body={"prompt": "still there?", "max_tokens": 2})[0] == 200
+
+
+def test_wrong_method_and_route(served):
+  url, _ = served
+  assert call(url, "GET", "/v1/completions")[0] == 405
+  assert call(url, "GET", "/v2/nothing")[0] == 404
+
+
+def test_full_queue_gives_429_and_disconnects_free_slots(served):
+  url, server = served
+  engine = server.engine
+
+  async def go():
+    async with aiohttp.ClientSession() as s:
+      body = json.dumps({"prompt": "Long story:", "max_tokens": 64, "stream": True, "ignore_eos": True})
+      opened = [await s.post(url + "/v1/completions", data=body, headers=AUTH) for _ in range(6)]
+      assert [r.status for r in opened] == [200] * 6  # 4 slots + 2 queued
+      r = await s.post(url + "/v1/completions", data=body, headers=AUTH)
+      assert r.status == 429 and r.headers["Retry-After"] == "1"
+      await r.release()
+      for r in opened[:4]:
+        await r.content.readuntil(b"\n\n")  # decoding has started
+      for r in opened:
+        r.close()  # the client goes away mid-stream
+  asyncio.run(go())
+  deadline = time.time() + 20
+  while time.time() < deadline and (engine.active_slots or engine.queue_depth):
+    time.sleep(0.05)
+  assert engine.active_slots == 0 and engine.queue_depth == 0
+  assert call(url, body={"prompt": "after", "max_tokens": 3})[0] == 200
