@@ -3,7 +3,7 @@
 A TOML file has up to three tables, each mirroring a dataclass: [train] (TrainConfig below), [model]
 (laplace_jax.config.LaplaceConfig) and [optimizer] (laplace_jax.optimizer.OptimizerConfig). On the command
 line, train fields are `--steps 100`, model and optimizer fields `--model.d_model 128`,
-`--optimizer.peak_lr 3e-3`. Every field is a flag and `--help` lists them all with their defaults.
+`--optimizer.adamw_lr 3e-3`. Every field is a flag and `--help` lists them all with their defaults.
 """
 from __future__ import annotations
 
@@ -45,6 +45,47 @@ HELP = {
     "sample_tokens": "after training, print this many tokens sampled from the final params (0: none)",
     "sample_prompt": "prompt for the sample",
     "progress": "show a progress bar",
+}
+
+
+MODEL_HELP = {
+    "vocab_size": "vocabulary rows (GPT-2's 50,257 padded to 50,304)",
+    "d_model": "hidden width D",
+    "n_layers": "decoder layers",
+    "n_heads": "GLA heads H",
+    "d_k": "query/key width per head",
+    "d_v": "value width per head",
+    "d_ff": "GLU inner width",
+    "conv_size": "causal depth-wise conv kernel (and decode-state window)",
+    "decay_t_min": "shortest head half-life in tokens",
+    "decay_t_max": "longest head half-life in tokens",
+    "n_decay_tiers": "head groups sharing one Head RMSNorm weight",
+    "chunk_size": "GLA chunk length (training and prefill)",
+    "max_seq_len": "default training sequence length",
+    "norm_eps": "LayerNorm / RMSNorm epsilon",
+    "init_std": "std of the normal initialisation of matrices",
+    "param_dtype": "parameter dtype (float32 | bfloat16)",
+    "compute_dtype": "matmul dtype (float32 | bfloat16)",
+    "remat": "rematerialise each layer in the backward pass (true/false)",
+    "unroll_chunks": "statically unroll the chunk scan (true/false)",
+}
+OPTIMIZER_HELP = {
+    "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b)",
+    "warmup_steps": "linear warm-up steps",
+    "end_lr_fraction": "cosine decays to this fraction of each peak",
+    "clip_norm": "global gradient-norm clip",
+    "muon_lr": "Muon peak learning rate (2-D hidden matrices)",
+    "muon_beta": "Muon Nesterov momentum",
+    "muon_nesterov": "Nesterov momentum (true/false)",
+    "muon_ns_steps": "Newton-Schulz iterations",
+    "muon_weight_decay": "Muon decoupled weight decay",
+    "muon_scale_mode": "reference (sqrt(max(1, out/in))) | adamw_rms (0.2*sqrt(max(in, out)))",
+    "muon_distribution": "all_to_all (two sharded all_to_alls) | gather (every matrix on every device)",
+    "adamw_lr": "AdamW peak learning rate (embedding, head, norms, conv, aug_balance)",
+    "adamw_b1": "AdamW beta1",
+    "adamw_b2": "AdamW beta2",
+    "adamw_eps": "AdamW epsilon",
+    "adamw_weight_decay": "AdamW decoupled weight decay (embedding and head only)",
 }
 
 
@@ -129,10 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
       flag = f"--{f.name}" if section == "train" else f"--{section}.{f.name}"
       t = _field_type(cls, f)
       default = f.default
-      if section == "train":
-        helptext = HELP.get(f.name, "")
-      else:
-        helptext = f.metadata.get("help", "") if f.metadata else ""
+      helptext = {"train": HELP, "model": MODEL_HELP, "optimizer": OPTIMIZER_HELP}[section][f.name]
       if t is bool and section == "train":
         group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
                            default=None, help=f"{helptext} (default: {default})")

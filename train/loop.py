@@ -226,18 +226,20 @@ def run(rc: RunConfig) -> dict:
       mfile.close()
 
   summary["end_step"] = tc.steps
+  export = out / "export" / f"step_{tc.steps}"
+  if not export.exists():  # every process takes part in an Orbax save
+    checkpoint.export_params(state["params"], export, config=dataclasses.asdict(cfg))
+  summary["export"] = str(export)
   if jax.process_index() == 0:
     _write_loss_curve(metrics_path, out / "loss.png")
-    export = out / "export" / f"step_{tc.steps}"
-    if not export.exists():
-      checkpoint.export_params(state["params"], export, config=dataclasses.asdict(cfg))
-    summary["export"] = str(export)
     log0(f"loss curve: {out / 'loss.png'}; params for serving: {export}")
   if tc.sample_tokens:
+    from jax.experimental import multihost_utils
     from laplace_jax import generate, tokenizer
-    params = jax.device_get(state["params"])
-    ids = generate.generate(params, tokenizer.encode(tc.sample_prompt), tc.sample_tokens, cfg=cfg,
-                            valid_vocab=tokenizer.VOCAB_SIZE, seed=tc.seed)
-    summary["sample"] = tc.sample_prompt + tokenizer.decode(ids)
-    log0("sample (explicit-state decode):\n" + summary["sample"])
+    params = multihost_utils.process_allgather(state["params"], tiled=True)  # host copies, every process
+    if jax.process_index() == 0:
+      ids = generate.generate(params, tokenizer.encode(tc.sample_prompt), tc.sample_tokens, cfg=cfg,
+                              valid_vocab=tokenizer.VOCAB_SIZE, seed=tc.seed)
+      summary["sample"] = tc.sample_prompt + tokenizer.decode(ids)
+      log0("sample (explicit-state decode):\n" + summary["sample"])
   return summary
