@@ -23,6 +23,24 @@ def slot_uniforms(seed_S, pos_S):
   return jax.vmap(one)(seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32))
 
 
+def argmax_rows(x_SxV, valid: int, block: int = 64):
+  """argmax over the first `valid` columns (first maximum). A plain max over contiguous blocks of the raw
+  logits, then an argmax inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a fused
+  elementwise op) over [1280, 50304] takes ~150-280 ms, this ~12 ms; elsewhere it is no slower."""
+  S, V = x_SxV.shape
+  if V % block:
+    x_SxV = jnp.pad(x_SxV, ((0, 0), (0, -V % block)), constant_values=-jnp.inf)
+  xb = x_SxV.reshape(S, -1, block)
+  n_blocks = -(-valid // block)
+  col = jnp.arange(block)
+  last = jnp.where((n_blocks - 1) * block + col < valid, xb[:, n_blocks - 1], -jnp.inf)
+  block_max = xb.max(-1)[:, :n_blocks].at[:, n_blocks - 1].set(last.max(-1))
+  b = jnp.argmax(block_max, -1)
+  inner = jnp.take_along_axis(xb, b[:, None, None], 1)[:, 0]
+  inner = jnp.where(b[:, None] * block + col < valid, inner, -jnp.inf)
+  return (b * block + jnp.argmax(inner, -1)).astype(jnp.int32)
+
+
 def _pick(weights_SxW, u_S):
   """Index of the first cumulative weight above u·total (inverse CDF); argmax where all weights vanish."""
   cdf = jnp.cumsum(weights_SxW, axis=-1)
@@ -83,33 +101,38 @@ def _filtered_full(scaled_SxV, lse_S, u_S, top_k_S, top_p_S):
 def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
   (the model's padded vocabulary rows) are never produced."""
-  S, V = logits_SxV.shape
-  logits = jnp.where(jnp.arange(V)[None, :] < valid_vocab, logits_SxV.astype(F32), -jnp.inf)
-  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+  greedy = argmax_rows(logits_SxV.astype(F32), valid_vocab)
   hot = temperature_S > 0
-  scaled = logits / jnp.where(hot, temperature_S, 1.0)[:, None]
-  u = slot_uniforms(seed_S, pos_S)
-  top_k = jnp.where(top_k_S >= V, 0, top_k_S)
-  filt = hot & ((top_k > 0) | (top_p_S < 1.0))
-  plain = hot & ~filt
 
-  # Batch-level conds skip work no slot needs; each row's result depends on its own row alone.
-  def full_dist():
-    return _pick(jax.nn.softmax(scaled, -1), u).astype(jnp.int32)
-  tok_plain = jax.lax.cond(plain.any(), full_dist, lambda: greedy)
+  def sampled():
+    logits = logits_SxV[:, :valid_vocab].astype(F32)  # the model's padded vocabulary rows are never drawn
+    S, V = logits.shape
+    top_k = jnp.where(top_k_S >= V, 0, top_k_S)
+    filt = hot & ((top_k > 0) | (top_p_S < 1.0))
+    plain = hot & ~filt
+    cap = min(TOPK_CAP, V)
+    scaled = logits / jnp.where(hot, temperature_S, 1.0)[:, None]
+    u = slot_uniforms(seed_S, pos_S)
 
-  lse = jax.nn.logsumexp(scaled, -1)
-  cap = min(TOPK_CAP, V)
-  def capped():
-    vals, ids = jax.lax.top_k(scaled, cap)
-    return _filtered(vals, ids, lse, u, top_k, top_p_S)
-  tok_cap, mass = jax.lax.cond(filt.any(), capped, lambda: (greedy, jnp.ones((S,), F32)))
-  # The capped pass is exact when the top-k set lies inside the cap, or (top-k off) the nucleus closes in it.
-  fits = jnp.where(top_k > 0, top_k <= cap, mass >= top_p_S)
-  need_full = filt & ~fits
-  def full():
-    return _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32)
-  tok_full = jax.lax.cond(need_full.any(), full, lambda: greedy)
+    def full_dist():
+      return _pick(jax.nn.softmax(scaled, -1), u).astype(jnp.int32)
 
-  tok = jnp.where(need_full, tok_full, tok_cap)
-  return jnp.where(filt, tok, jnp.where(plain, tok_plain, greedy)).astype(jnp.int32)
+    def filtered():
+      lse = jax.nn.logsumexp(scaled, -1)
+      vals, ids = jax.lax.top_k(scaled, cap)
+      tok_cap, mass = _filtered(vals, ids, lse, u, top_k, top_p_S)
+      # The capped pass is exact when the top-k set lies inside the cap, or (top-k off) the nucleus
+      # closes in it; other rows bisect over the whole vocabulary.
+      need_full = filt & ~jnp.where(top_k > 0, top_k <= cap, mass >= top_p_S)
+      tok_full = jax.lax.cond(need_full.any(),
+                              lambda: _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32),
+                              lambda: greedy)
+      return jnp.where(need_full, tok_full, tok_cap).astype(jnp.int32)
+
+    tok_plain = jax.lax.cond(plain.any(), full_dist, lambda: greedy)
+    tok_filt = jax.lax.cond(filt.any(), filtered, lambda: greedy)
+    return jnp.where(filt, tok_filt, jnp.where(plain, tok_plain, greedy)).astype(jnp.int32)
+
+  # Batch-level conds skip the work no slot needs (an all-greedy batch costs one blocked argmax); each
+  # row's result depends on its own row alone, whichever branches run.
+  return jax.lax.cond(hot.any(), sampled, lambda: greedy)
