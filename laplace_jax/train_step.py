@@ -156,4 +156,5 @@ def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batc
 
   jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
-  return jitted.lower(state, batch).compile()
+  with jax.set_mesh(mesh):  # lets the model pin its activations' batch sharding
+    return jitted.lower(state, batch).compile()

@@ -114,3 +114,23 @@ def test_bad_batch_sizes_rejected_before_compiling():
                           step_cfg=ts.StepConfig(micro_batches=2))
   with pytest.raises(ValueError, match="micro_batches"):
     ts.StepConfig(micro_batches=0)
+
+
+def test_20_steps_distributed_muon_equals_undistributed():
+  """The tiny model's losses over 20 steps: Muon through two all_to_alls, every matrix gathered, and no
+  distribution at all agree (same 8-device mesh, same data). The Muon update alone is bit-identical
+  (tests/test_muon.py); inside the whole fused step XLA lays out the gradient producers per program, which
+  moves the last bit of some Newton–Schulz inputs, so the losses agree to float32 rounding (measured max
+  relative difference ≈ 1e-7 over the 20 steps)."""
+  from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+  ocfg = OptimizerConfig(total_steps=20, warmup_steps=2, muon_lr=0.05, adamw_lr=3e-3)
+  batches = [_batch(8, s) for s in range(20)]
+  runs = {}
+  for name, opt in {"all_to_all": make_optimizer(ocfg, mesh=mesh),
+                    "gather": make_optimizer(ocfg.replace(muon_distribution="gather"), mesh=mesh),
+                    "undistributed": make_optimizer(ocfg, mesh=None)}.items():
+    runs[name] = _run(opt, mesh, batches)[1]
+  assert runs["all_to_all"][-1] < runs["all_to_all"][0] - 0.5  # it trains
+  np.testing.assert_allclose(runs["all_to_all"], runs["gather"], rtol=1e-6)
+  np.testing.assert_allclose(runs["all_to_all"], runs["undistributed"], rtol=1e-6)
