@@ -234,9 +234,8 @@ def run(rc: RunConfig) -> dict:
     _write_loss_curve(metrics_path, out / "loss.png")
     log0(f"loss curve: {out / 'loss.png'}; params for serving: {export}")
   if tc.sample_tokens:
-    from jax.experimental import multihost_utils
     from laplace_jax import generate, tokenizer
-    params = multihost_utils.process_allgather(state["params"], tiled=True)  # host copies, every process
+    params = checkpoint.load_params(export, config=dataclasses.asdict(cfg))  # the checkpoint, as host arrays
     if jax.process_index() == 0:
       ids = generate.generate(params, tokenizer.encode(tc.sample_prompt), tc.sample_tokens, cfg=cfg,
                               valid_vocab=tokenizer.VOCAB_SIZE, seed=tc.seed)
