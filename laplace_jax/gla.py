@@ -78,8 +78,15 @@ def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_
   chunks = lambda x: jnp.moveaxis(x.reshape(B, N, C, H, x.shape[-1]), 3, 1).astype(F32)
   q_ = chunks(q) * scale
   k_, v_ = chunks(kz), chunks(v)
-  # b_i = cumulative log decay inside the chunk, inclusive (b_i = γ·(i+1) without a mask); all <= 0.
-  b_BxHxNxC = jnp.cumsum(jnp.moveaxis(g_BxTxH.reshape(B, N, C, H), 3, 1), axis=-1)
+  # b_i = cumulative log decay inside the chunk, inclusive; all <= 0. Without a mask it is γ·(number of real
+  # tokens up to i in the chunk), written in closed form: a cumsum over a constant would be folded at
+  # compile time (seconds at 16K tokens).
+  if mask is None:
+    pos_NxC = jnp.arange(N * C).reshape(N, C)
+    count_NxC = jnp.minimum(pos_NxC + 1, T) - C * jnp.arange(N)[:, None]
+    b_BxHxNxC = jnp.broadcast_to(g_gamma.astype(F32)[:, None, None] * count_NxC, (B, H, N, C))
+  else:
+    b_BxHxNxC = jnp.cumsum(jnp.moveaxis(g_BxTxH.reshape(B, N, C, H), 3, 1), axis=-1)
   b_last_BxHxN = b_BxHxNxC[..., -1]
 
   # Intra-chunk: o_i += Σ_{j<=i} exp(b_i - b_j) (q_i·k_j) v_j. The exponent is masked *before* exp so the
