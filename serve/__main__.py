@@ -20,6 +20,8 @@ def parse_args(argv=None):
   src.add_argument("--checkpoint", help="params directory written by laplace_jax.checkpoint.export_params")
   src.add_argument("--random-init", action="store_true", help="serve random weights (benchmarks, demos)")
   w.add_argument("--seed", type=int, default=0, help="init seed for --random-init")
+  w.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
+                 help="serve weights cast to the preset's compute dtype, or as stored")
   w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>)")
   e = p.add_argument_group("engine")
   e.add_argument("--n-slots", type=int, help="concurrent sequences decoded per step "
@@ -52,7 +54,8 @@ def build(args):
   n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
   mesh = loading.make_serving_mesh(args.mesh_devices)
   tok = loading.gpt2_tokenizer()
-  params = loading.load_params(cfg, checkpoint=args.checkpoint, seed=args.seed, mesh=mesh)
+  params = loading.load_params(cfg, checkpoint=args.checkpoint, seed=args.seed, mesh=mesh,
+                               dtype=args.params_dtype)
   engine = Engine(params, cfg, n_slots=n_slots, prefill_batch=args.prefill_batch,
                   prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
                   valid_vocab=tok.vocab_size, mesh=mesh)

@@ -31,6 +31,7 @@ import numpy as np
 from laplace_jax import model
 from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
 from serve import baseline
+from serve.loading import cast_params
 from serve.engine import Engine, Request
 
 
@@ -82,13 +83,6 @@ def laplace_decode_flops_per_token(cfg) -> float:
   state update and readout (4·d_k·d_v per head per layer)."""
   counts = param_counts(cfg)
   return 2 * (counts["muon"] + cfg.d_model * cfg.vocab_size) + cfg.n_layers * cfg.n_heads * 4 * cfg.d_k * cfg.d_v
-
-
-def cast_params(params, cfg, how: str):
-  if how == "param":
-    return params
-  dt = jnp.dtype(cfg.compute_dtype)
-  return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def laplace_params(cfg, how):

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from laplace_jax import model, sharding
 from laplace_jax import tokenizer as gpt2
@@ -35,8 +36,20 @@ def make_serving_mesh(n_devices: int | None):
   return sharding.make_mesh(data=1, fsdp=n_devices)
 
 
-def load_params(cfg, *, checkpoint: str | None, seed: int = 0, mesh=None):
-  """Params from an `export_params` directory (checked against cfg), else random init from `seed`."""
+def cast_params(params, cfg, how: str = "compute"):
+  """Serve the weights in the compute dtype ("compute": half the bytes read per step for bf16 presets,
+  and no per-step casts) or as stored ("param")."""
+  if how not in ("compute", "param"):
+    raise ValueError(f"params dtype {how!r}: expected 'compute' or 'param'.")
+  if how == "param":
+    return params
+  dt = jnp.dtype(cfg.compute_dtype)
+  return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def load_params(cfg, *, checkpoint: str | None, seed: int = 0, mesh=None, dtype: str = "compute"):
+  """Params from an `export_params` directory (checked against cfg), else random init from `seed`;
+  replicated over `mesh` if given; cast as `cast_params` says."""
   if mesh is None:
     target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   else:
@@ -45,6 +58,6 @@ def load_params(cfg, *, checkpoint: str | None, seed: int = 0, mesh=None):
     from laplace_jax import checkpoint as ckpt
     abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target), abstract)
-    return ckpt.load_params(checkpoint, abstract, config=cfg)
+    return cast_params(ckpt.load_params(checkpoint, abstract, config=cfg), cfg, dtype)
   init = jax.jit(model.init_params, static_argnums=0, out_shardings=target)
-  return init(cfg, jax.random.key(seed))
+  return cast_params(init(cfg, jax.random.key(seed)), cfg, dtype)

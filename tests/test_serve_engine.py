@@ -181,3 +181,16 @@ def test_sampling_draws_from_the_filtered_distribution():
   greedy = sampling.sample(logits, jnp.zeros(len(rows)), k, p, jnp.arange(len(rows)),
                            jnp.zeros(len(rows), jnp.int32), valid_vocab=valid)
   np.testing.assert_array_equal(greedy, np.argmax(np.asarray(logits)[:, :valid], -1))
+
+
+def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
+  from laplace_jax import checkpoint
+  from serve import loading
+  checkpoint.export_params(params, tmp_path / "export", config=cfg)
+  mesh = loading.make_serving_mesh(8)
+  got = loading.load_params(cfg, checkpoint=str(tmp_path / "export"), mesh=mesh, dtype="param")
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert b.sharding.is_fully_replicated and len(b.sharding.device_set) == 8
+  with pytest.raises(ValueError):
+    loading.load_params(cfg.replace(d_model=32, d_k=4, d_v=8), checkpoint=str(tmp_path / "export"))
