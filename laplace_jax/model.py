@@ -58,11 +58,14 @@ def _uniform(bound):
 
 class Block(nn.Module):
   """One decoder layer. Sequence mode (T tokens, state optional) and, for T == 1 with a state, the
-  single-token recurrent step. Returns (x, new_layer_state or None)."""
+  single-token recurrent step. The decode state of every layer rides in the carry and this layer updates
+  its slice in place: returning per-layer states as scan outputs would build a second full state copy."""
   cfg: LaplaceConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, layer_state, mask_BxT):
+  def __call__(self, carry, layer_idx, mask_BxT):
+    x_BxTxD, state = carry
+    layer_state = None if state is None else jax.tree.map(lambda s: s[layer_idx], state)
     cfg = self.cfg
     D, H, K, V, W = cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.conv_size
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
@@ -117,13 +120,16 @@ class Block(nn.Module):
     h2 = _layer_norm(x, ln2, cfg.norm_eps)
     x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
 
-    if layer_state is None:
-      return x, None
+    if state is None:
+      return (x, None), None
     # New conv window: the last W real inputs (rows are right-padded: real tokens come first).
     n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
     ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
     new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
-    return x, {"gla": s_new, "conv": new_win}
+    new = {"gla": s_new, "conv": new_win}
+    state = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), layer_idx, 0),
+                         state, new)
+    return (x, state), None
 
 
 class LaplaceLM(nn.Module):
@@ -139,7 +145,7 @@ class LaplaceLM(nn.Module):
     block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
     blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_layers)
-    x, new_state = blocks(cfg, name="layers")(x, state, mask_BxT)
+    (x, new_state), _ = blocks(cfg, name="layers")((x, state), jnp.arange(cfg.n_layers), mask_BxT)
     x = _layer_norm(x, self.param("final_norm_scale", nn.initializers.ones, (cfg.d_model,), pdt),
                     cfg.norm_eps)
     if last_only:  # logits of each row's last real token only: [B, D]

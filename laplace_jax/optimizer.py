@@ -139,21 +139,25 @@ def split_microbatches(batch, n_micro: int):
 def accumulate_gradients(loss_and_grad_fn: Callable, params, microbatches):
   """Token-weighted mean loss and gradient over micro-batches stacked on a leading axis (lax.scan).
 
-  `loss_and_grad_fn(params, microbatch) -> ((loss_sum, n_tokens), grads_of_loss_sum)`, i.e.
-  `jax.value_and_grad(f, has_aux=True)` of an f returning the summed token loss and the token count.
-  Returns (loss_sum / tokens, grads / tokens, tokens), accumulated in fp32: every token weighs the same
-  however the tokens fall into micro-batches.
+  `loss_and_grad_fn(params, microbatch) -> ((loss_sum, aux), grads_of_loss_sum)`, i.e.
+  `jax.value_and_grad(f, has_aux=True)` of an f returning the summed token loss and either the token count
+  or a dict of sums holding it under "tokens" (other entries, e.g. metric sums, are summed alongside).
+  Returns (loss_sum / tokens, grads / tokens, summed aux), accumulated in fp32: every token weighs the
+  same however the tokens fall into micro-batches.
   """
-  f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+  f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
 
   def body(carry, mb):
-    loss_sum, tokens, grads = carry
-    (l, n), g = loss_and_grad_fn(params, mb)
-    return (loss_sum + l.astype(jnp.float32), tokens + n.astype(jnp.float32),
+    loss_sum, aux_sum, grads = carry
+    (l, aux), g = loss_and_grad_fn(params, mb)
+    return (loss_sum + l.astype(jnp.float32), jax.tree.map(jnp.add, aux_sum, f32(aux)),
             jax.tree.map(jnp.add, grads, f32(g))), None
 
+  first = jax.tree.map(lambda x: x[0], microbatches)
+  aux_shape = jax.eval_shape(lambda: loss_and_grad_fn(params, first)[0][1])
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  init = (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32), zeros)
-  (loss_sum, tokens, grads), _ = jax.lax.scan(body, init, microbatches)
+  init = (jnp.zeros([], jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape), zeros)
+  (loss_sum, aux, grads), _ = jax.lax.scan(body, init, microbatches)
+  tokens = aux["tokens"] if isinstance(aux, dict) else aux
   inv = 1.0 / jnp.maximum(tokens, 1.0)
-  return loss_sum * inv, jax.tree.map(lambda g: g * inv, grads), tokens
+  return loss_sum * inv, jax.tree.map(lambda g: g * inv, grads), aux

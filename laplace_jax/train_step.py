@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from laplace_jax import model, sharding
+from laplace_jax import optimizer as optim
 from laplace_jax.config import LaplaceConfig
 
 F32 = jnp.float32
@@ -46,35 +47,17 @@ def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   return ce + z_loss * z, {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
 
 
-def _split_micro(x_BxT, m: int, mesh: Mesh | None):
-  """[B, ...] -> [m, B/m, ...] where micro-batch i takes rows i, i+m, …: every device keeps its own rows
-  in every micro-batch (splitting contiguous rows would move a micro-batch onto a subset of devices)."""
-  B = x_BxT.shape[0]
-  x = jnp.swapaxes(x_BxT.reshape(B // m, m, *x_BxT.shape[1:]), 0, 1)
-  if mesh is not None:
-    x = jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2)))))
-  return x
-
-
 def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTransformation,
                step_cfg: StepConfig = StepConfig(), mesh: Mesh | None = None, lr_schedule=None):
   """One optimizer step over the global batch, accumulated over micro-batches; pure."""
   params = state["params"]
-  m = step_cfg.micro_batches
   grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(p, mb, cfg=cfg, z_loss=step_cfg.z_loss), has_aux=True)
-
-  def micro(acc, mb):
-    (_, aux), g = grad_fn(params, mb)
-    g = jax.tree.map(lambda a, b: a + b.astype(F32), acc[0], g)
-    return (g, jax.tree.map(jnp.add, acc[1], aux)), None
-
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params)
-  aux0 = {"ce": jnp.zeros((), F32), "z": jnp.zeros((), F32), "tokens": jnp.zeros((), F32)}
-  micro_batches = jax.tree.map(lambda x: _split_micro(x, m, mesh), batch)
-  (g_sum, aux), _ = jax.lax.scan(micro, (zeros, aux0), micro_batches)
+  micro = optim.split_microbatches(batch, step_cfg.micro_batches)  # [m, B/m, ...], rows interleaved
+  if mesh is not None:  # each micro-batch stays spread over every device
+    micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2))))), micro)
+  _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
   n_tok = jnp.maximum(aux["tokens"], 1.0)
-  grads = jax.tree.map(lambda g: g / n_tok, g_sum)      # token-weighted mean over the whole batch
   loss = aux["ce"] / n_tok
   grad_norm = optax.tree.norm(grads)
 
