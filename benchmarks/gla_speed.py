@@ -63,6 +63,10 @@ def main():
   ap.add_argument("--softmax-max", type=int, default=8192,
                   help="longest T for softmax attention (its [T,T] scores per head must fit in memory)")
   ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--form", default="parallel", choices=["parallel", "scan"],
+                  help="chunk_simple_gla's form: intra-chunk work for all chunks at once, or inside the scan")
+  ap.add_argument("--only-chunked", action="store_true", help="skip the token scan and softmax attention")
   args = ap.parse_args()
   H, K, V, C = args.heads, args.dk, args.dv, args.chunk
   dtype = jnp.dtype(args.dtype)
@@ -70,31 +74,33 @@ def main():
   peak = matmul_peak(dtype=dtype)
   print(f"device: {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
         f"{jax.device_count()} device(s); {args.dtype} 2048² matmul peak: {peak:.1f} GFLOP/s")
-  print(f"B=1, H={H}, K={K}, V={V}, chunk={C}\n")
+  print(f"B={args.batch}, H={H}, K={K}, V={V}, chunk={C}, form={args.form}\n")
   print("| T | chunked fwd ms | chunked fwd+bwd ms | fwd+bwd GFLOP/s | % of peak | µs/token fwd+bwd "
         "| token scan fwd ms | token scan fwd+bwd ms | softmax fwd ms | softmax fwd+bwd ms "
         "| chunked vs scan (fwd+bwd) | chunked vs softmax (fwd+bwd) |")
   print("|---" * 12 + "|")
-  chunked = lambda q, k, v: gla.chunk_simple_gla(q, k, v, g, chunk_size=C)[0]
+  chunked = lambda q, k, v: gla.chunk_simple_gla(q, k, v, g, chunk_size=C, form=args.form)[0]
+  Bt = args.batch
   scan = lambda q, k, v: gla.naive_recurrent_simple_gla(q, k, v, g)[0]
   for T in args.lengths:
     ks = jax.random.split(jax.random.key(T), 4)
-    q, k = (jax.random.normal(kk, (1, T, H, K), dtype) for kk in ks[:2])
-    v, w = (jax.random.normal(kk, (1, T, H, V), dtype) for kk in ks[2:])
-    flops_fwd = T * H * (2 * C * (K + V) + 4 * K * V)
+    q, k = (jax.random.normal(kk, (Bt, T, H, K), dtype) for kk in ks[:2])
+    v, w = (jax.random.normal(kk, (Bt, T, H, V), dtype) for kk in ks[2:])
+    flops_fwd = Bt * T * H * (2 * C * (K + V) + 4 * K * V)
     t_cf = bench(jax.jit(chunked), q, k, v)
     t_cb = bench(fwd_bwd(chunked), q, k, v, w)
     gflops = 3 * flops_fwd / t_cb / 1e9
-    t_sf = bench(jax.jit(scan), q, k, v, reps=1)
-    t_sb = bench(fwd_bwd(scan), q, k, v, w, reps=1) if T <= args.token_scan_max else float("nan")
-    if T <= args.softmax_max:
+    t_sf = bench(jax.jit(scan), q, k, v, reps=1) if not args.only_chunked else float("nan")
+    t_sb = (bench(fwd_bwd(scan), q, k, v, w, reps=1) if T <= args.token_scan_max and not args.only_chunked
+            else float("nan"))
+    if T <= args.softmax_max and not args.only_chunked:
       t_af = bench(jax.jit(softmax_attn), q, k, v, reps=1)
       t_ab = bench(fwd_bwd(softmax_attn), q, k, v, w, reps=1)
     else:
       t_af = t_ab = float("nan")
     ms = lambda t: f"{t * 1e3:.1f}" if np.isfinite(t) else "–"
     ratio = lambda a, b: f"{a / b:.1f}×" if np.isfinite(a) else "–"
-    print(f"| {T} | {ms(t_cf)} | {ms(t_cb)} | {gflops:.1f} | {100 * gflops / peak:.0f}% | {t_cb / T * 1e6:.2f} "
+    print(f"| {T} | {ms(t_cf)} | {ms(t_cb)} | {gflops:.1f} | {100 * gflops / peak:.0f}% | {t_cb / (T * Bt) * 1e6:.2f} "
           f"| {ms(t_sf)} | {ms(t_sb)} | {ms(t_af)} | {ms(t_ab)} | {ratio(t_sb, t_cb)} | {ratio(t_ab, t_cb)} |",
           flush=True)
 

@@ -27,18 +27,19 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("T", [256, 200, 1, 130])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunked_matches_reference_fp32(T, with_state):
+@pytest.mark.parametrize("form", ["parallel", "scan"])
+def test_chunked_matches_reference_fp32(T, with_state, form):
   q, k, v, s0 = _inputs(2, T, 16, 8, 12)
   s0 = s0 if with_state else None
-  o, s = gla.chunk_simple_gla(q, k, v, G_REAL, initial_state=s0, chunk_size=128)
+  o, s = gla.chunk_simple_gla(q, k, v, G_REAL, initial_state=s0, chunk_size=128, form=form)
   o_ref, s_ref = gla.naive_recurrent_simple_gla(q, k, v, G_REAL, initial_state=s0)
   assert o.shape == o_ref.shape and s.dtype == jnp.float32
   assert _rel(o, o_ref) <= 1e-5
   assert _rel(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("T", [256, 77])
-def test_chunked_gradients_match_reference(T):
+@pytest.mark.parametrize("T, form", [(256, "parallel"), (77, "parallel"), (200, "scan")])
+def test_chunked_gradients_match_reference(T, form):
   q, k, v, s0 = _inputs(1, T, 16, 8, 12, seed=1)
   w_o = jax.random.normal(jax.random.key(9), (1, T, 16, 12))
   w_s = jax.random.normal(jax.random.key(8), s0.shape)
@@ -47,7 +48,7 @@ def test_chunked_gradients_match_reference(T):
     o, s = fn(q, k, v, G_REAL, initial_state=s0)
     return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
-  chunked = lambda *a, **kw: gla.chunk_simple_gla(*a, chunk_size=64, **kw)
+  chunked = lambda *a, **kw: gla.chunk_simple_gla(*a, chunk_size=64, form=form, **kw)
   g = jax.grad(lambda *a: loss(chunked, *a), argnums=(0, 1, 2, 3))(q, k, v, s0)
   g_ref = jax.grad(lambda *a: loss(gla.naive_recurrent_simple_gla, *a), argnums=(0, 1, 2, 3))(q, k, v, s0)
   for name, a, b in zip("q k v s0".split(), g, g_ref):
@@ -74,12 +75,13 @@ def test_split_sequence_with_state_equals_one_pass():
   assert _rel(jnp.concatenate([oa, ob], 1), o) <= 1e-5 and _rel(sb, s) <= 1e-5
 
 
-def test_mask_skips_positions_exactly():
+@pytest.mark.parametrize("form", ["parallel", "scan"])
+def test_mask_skips_positions_exactly(form):
   """Masked positions neither decay nor feed the state: a right-padded batch row == its prefix alone."""
   q, k, v, s0 = _inputs(2, 128, 16, 8, 12, seed=4)
   n = 37
   mask = jnp.arange(128)[None, :] < jnp.array([[n], [128]])
-  o, s = gla.chunk_simple_gla(q, k, v, G_REAL, initial_state=s0, mask=mask)
+  o, s = gla.chunk_simple_gla(q, k, v, G_REAL, initial_state=s0, mask=mask, form=form)
   o_ref, s_ref = gla.naive_recurrent_simple_gla(q[:1, :n], k[:1, :n], v[:1, :n], G_REAL,
                                                 initial_state=s0[:1])
   assert _rel(o[0, :n], o_ref[0]) <= 1e-5 and _rel(s[0], s_ref[0]) <= 1e-5
@@ -129,3 +131,5 @@ def test_bad_input_errors():
     gla.chunk_simple_gla(q, k, v, g, initial_state=s0[:, :1])
   with pytest.raises(ValueError, match="k has shape"):
     gla.chunk_simple_gla(q, k[:, :8], v, g)
+  with pytest.raises(ValueError, match="form"):
+    gla.chunk_simple_gla(q, k, v, g, form="fused")
