@@ -35,6 +35,7 @@ class LaplaceConfig:
   compute_dtype: str = "bfloat16"
   remat: bool = True           # rematerialise each layer in the backward pass
   unroll_chunks: bool = False  # statically unroll the chunk scan (what the Trainium port compiled)
+  gla_form: str = "parallel"   # chunk_simple_gla's form: "parallel" (GPUs) or "scan" (CPUs); same math
 
   def __post_init__(self):
     def bad(field, value, expect, fix):
@@ -58,6 +59,8 @@ class LaplaceConfig:
       v = getattr(self, f)
       if v not in ("float32", "bfloat16", "float16"):
         bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
+    if self.gla_form not in ("parallel", "scan"):
+      bad("gla_form", self.gla_form, "'parallel' or 'scan'", "parallel is faster on GPUs, scan on CPUs.")
     if self.max_seq_len % self.chunk_size:
       bad("max_seq_len", self.max_seq_len, f"a multiple of chunk_size={self.chunk_size}",
           "Training sequences are split into whole chunks.")

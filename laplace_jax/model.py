@@ -105,7 +105,7 @@ class Block(nn.Module):
     else:
       o_BxTxHxV, s_new = gla.chunk_simple_gla(
           q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
-          chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks)
+          chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks, form=cfg.gla_form)
 
     # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
     gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32), aug_a.astype(F32),

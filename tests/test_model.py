@@ -49,6 +49,7 @@ def test_small_preset_size():
     (dict(d_model=0), "positive integer"),
     (dict(compute_dtype="int8"), "floating dtype"),
     (dict(max_seq_len=100), "multiple of chunk_size"),
+    (dict(gla_form="fused"), "gla_form"),
 ])
 def test_invalid_configs_rejected(bad, match):
   with pytest.raises(ValueError, match=match):
@@ -127,6 +128,12 @@ def test_bad_inputs(params):
     model.decode_step(params, state, jnp.zeros((3,), jnp.int32), cfg=CFG)
   with pytest.raises(ValueError, match="integer"):
     model.forward(params, jnp.zeros((1, 4), jnp.float32), cfg=CFG)
+
+
+def test_scan_form_model_matches_parallel(params):
+  toks = jax.random.randint(jax.random.key(5), (2, 200), 0, CFG.vocab_size)
+  np.testing.assert_allclose(model.forward(params, toks, cfg=CFG.replace(gla_form="scan")),
+                             model.forward(params, toks, cfg=CFG), atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_compute_close_to_fp32(params):

@@ -68,6 +68,7 @@ MODEL_HELP = {
     "compute_dtype": "matmul dtype (float32 | bfloat16)",
     "remat": "rematerialise each layer in the backward pass (true/false)",
     "unroll_chunks": "statically unroll the chunk scan (true/false)",
+    "gla_form": "chunked GLA form: parallel (faster on GPUs) | scan (constant time per token on CPUs)",
 }
 OPTIMIZER_HELP = {
     "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b)",
