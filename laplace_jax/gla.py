@@ -43,25 +43,51 @@ def _check(q, k, v, g_gamma, initial_state, mask):
     raise ValueError(f"mask has shape {mask.shape}: expected [B, T] = {(B, T)}.")
 
 
-def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll):
-  """Every chunk's whole work (intra, readout, state update) inside one scan step: [B,H,N,C,·] -> o, S."""
-  C = q_.shape[3]
-  causal_CxC = jnp.tril(jnp.ones((C, C), bool))
+def _chunk_terms(q_, k_, v_, b):
+  """One chunk's pieces, for any leading dims ([..., C, ·], b [..., C]): the intra-chunk output
+  Σ_{j<=i} exp(b_i - b_j)(q_i·k_j) v_j, the state contribution U = Σ_j exp(b_last - b_j) k_j v_j^T, the
+  chunk's total decay exp(b_last), and the decayed queries exp(b_i) q_i that read the incoming state.
 
+  The exponent is masked *before* exp, so the (positive) upper triangle never overflows; nothing is ever
+  divided by a cumulative decay."""
+  C = b.shape[-1]
+  decay = jnp.exp(jnp.where(jnp.tril(jnp.ones((C, C), bool)), b[..., :, None] - b[..., None, :], -jnp.inf))
+  o_intra = jnp.einsum("...ij,...jv->...iv", jnp.einsum("...ik,...jk->...ij", q_, k_) * decay, v_)
+  b_last = b[..., -1:]
+  u = jnp.einsum("...jk,...jv->...kv", k_ * jnp.exp(b_last - b)[..., None], v_)
+  return o_intra, u, jnp.exp(b_last[..., 0]), q_ * jnp.exp(b)[..., None]
+
+
+def _read(q_dec, s):
+  """exp(b_i) q_i^T S for every position of a chunk."""
+  return jnp.einsum("...ik,...kv->...iv", q_dec, s)
+
+
+def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll):
+  """Every chunk's whole work inside one scan step (cache-sized working set): [B,H,N,C,·] -> (o, S)."""
   def step(s, xs):
-    q_c, k_c, v_c, b_c = xs                                                  # [B,H,C,·], b [B,H,C]
-    decay = jnp.exp(jnp.where(causal_CxC, b_c[..., :, None] - b_c[..., None, :], -jnp.inf))
-    att = jnp.einsum("bhik,bhjk->bhij", q_c, k_c) * decay
-    o = (jnp.einsum("bhij,bhjv->bhiv", att, v_c)
-         + jnp.einsum("bhik,bhkv->bhiv", q_c * jnp.exp(b_c)[..., None], s))
-    b_last = b_c[..., -1:]
-    s = jnp.exp(b_last)[..., None] * s + jnp.einsum("bhjk,bhjv->bhkv", k_c * jnp.exp(b_last - b_c)[..., None], v_c)
-    return s, o
+    o_intra, u, d_BxH, q_dec = _chunk_terms(*xs)                            # one chunk: [B, H, C, ·]
+    return d_BxH[..., None, None] * s + u, o_intra + _read(q_dec, s)
 
   n_first = lambda x: jnp.moveaxis(x, 2, 0)
   s, o_NxBxHxCxV = jax.lax.scan(step, s0, tuple(map(n_first, (q_, k_, v_, b_BxHxNxC))),
                                 unroll=q_.shape[2] if unroll else 1)
   return jnp.moveaxis(o_NxBxHxCxV, 0, 2), s
+
+
+def _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll):
+  """Every chunk's intra-chunk work at once, then the only sequential part, S_n = d_n S_{n-1} + U_n over a
+  static number of chunks, which emits each chunk's incoming state S_{n-1} for the readout."""
+  o_intra, u_BxHxNxKxV, d_BxHxN, q_dec = _chunk_terms(q_, k_, v_, b_BxHxNxC)
+
+  def step(s_prev, xs):
+    d_BxH, u = xs
+    return d_BxH[..., None, None] * s_prev + u, s_prev
+
+  final_state, s_prev_NxBxHxKxV = jax.lax.scan(
+      step, s0, (jnp.moveaxis(d_BxHxN, 2, 0), jnp.moveaxis(u_BxHxNxKxV, 2, 0)),
+      unroll=q_.shape[2] if unroll else 1)
+  return o_intra + _read(q_dec, jnp.moveaxis(s_prev_NxBxHxKxV, 0, 2)), final_state
 
 
 def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_size=128,
@@ -87,18 +113,12 @@ def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_
   scale = K ** -0.5 if scale is None else scale
   out_dtype = v.dtype
 
-  # Per-token log decay [B, T, H]: g_gamma where real, 0 where masked. Padding T up to a whole number of
-  # chunks uses the same trick, so the final state is exact for any T.
-  g_BxTxH = jnp.broadcast_to(g_gamma.astype(F32), (B, T, H))
-  kz = k
-  if mask is not None:
-    g_BxTxH = jnp.where(mask[..., None], g_BxTxH, 0.0)
-    kz = jnp.where(mask[..., None, None], k, 0)
+  # Masked positions get key 0 and log decay 0: they neither feed nor decay the state. Padding T up to a
+  # whole number of chunks works the same way, so the final state is exact for any T.
+  kz = k if mask is None else jnp.where(mask[..., None, None], k, 0)
   N = -(-T // C)
-  pad = N * C - T
-  if pad:
-    padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    q, kz, v, g_BxTxH = padt(q), padt(kz), padt(v), padt(g_BxTxH)
+  padt = lambda x: jnp.pad(x, [(0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 2))
+  q, kz, v = padt(q), padt(kz), padt(v)
 
   # [B, H, N, C, ·]: head-major chunk views, so every contraction below is a plain batched matmul.
   chunks = lambda x: jnp.moveaxis(x.reshape(B, N, C, H, x.shape[-1]), 3, 1).astype(F32)
@@ -112,41 +132,15 @@ def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_
     count_NxC = jnp.minimum(pos_NxC + 1, T) - C * jnp.arange(N)[:, None]
     b_BxHxNxC = jnp.broadcast_to(g_gamma.astype(F32)[:, None, None] * count_NxC, (B, H, N, C))
   else:
+    g_BxTxH = padt(jnp.where(mask[..., None], g_gamma.astype(F32), 0.0))
     b_BxHxNxC = jnp.cumsum(jnp.moveaxis(g_BxTxH.reshape(B, N, C, H), 3, 1), axis=-1)
-  b_last_BxHxN = b_BxHxNxC[..., -1]
 
   s0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
   if form == "scan":
     o, final_state = _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll)
-    o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, V)[:, :T]
-    return o.astype(out_dtype), final_state
-  # Intra-chunk: o_i += Σ_{j<=i} exp(b_i - b_j) (q_i·k_j) v_j. The exponent is masked *before* exp so the
-  # (positive) upper triangle never overflows; nothing is ever divided by a cumulative decay.
-  causal_CxC = jnp.tril(jnp.ones((C, C), bool))
-  diff = b_BxHxNxC[..., :, None] - b_BxHxNxC[..., None, :]                 # [B,H,N,Ci,Cj]
-  decay_BxHxNxCxC = jnp.exp(jnp.where(causal_CxC, diff, -jnp.inf))
-  att_BxHxNxCxC = jnp.einsum("bhnik,bhnjk->bhnij", q_, k_) * decay_BxHxNxCxC
-  o_intra = jnp.einsum("bhnij,bhnjv->bhniv", att_BxHxNxCxC, v_)
-
-  # Per-chunk state contribution U_n = Σ_j exp(b_last - b_j) k_j v_j^T and the chunk's total decay.
-  k_dec = k_ * jnp.exp(b_last_BxHxN[..., None] - b_BxHxNxC)[..., None]
-  u_BxHxNxKxV = jnp.einsum("bhnjk,bhnjv->bhnkv", k_dec, v_)
-  d_BxHxN = jnp.exp(b_last_BxHxN)
-
-  # The only sequential part: S_n = d_n S_{n-1} + U_n over a static number of chunks; emits S_{n-1}.
-
-  def step(s_prev, xs):
-    d_BxH, u = xs
-    return d_BxH[..., None, None] * s_prev + u, s_prev
-
-  final_state, s_prev_NxBxHxKxV = jax.lax.scan(
-      step, s0, (jnp.moveaxis(d_BxHxN, 2, 0), jnp.moveaxis(u_BxHxNxKxV, 2, 0)),
-      unroll=N if unroll else 1)
-
-  # Inter-chunk readout: o_i += exp(b_i) q_i^T S_{n-1}.
-  q_dec = q_ * jnp.exp(b_BxHxNxC)[..., None]
-  o_inter = jnp.einsum("bhnik,bhnkv->bhniv", q_dec, jnp.moveaxis(s_prev_NxBxHxKxV, 0, 2))
-  o = jnp.moveaxis(o_intra + o_inter, 1, 3).reshape(B, N * C, H, V)[:, :T]
+  else:
+    o, final_state = _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll)
+  o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, V)[:, :T]
   return o.astype(out_dtype), final_state
 
 
