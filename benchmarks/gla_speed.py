@@ -10,31 +10,18 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import gla
+from laplace_jax import gla, timing
 from laplace_jax.config import LaplaceConfig, log_decays
 
 
 def bench(fn, *args, reps=3):
   """Median wall time of a compiled call (compile and one warm-up excluded)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
-def matmul_peak(n=2048, dtype=jnp.float32):
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda a: a @ a)
-  return 2 * n ** 3 / bench(f, a, reps=5) / 1e9
+  return timing.median_seconds(lambda: jax.block_until_ready(fn(*args)), reps, warmup=1)
 
 
 def fwd_bwd(f):
@@ -71,7 +58,7 @@ def main():
   H, K, V, C = args.heads, args.dk, args.dv, args.chunk
   dtype = jnp.dtype(args.dtype)
   g = jnp.asarray(log_decays(LaplaceConfig(n_heads=H, n_decay_tiers=1)))
-  peak = matmul_peak(dtype=dtype)
+  peak = timing.matmul_peak_flops(dtype=dtype) / 1e9
   print(f"device: {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
         f"{jax.device_count()} device(s); {args.dtype} 2048² matmul peak: {peak:.1f} GFLOP/s")
   print(f"B={args.batch}, H={H}, K={K}, V={V}, chunk={C}, form={args.form}\n")

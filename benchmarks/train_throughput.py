@@ -18,28 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import sharding, train_step as ts
+from laplace_jax import sharding, timing, train_step as ts
 from laplace_jax.config import MUON_PARAM_NAMES, flops_per_token, get_config, param_shapes
 from laplace_jax.muon import ns_flops
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
-
-
-def timed(f, *args, reps):
-  out = f(*args)
-  jax.block_until_ready(out)
-  ts_ = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = f(*args)
-    jax.block_until_ready(out)
-    ts_.append(time.perf_counter() - t0)
-  return float(np.median(ts_)), out
-
-
-def matmul_peak(n, dtype):
-  a = jnp.ones((n, n), dtype)
-  t, _ = timed(jax.jit(lambda a: a @ a), a, reps=5)
-  return 2 * n ** 3 / t
 
 
 def main():
@@ -59,7 +41,7 @@ def main():
     cfg = cfg.replace(remat=False)
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   opt = make_optimizer(OptimizerConfig(total_steps=1000, warmup_steps=10), mesh=None)
-  peak = matmul_peak(args.matmul_size, jnp.dtype(cfg.compute_dtype))
+  peak = timing.matmul_peak_flops(args.matmul_size, jnp.dtype(cfg.compute_dtype))
   print(f"device: {jax.devices()[0].device_kind} ({platform.machine()}); {cfg.compute_dtype} "
         f"{args.matmul_size}² matmul peak {peak / 1e9:.1f} GFLOP/s")
 
@@ -80,7 +62,8 @@ def main():
   # The optimizer update alone, on gradients shaped like the params.
   upd = jax.jit(lambda g, o, p: opt.update(g, o, p))
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), state["params"])
-  opt_s, _ = timed(upd, grads, state["opt_state"], state["params"], reps=args.steps)
+  opt_s = timing.median_seconds(lambda: jax.block_until_ready(upd(grads, state["opt_state"], state["params"])),
+                                args.steps, warmup=1)
 
   tokens = args.batch * args.seq_len
   model_flops = flops_per_token(cfg.replace(chunk_size=min(cfg.chunk_size, args.seq_len))) * tokens

@@ -108,7 +108,7 @@ def abstract_train_state(cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None
 
 def init_train_state_on_mesh(cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int) -> dict:
   """Create the train state directly in its sharded layout (no full copy on one device)."""
-  shards = train_state_shardings(jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed)), mesh)
+  shards = jax.tree.map(lambda s: s.sharding, abstract_train_state(cfg, optimizer, mesh, seed))
   return jax.jit(lambda: init_train_state(cfg, optimizer, seed), out_shardings=shards)()
 
 

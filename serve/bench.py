@@ -21,7 +21,6 @@ import functools
 import gc
 import json
 import platform
-import statistics
 import time
 
 import jax
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import model
+from laplace_jax.timing import matmul_peak_flops, median_seconds
 from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
 from serve import baseline
 from serve.loading import cast_params
@@ -65,18 +65,6 @@ def parse_args(argv=None):
 
 
 # ---- helpers ----
-
-def median_seconds(fn, n: int, warmup: int = 2) -> float:
-  """Median wall time of fn() (which blocks on its result) over n calls after warm-up calls."""
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
 
 def laplace_decode_flops_per_token(cfg) -> float:
   """Matmul FLOPs of one decoded token: 2 per weight of the hidden matrices and LM head, plus the GLA
@@ -247,15 +235,11 @@ def run_flops(args, out):
   cfg = get_config(args.preset)
   params = laplace_params(cfg, args.params_dtype)
   n, dt = args.matmul_size, jnp.dtype(cfg.compute_dtype)
-  a = jax.random.normal(jax.random.key(0), (n, n), dt)
-  b = jax.random.normal(jax.random.key(1), (n, n), dt)
-  mm = jax.jit(lambda a, b: a @ b)
-  peak_s = median_seconds(lambda: mm(a, b).block_until_ready(), 10)
-  peak = 2 * n ** 3 / peak_s
+  peak = matmul_peak_flops(n, dt, reps=10)
   step = LaplaceStep(params, cfg, args.flops_slots)
   step_s = median_seconds(step, args.steps)
   # Re-measure the peak after the step: a shared machine's speed drifts.
-  peak = max(peak, 2 * n ** 3 / median_seconds(lambda: mm(a, b).block_until_ready(), 10))
+  peak = max(peak, matmul_peak_flops(n, dt, reps=10))
   flops = args.flops_slots * laplace_decode_flops_per_token(cfg)
   achieved = flops / step_s
   _table(f"decode step FLOP/s ({args.preset}, {args.flops_slots} slots, {cfg.compute_dtype})",

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import checkpoint, data, model, sharding, train_step as ts
+from laplace_jax import checkpoint, data, sharding, timing, train_step as ts
 from laplace_jax import optimizer as optim
 from laplace_jax.config import flops_per_token, param_counts
 from train.config import RunConfig, TrainConfig
@@ -27,15 +27,9 @@ def log0(*a):
     print(*a, flush=True)
 
 
-def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
-  """Measured fp32 matmul FLOP/s of one local device: the denominator of the MFU we report."""
-  a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(reps):
-    f(a).block_until_ready()
-  per_device = 2 * n ** 3 * reps / (time.perf_counter() - t)
+def host_matmul_peak_flops() -> float:
+  """Measured fp32 matmul FLOP/s of this process's devices: the denominator of the MFU we report."""
+  per_device = timing.matmul_peak_flops()
   # Simulated CPU devices share the host's cores: the host's peak is one device's, not N of them.
   n_dev = 1 if jax.default_backend() == "cpu" else jax.local_device_count()
   return per_device * n_dev * jax.process_count()
@@ -95,6 +89,7 @@ def _write_loss_curve(metrics_path: Path, png: Path):
 def run(rc: RunConfig) -> dict:
   """Train as configured; returns a summary (first/last loss, eval loss, steps, tokens/s)."""
   tc, cfg = rc.train, rc.model
+  cfg_dict = dataclasses.asdict(cfg)  # saved with every checkpoint and export, and checked on restore
   seq_len = tc.seq_len or cfg.max_seq_len
   mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
   opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
@@ -129,7 +124,7 @@ def run(rc: RunConfig) -> dict:
     raise ValueError(f"--no-resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
                      "use another --out_dir or remove that directory to start afresh.")
   if latest is not None:
-    restored = ckpt.restore(abstract_state=abstract, config=dataclasses.asdict(cfg))
+    restored = ckpt.restore(abstract_state=abstract, config=cfg_dict)
     state, start = restored.train_state, restored.step
     if restored.data_state is not None:
       it.set_state(restored.data_state)
@@ -153,7 +148,7 @@ def run(rc: RunConfig) -> dict:
       ce, tok = ce + float(aux["ce"]), tok + float(aux["tokens"])
     return ce / max(tok, 1.0)
 
-  peak = matmul_peak_flops()
+  peak = host_matmul_peak_flops()
   fpt = flops_per_token(cfg.replace(chunk_size=min(cfg.chunk_size, seq_len)))
   metrics_path = out / "metrics.jsonl"
   mfile = open(metrics_path, "a") if jax.process_index() == 0 else None
@@ -214,7 +209,7 @@ def run(rc: RunConfig) -> dict:
             mfile.flush()
           say(f"step {i}: held-out loss {summary['eval_loss']:.4f}")
         if is_save:
-          ckpt.save(i, state, data_state=it.get_state(), metadata={"config": dataclasses.asdict(cfg)},
+          ckpt.save(i, state, data_state=it.get_state(), metadata={"config": cfg_dict},
                     force=i == tc.steps)
         since = time.perf_counter()  # eval and save time is not step time
   finally:
@@ -228,14 +223,14 @@ def run(rc: RunConfig) -> dict:
   summary["end_step"] = tc.steps
   export = out / "export" / f"step_{tc.steps}"
   if not export.exists():  # every process takes part in an Orbax save
-    checkpoint.export_params(state["params"], export, config=dataclasses.asdict(cfg))
+    checkpoint.export_params(state["params"], export, config=cfg_dict)
   summary["export"] = str(export)
   if jax.process_index() == 0:
     _write_loss_curve(metrics_path, out / "loss.png")
     log0(f"loss curve: {out / 'loss.png'}; params for serving: {export}")
   if tc.sample_tokens:
     from laplace_jax import generate, tokenizer
-    params = checkpoint.load_params(export, config=dataclasses.asdict(cfg))  # the checkpoint, as host arrays
+    params = checkpoint.load_params(export, config=cfg_dict)  # the checkpoint, as host arrays
     if jax.process_index() == 0:
       ids = generate.generate(params, tokenizer.encode(tc.sample_prompt), tc.sample_tokens, cfg=cfg,
                               valid_vocab=tokenizer.VOCAB_SIZE, seed=tc.seed)
