@@ -16,8 +16,6 @@ aug_balance 0 (a half-strength value skip at start).
 """
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

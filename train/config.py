@@ -138,10 +138,6 @@ class RunConfig:
   model: LaplaceConfig
   optimizer: OptimizerConfig
 
-  def to_dict(self) -> dict:
-    return {"train": dataclasses.asdict(self.train), "model": dataclasses.asdict(self.model),
-            "optimizer": dataclasses.asdict(self.optimizer)}
-
 
 _SECTIONS = {"train": TrainConfig, "model": LaplaceConfig, "optimizer": OptimizerConfig}
 
