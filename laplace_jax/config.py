@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+MIXERS = {"G": "simple GLA (the Laplace layer)", "A": "causal softmax attention with RoPE"}
 GPT2_VOCAB = 50_257
 PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
 
@@ -36,6 +37,8 @@ class LaplaceConfig:
   remat: bool = True           # rematerialise each layer in the backward pass
   unroll_chunks: bool = False  # statically unroll the chunk scan (what the Trainium port compiled)
   gla_form: str = "parallel"   # chunk_simple_gla's form: "parallel" (GPUs) or "scan" (CPUs); same math
+  mixers: str = "G"            # per-layer mixer, a pattern repeated over the layers: G = GLA, A = attention
+  rope_base: float = 10000.0   # RoPE base of the attention layers
 
   def __post_init__(self):
     def bad(field, value, expect, fix):
@@ -61,6 +64,16 @@ class LaplaceConfig:
         bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
     if self.gla_form not in ("parallel", "scan"):
       bad("gla_form", self.gla_form, "'parallel' or 'scan'", "parallel is faster on GPUs, scan on CPUs.")
+    if not self.mixers or set(self.mixers) - set(MIXERS):
+      bad("mixers", self.mixers, f"a non-empty pattern of the letters {sorted(MIXERS)} "
+          f"({', '.join(f'{k} = {v}' for k, v in MIXERS.items())})", "E.g. 'G' (Laplace), 'A' (attention), "
+          "'GGGA' (three GLA layers, then attention, repeated).")
+    if self.n_layers % len(self.mixers):
+      bad("mixers", self.mixers, f"a pattern whose length {len(self.mixers)} divides n_layers={self.n_layers}",
+          "Layers are scanned in repeating groups: choose a pattern length that divides n_layers.")
+    if "A" in self.mixers and self.attn_head_dim % 2:
+      bad("mixers", self.mixers, f"an even attention head width for RoPE (got {self.attn_head_dim})",
+          "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width.")
     if self.max_seq_len % self.chunk_size:
       bad("max_seq_len", self.max_seq_len, f"a multiple of chunk_size={self.chunk_size}",
           "Training sequences are split into whole chunks.")
@@ -77,6 +90,19 @@ class LaplaceConfig:
   @property
   def qkvg_width(self) -> int:
     return 2 * self.qk_width + 2 * self.v_width
+
+  @property
+  def attn_head_dim(self) -> int:
+    """Attention head width: W_qkv [D, 3·H·hd] + W_o [H·hd, D] spend W_qkvg + W_out's budget, 4·D·H·hd."""
+    return max(2, round((2 * self.d_k + 3 * self.d_v) / 4))
+
+  @property
+  def n_groups(self) -> int:
+    """Repeats of the mixer pattern: the layer scan's length."""
+    return self.n_layers // len(self.mixers)
+
+  def n_mixer_layers(self, letter: str) -> int:
+    return self.mixers.count(letter) * self.n_groups
 
   def replace(self, **changes) -> "LaplaceConfig":
     unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -117,45 +143,60 @@ def get_config(name: str, **overrides) -> LaplaceConfig:
 
 # ---- counts ---------------------------------------------------------------------------------------
 
-MUON_PARAM_NAMES = ("w_qkvg", "w_out", "w1", "w2", "w3")  # the 2-D hidden matrices of each layer
+MUON_PARAM_NAMES = ("w_qkvg", "w_out", "w1", "w2", "w3")  # the 2-D hidden matrices of each GLA layer
+ATTENTION_MUON_NAMES = ("w_qkv", "w_o")                    # an attention layer's instead of w_qkvg, w_out
+
+
+def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
+  """One layer's parameter shapes (unstacked) for mixer 'G' (GLA) or 'A' (attention), keyed by leaf name."""
+  D, H = cfg.d_model, cfg.n_heads
+  if mixer == "G":
+    mix = {"w_qkvg": (D, cfg.qkvg_width), "aug_balance": (H, cfg.d_k),
+           "head_norm_scale": (cfg.n_decay_tiers, cfg.d_v), "w_out": (cfg.v_width, D)}
+  elif mixer == "A":
+    mix = {"w_qkv": (D, 3 * H * cfg.attn_head_dim), "w_o": (H * cfg.attn_head_dim, D)}
+  else:
+    raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
+  return {"ln1_scale": (D,), "conv_kernel": (cfg.conv_size, D), "conv_bias": (D,), **mix, "ln2_scale": (D,),
+          "w1": (D, cfg.d_ff), "w2": (D, cfg.d_ff), "w3": (cfg.d_ff, D)}
 
 
 def param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
-  """Per-layer parameter shapes (unstacked) plus the model-level ones, keyed by leaf name."""
-  D, H = cfg.d_model, cfg.n_heads
-  layer = {
-      "ln1_scale": (D,),
-      "conv_kernel": (cfg.conv_size, D),
-      "conv_bias": (D,),
-      "w_qkvg": (D, cfg.qkvg_width),
-      "aug_balance": (H, cfg.d_k),
-      "head_norm_scale": (cfg.n_decay_tiers, cfg.d_v),
-      "w_out": (cfg.v_width, D),
-      "ln2_scale": (D,),
-      "w1": (D, cfg.d_ff),
-      "w2": (D, cfg.d_ff),
-      "w3": (cfg.d_ff, D),
-  }
+  """The GLA layer's parameter shapes (unstacked) plus the model-level ones, keyed by leaf name."""
+  D = cfg.d_model
   model = {"embed": (cfg.vocab_size, D), "final_norm_scale": (D,), "lm_head": (D, cfg.vocab_size)}
-  return {"layer": layer, "model": model}
+  return {"layer": layer_shapes(cfg, "G"), "model": model}
 
 
 def param_counts(cfg: LaplaceConfig) -> dict[str, int]:
   """Parameters split the way the optimizer splits them: Muon (2-D hidden matrices) and AdamW."""
-  shapes = param_shapes(cfg)
-  muon = sum(math.prod(s) for n, s in shapes["layer"].items() if n in MUON_PARAM_NAMES)
-  adam_layer = sum(math.prod(s) for n, s in shapes["layer"].items() if n not in MUON_PARAM_NAMES)
-  adam_model = sum(math.prod(s) for s in shapes["model"].values())
-  muon *= cfg.n_layers
-  adamw = adam_layer * cfg.n_layers + adam_model
+  muon_names = MUON_PARAM_NAMES + ATTENTION_MUON_NAMES
+  muon = adamw = 0
+  for letter in cfg.mixers:
+    shapes = layer_shapes(cfg, letter)
+    muon += cfg.n_groups * sum(math.prod(s) for n, s in shapes.items() if n in muon_names)
+    adamw += cfg.n_groups * sum(math.prod(s) for n, s in shapes.items() if n not in muon_names)
+  adamw += sum(math.prod(s) for s in param_shapes(cfg)["model"].values())
   return {"total": muon + adamw, "muon": muon, "adamw": adamw}
 
 
-def state_bytes_per_sequence(cfg: LaplaceConfig) -> int:
-  """Decode state per sequence: fp32 GLA matrices [H, d_k, d_v] and an fp32 conv window [conv, D]."""
-  gla = cfg.n_heads * cfg.d_k * cfg.d_v * 4
-  conv = cfg.conv_size * cfg.d_model * 4
-  return cfg.n_layers * (gla + conv)
+def kv_cache_bytes_per_token(cfg: LaplaceConfig) -> int:
+  """Keys and values that the attention layers keep per token of context, in the compute dtype."""
+  itemsize = np.dtype(cfg.compute_dtype).itemsize if cfg.compute_dtype != "bfloat16" else 2
+  return cfg.n_mixer_layers("A") * 2 * cfg.n_heads * cfg.attn_head_dim * itemsize
+
+
+def state_bytes_per_sequence(cfg: LaplaceConfig, context: int | None = None) -> int:
+  """Decode state per sequence: fp32 GLA matrices [H, d_k, d_v] per GLA layer, an fp32 conv window
+  [conv, D] per layer, and for attention layers a KV cache of `context` tokens (+ a 4-byte position)."""
+  gla = cfg.n_mixer_layers("G") * cfg.n_heads * cfg.d_k * cfg.d_v * 4
+  conv = cfg.n_layers * cfg.conv_size * cfg.d_model * 4
+  if "A" not in cfg.mixers:
+    return gla + conv
+  if context is None:
+    raise ValueError(f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: "
+                     "pass context=N tokens.")
+  return gla + conv + context * kv_cache_bytes_per_token(cfg) + 4
 
 
 def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
@@ -163,6 +204,8 @@ def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
   counts = param_counts(cfg)
   matmul_params = counts["muon"] + cfg.d_model * cfg.vocab_size  # LM head; the embedding is a gather
   C, K, V = cfg.chunk_size, cfg.d_k, cfg.d_v
-  gla = cfg.n_layers * cfg.n_heads * (2 * C * (K + V) + 4 * K * V)
-  fwd = 2 * matmul_params + gla
+  gla = cfg.n_mixer_layers("G") * cfg.n_heads * (2 * C * (K + V) + 4 * K * V)
+  # causal attention over a training sequence of max_seq_len: QKᵀ and PV, half of them masked on average
+  attn = cfg.n_mixer_layers("A") * cfg.n_heads * 2 * cfg.max_seq_len * cfg.attn_head_dim
+  fwd = 2 * matmul_params + gla + attn
   return 3 * fwd if training else fwd

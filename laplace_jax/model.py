@@ -3,10 +3,13 @@
 One layer (REFERENCE.md): x → LayerNorm → causal depth-wise conv (k=4) + SiLU → W_qkvg → q, k, v, g →
 simple GLA with a fixed geometric decay → + σ(q·(a⊙k))·v → Head RMSNorm per decay tier → ⊙ SiLU(g) → W_out
 → + x; then LayerNorm → GLU(SiLU) FFN → + x. Layers run under `nn.scan` (one compiled body).
+`cfg.mixers` may swap the mixer (W_qkvg … W_out) for causal softmax attention with RoPE ('A', same heads,
+W_qkv and W_o of the same parameter budget) in a pattern repeated over the layers; the scan then runs over
+the pattern's repeats, one compiled body holding one block per letter.
 
 Public, all pure functions of pytrees (`cfg` is static):
   init_params(cfg, rng) -> params            forward(params, tokens_BxT, cfg=) -> logits_BxTxV (fp32)
-  init_state(cfg, batch) -> state            decode_step(params, state, tokens_B, cfg=) -> (logits_BxV, state)
+  init_state(cfg, batch[, max_len]) -> state decode_step(params, state, tokens_B, cfg=) -> (logits_BxV, state)
   prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxV, state)
   prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxV, state)   host loop, one compile
 
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import gla
+from laplace_jax import attention, gla
 from laplace_jax.config import LaplaceConfig, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
@@ -54,17 +57,75 @@ def _uniform(bound):
   return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, s0, mask_BxT):
+  """The Laplace mixer: W_qkvg → simple GLA → self-augmentation → Head RMSNorm → ⊙ SiLU(g) → W_out.
+  Returns (output [B, T, D] in the compute dtype, new GLA state or None)."""
+  B, T, _ = u_BxTxD.shape
+  H, K, V = cfg.n_heads, cfg.d_k, cfg.d_v
+  cdt = jnp.dtype(cfg.compute_dtype)
+  mm = lambda a, m: _batch_sharded(jnp.dot(a.astype(cdt), m.astype(cdt)))
+  qkvg = mm(u_BxTxD, w["w_qkvg"])
+  q, k, v, g = jnp.split(qkvg, np.cumsum([cfg.qk_width, cfg.qk_width, cfg.v_width]), axis=-1)
+  q_BxTxHxK, k_BxTxHxK = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
+  v_BxTxHxV = v.reshape(B, T, H, V)
+  g_gamma = jnp.asarray(log_decays(cfg))
+  if T == 1 and s0 is not None and mask_BxT is None:
+    o1, s_new = gla.recurrent_simple_gla_step(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0],
+                                              g_gamma, s0)
+    o_BxTxHxV = o1[:, None]
+  else:
+    o_BxTxHxV, s_new = gla.chunk_simple_gla(
+        q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
+        chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks, form=cfg.gla_form)
+
+  # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
+  gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32),
+                                         w["aug_balance"].astype(F32), k_BxTxHxK.astype(F32)))
+  o = o_BxTxHxV.astype(F32) + gate_BxTxH[..., None] * v_BxTxHxV.astype(F32)
+  # Head RMSNorm, one weight per decay tier (heads of similar memory length share it).
+  tier_scale_HxV = jnp.repeat(w["head_norm_scale"], H // cfg.n_decay_tiers, axis=0)
+  o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + cfg.norm_eps) * tier_scale_HxV
+  o = o.reshape(B, T, H * V).astype(cdt) * nn.silu(g)
+  return mm(o, w["w_out"]), s_new
+
+
+def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT):
+  """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o. `cache` is None (a sequence from
+  position 0) or (k_cache, v_cache, pos_B). Returns (output [B, T, D], (k_cache, v_cache) or None)."""
+  B, T, _ = u_BxTxD.shape
+  H, hd = cfg.n_heads, cfg.attn_head_dim
+  cdt = jnp.dtype(cfg.compute_dtype)
+  mm = lambda a, m: _batch_sharded(jnp.dot(a.astype(cdt), m.astype(cdt)))
+  q, k, v = jnp.split(mm(u_BxTxD, w["w_qkv"]).reshape(B, T, 3 * H, hd), 3, axis=2)
+  pos_B = jnp.zeros((B,), jnp.int32) if cache is None else cache[2]
+  pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
+  q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
+  if cache is None:
+    o, new_cache = attention.causal_attention(q, k, v), None
+  else:
+    n_B = jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
+    o, k_cache, v_cache = attention.cached_attention(q, k, v, cache[0], cache[1], pos_B, n_B)
+    new_cache = (k_cache, v_cache)
+  return mm(o.reshape(B, T, H * hd), w["w_o"]), new_cache
+
+
 class Block(nn.Module):
-  """One decoder layer. Sequence mode (T tokens, state optional) and, for T == 1 with a state, the
-  single-token recurrent step. The decode state of every layer rides in the carry and this layer updates
-  its slice in place: returning per-layer states as scan outputs would build a second full state copy."""
+  """One decoder layer whose mixer is GLA ('G') or attention ('A'), at position `slot` of the pattern.
+
+  Sequence mode (T tokens, state optional) and, for T == 1 with a state, the single-token recurrent step.
+  The decode state of every layer rides in the carry and this layer updates its slices in place: returning
+  per-layer states as scan outputs would build a second full state copy."""
   cfg: LaplaceConfig
+  mixer: str = "G"
+  slot: int = 0
 
   @nn.compact
-  def __call__(self, carry, layer_idx, mask_BxT):
+  def __call__(self, carry, group_idx, mask_BxT):
     x_BxTxD, state = carry
-    layer_state = None if state is None else jax.tree.map(lambda s: s[layer_idx], state)
     cfg = self.cfg
+    pattern = cfg.mixers
+    layer_idx = group_idx * len(pattern) + self.slot                     # index into state["conv"]
+    mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)
     D, H, K, V, W = cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.conv_size
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     normal = nn.initializers.normal(cfg.init_std)
@@ -74,10 +135,13 @@ class Block(nn.Module):
     ln1, ln2 = p("ln1_scale", ones, (D,)), p("ln2_scale", ones, (D,))
     conv_k = p("conv_kernel", _uniform(1 / np.sqrt(W)), (W, D))
     conv_b = p("conv_bias", zeros, (D,))
-    w_qkvg = p("w_qkvg", normal, (D, cfg.qkvg_width))
-    aug_a = p("aug_balance", zeros, (H, K))
-    head_norm = p("head_norm_scale", ones, (cfg.n_decay_tiers, V))
-    w_out = p("w_out", out_init, (cfg.v_width, D))
+    if self.mixer == "G":
+      mix_w = {"w_qkvg": p("w_qkvg", normal, (D, cfg.qkvg_width)), "aug_balance": p("aug_balance", zeros, (H, K)),
+               "head_norm_scale": p("head_norm_scale", ones, (cfg.n_decay_tiers, V)),
+               "w_out": p("w_out", out_init, (cfg.v_width, D))}
+    else:
+      hd = cfg.attn_head_dim
+      mix_w = {"w_qkv": p("w_qkv", normal, (D, 3 * H * hd)), "w_o": p("w_o", out_init, (H * hd, D))}
     w1, w2 = p("w1", normal, (D, cfg.d_ff)), p("w2", normal, (D, cfg.d_ff))
     w3 = p("w3", out_init, (cfg.d_ff, D))
     B, T, _ = x_BxTxD.shape
@@ -85,35 +149,20 @@ class Block(nn.Module):
 
     # Causal depth-wise conv over [previous W-1 inputs | this segment]; the decode state keeps the last W.
     h = _batch_sharded(_layer_norm(x_BxTxD, ln1, cfg.norm_eps))
-    win_BxWxD = (jnp.zeros((B, W, D), F32) if layer_state is None else layer_state["conv"])
+    win_BxWxD = jnp.zeros((B, W, D), F32) if state is None else state["conv"][layer_idx]
     ext = jnp.concatenate([win_BxWxD.astype(cdt), h], axis=1)            # [B, W+T, D]
     conv = sum(ext[:, 1 + i:1 + i + T] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
     u = nn.silu(conv)
 
-    qkvg = mm(u, w_qkvg)
-    q, k, v, g = jnp.split(qkvg, np.cumsum([cfg.qk_width, cfg.qk_width, cfg.v_width]), axis=-1)
-    q_BxTxHxK, k_BxTxHxK = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
-    v_BxTxHxV = v.reshape(B, T, H, V)
-    g_gamma = jnp.asarray(log_decays(cfg))
-    s0 = None if layer_state is None else layer_state["gla"]
-    if T == 1 and s0 is not None and mask_BxT is None:
-      o1, s_new = gla.recurrent_simple_gla_step(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0],
-                                                g_gamma, s0)
-      o_BxTxHxV = o1[:, None]
+    if self.mixer == "G":
+      s0 = None if state is None else state["gla"][mix_idx]
+      mixed, s_new = _gla_mixer(cfg, mix_w, u, s0, mask_BxT)
+      new = {"gla": s_new}
     else:
-      o_BxTxHxV, s_new = gla.chunk_simple_gla(
-          q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
-          chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks, form=cfg.gla_form)
-
-    # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
-    gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32), aug_a.astype(F32),
-                                           k_BxTxHxK.astype(F32)))
-    o = o_BxTxHxV.astype(F32) + gate_BxTxH[..., None] * v_BxTxHxV.astype(F32)
-    # Head RMSNorm, one weight per decay tier (heads of similar memory length share it).
-    tier_scale_HxV = jnp.repeat(head_norm, H // cfg.n_decay_tiers, axis=0)
-    o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + cfg.norm_eps) * tier_scale_HxV
-    o = o.reshape(B, T, H * V).astype(cdt) * nn.silu(g)
-    x = x_BxTxD + mm(o, w_out).astype(x_BxTxD.dtype)
+      cache = None if state is None else (state["k"][mix_idx], state["v"][mix_idx], state["pos"])
+      mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
+      new = None if kv is None else {"k": kv[0], "v": kv[1]}
+    x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
 
     h2 = _layer_norm(x, ln2, cfg.norm_eps)
     x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
@@ -124,14 +173,29 @@ class Block(nn.Module):
     n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
     ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
     new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
-    new = {"gla": s_new, "conv": new_win}
-    state = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), layer_idx, 0),
-                         state, new)
+    put = lambda s, n, i: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
+    state = {**state, "conv": put(state["conv"], new_win, layer_idx),
+             **{name: put(state[name], v, mix_idx) for name, v in new.items()}}
     return (x, state), None
 
 
+class Group(nn.Module):
+  """One repeat of a mixer pattern longer than one letter: its blocks in order (scanned over the groups)."""
+  cfg: LaplaceConfig
+
+  @nn.compact
+  def __call__(self, carry, group_idx, mask_BxT):
+    block = nn.remat(Block, prevent_cse=False) if self.cfg.remat else Block
+    for i, letter in enumerate(self.cfg.mixers):
+      carry, _ = block(self.cfg, letter, i, name=f"block{i}")(carry, group_idx, mask_BxT)
+    return carry, None
+
+
 class LaplaceLM(nn.Module):
-  """Embedding → scanned blocks → final LayerNorm → untied LM head. Returns (logits fp32, new state)."""
+  """Embedding → scanned blocks → final LayerNorm → untied LM head. Returns (logits fp32, new state).
+
+  A one-letter mixer pattern scans its Block over the layers (params layers/{name: [L, ...]}); a longer
+  one scans a Group of blocks over the pattern's repeats (params layers/block{i}/{name: [L/len, ...]})."""
   cfg: LaplaceConfig
 
   @nn.compact
@@ -140,10 +204,18 @@ class LaplaceLM(nn.Module):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
     x = _batch_sharded(embed[tokens_BxT].astype(cdt))
-    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
-    blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_layers)
-    (x, new_state), _ = blocks(cfg, name="layers")((x, state), jnp.arange(cfg.n_layers), mask_BxT)
+    if len(cfg.mixers) == 1:
+      body, args = (nn.remat(Block, prevent_cse=False) if cfg.remat else Block), (cfg, cfg.mixers, 0)
+    else:
+      body, args = Group, (cfg,)
+    scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_groups)(*args, name="layers")
+    (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT)
+    over_B = None
+    if new_state is not None and "pos" in new_state:
+      n_B = jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)
+      new_state = {**new_state, "pos": new_state["pos"] + n_B.astype(jnp.int32)}
+      over_B = new_state["pos"] > new_state["k"].shape[2]  # the cache dropped some of this row's keys
     x = _layer_norm(x, self.param("final_norm_scale", nn.initializers.ones, (cfg.d_model,), pdt),
                     cfg.norm_eps)
     if last_only:  # logits of each row's last real token only: [B, D]
@@ -151,6 +223,8 @@ class LaplaceLM(nn.Module):
       x = jnp.take_along_axis(x, jnp.maximum(last_B, 0)[:, None, None], axis=1)[:, 0]
     head = self.param("lm_head", nn.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), pdt)
     logits = _batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
+    if over_B is not None:
+      logits = jnp.where(over_B.reshape(-1, *[1] * (logits.ndim - 1)), jnp.nan, logits)
     return logits, new_state
 
 
@@ -183,21 +257,37 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig):
   return logits
 
 
-def init_state(cfg: LaplaceConfig, batch_size: int) -> dict:
-  """Zero decode state for `batch_size` sequences: gla [L,B,H,d_k,d_v] and conv [L,B,conv,D], fp32."""
-  L = cfg.n_layers
-  return {"gla": jnp.zeros((L, batch_size, cfg.n_heads, cfg.d_k, cfg.d_v), F32),
-          "conv": jnp.zeros((L, batch_size, cfg.conv_size, cfg.d_model), F32)}
+def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> dict:
+  """Zero decode state for `batch_size` sequences, layer-major, fp32: gla [L_gla,B,H,d_k,d_v] (GLA layers)
+  and conv [L,B,conv,D] (every layer). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
+  compute dtype and pos [B] int32 (tokens consumed): its length is fixed here, so shapes stay static."""
+  L, B = cfg.n_layers, batch_size
+  state = {}
+  if "G" in cfg.mixers:
+    state["gla"] = jnp.zeros((cfg.n_mixer_layers("G"), B, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
+  state["conv"] = jnp.zeros((L, B, cfg.conv_size, cfg.d_model), F32)
+  if "A" in cfg.mixers:
+    if not isinstance(max_len, (int, np.integer)) or max_len < 1:
+      raise ValueError(f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "
+                       "KV cache length is fixed when the state is made; pass max_len=N, the longest context "
+                       "(prompt + generated tokens) the state must hold.")
+    kv = (cfg.n_mixer_layers("A"), B, int(max_len), cfg.n_heads, cfg.attn_head_dim)
+    state["k"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
+    state["v"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
+    state["pos"] = jnp.zeros((B,), jnp.int32)
+  return state
 
 
 def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int:
   """Raise ValueError unless `state` is a decode state of this config; return its batch size."""
-  if not isinstance(state, dict) or set(state) != {"gla", "conv"}:
+  keys = sorted(jax.eval_shape(lambda: init_state(cfg, 1, 1)))
+  if not isinstance(state, dict) or sorted(state) != keys:
     raise ValueError(f"state has keys {sorted(state) if isinstance(state, dict) else type(state)}: expected "
-                     "a dict with 'gla' and 'conv' from laplace_jax.model.init_state(cfg, batch).")
-  B = state["gla"].shape[1] if state["gla"].ndim == 5 else -1
-  want = jax.eval_shape(lambda: init_state(cfg, max(B, 1)))
-  for name in ("gla", "conv"):
+                     f"{keys} (mixers={cfg.mixers!r}) from laplace_jax.model.init_state(cfg, batch).")
+  B = state["conv"].shape[1] if state["conv"].ndim == 4 else -1
+  S = state["k"].shape[2] if "k" in state and state["k"].ndim == 5 else 1
+  want = jax.eval_shape(lambda: init_state(cfg, max(B, 1), S))
+  for name in keys:
     got = state[name]
     if got.shape != want[name].shape or got.dtype != want[name].dtype:
       raise ValueError(f"state['{name}'] is {got.dtype}{list(got.shape)}: expected {want[name].dtype}"
@@ -208,12 +298,27 @@ def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int
   return B
 
 
+def _check_capacity(state, new_tokens_B) -> None:
+  """Attention layers only: raise if a row's context would outgrow the KV cache (host values only;
+  under jit such rows get NaN logits instead, see LaplaceLM)."""
+  if "pos" not in state or isinstance(state["pos"], jax.core.Tracer) or isinstance(new_tokens_B,
+                                                                                    jax.core.Tracer):
+    return
+  need = np.asarray(state["pos"]) + np.asarray(new_tokens_B)
+  S = state["k"].shape[2]
+  if (need > S).any():
+    raise ValueError(f"a context of {int(need.max())} tokens does not fit the attention layers' KV cache of "
+                     f"max_len={S} tokens: make the state with init_state(cfg, batch, max_len={int(need.max())}) "
+                     "or more (attention state grows with context; GLA layers' does not).")
+
+
 def decode_step(params, state, tokens_B, *, cfg: LaplaceConfig):
   """One token per sequence: (logits [B, V] fp32, new state). Pure; jit with cfg static."""
   if jnp.ndim(tokens_B) != 1:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_B)}: expected [B], one token per sequence.")
   check_state(state, cfg, jnp.shape(tokens_B)[0])
   _check_tokens(tokens_B, cfg)
+  _check_capacity(state, 1)
   logits, state = LaplaceLM(cfg).apply({"params": params}, tokens_B[:, None], state, last_only=True)
   return logits, state
 
@@ -225,6 +330,7 @@ def prefill_chunk(params, state, tokens_BxC, lengths_B, *, cfg: LaplaceConfig):
   B, C = jnp.shape(tokens_BxC)
   check_state(state, cfg, B)
   _check_tokens(tokens_BxC, cfg)
+  _check_capacity(state, lengths_B)
   mask_BxC = jnp.arange(C)[None, :] < jnp.asarray(lengths_B)[:, None]
   logits, state = LaplaceLM(cfg).apply({"params": params}, tokens_BxC, state, mask_BxC, last_only=True)
   return logits, state
@@ -245,6 +351,8 @@ def prefill(params, state, tokens_BxT, lengths_B=None, *, cfg: LaplaceConfig):
   if lengths.shape != (B,) or (lengths < 0).any() or (lengths > T).any():
     raise ValueError(f"lengths {lengths.tolist()}: expected [B]={B} values in [0, {T}].")
   _check_tokens(tokens, cfg)
+  check_state(state, cfg, B)
+  _check_capacity(state, lengths)
   C = cfg.chunk_size
   n_chunks = max(1, -(-T // C))
   tokens = np.pad(tokens, [(0, 0), (0, n_chunks * C - T)]).astype(np.int32)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from laplace_jax.config import MUON_PARAM_NAMES
+from laplace_jax.config import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
 
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)  # batch dims are split over every device
@@ -74,8 +74,10 @@ def is_stacked(names: Sequence[str]) -> bool:
 
 
 def is_muon_leaf(names: Sequence[str]) -> bool:
-  """The 2-D hidden matrices that Muon optimizes: layers/{w_qkvg, w_out, w1, w2, w3}."""
-  return len(names) >= 2 and names[-2] == "layers" and names[-1] in MUON_PARAM_NAMES
+  """The 2-D hidden matrices that Muon optimizes: layers/[blockN/]{w_qkvg, w_out, w_qkv, w_o, w1, w2, w3}
+  (hybrid mixer patterns nest one block per pattern position under 'layers')."""
+  return (len(names) >= 2 and "layers" in names[:-1]
+          and names[-1] in MUON_PARAM_NAMES + ATTENTION_MUON_NAMES)
 
 
 def _fsdp_size(mesh: Mesh) -> int:
@@ -179,9 +181,10 @@ def batch_shardings(tree, mesh: Mesh, *, batch_dim: int = 0):
 
 
 def decode_state_shardings(state, mesh: Mesh):
-  """NamedShardings for a decode state {gla: [L,B,...], conv: [L,B,...]}: split over its batch dim 1."""
+  """NamedShardings for a decode state {gla: [L,B,...], conv: [L,B,...], (k, v: [L,B,...], pos: [B])}:
+  split over the batch dim (1 for the layer-major leaves, 0 for the attention layers' positions)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, _batch_axis_spec(np.shape(x), mesh, 1,
+      lambda path, x: NamedSharding(mesh, _batch_axis_spec(np.shape(x), mesh, min(1, np.ndim(x) - 1),
                                                            "state/" + "/".join(path_names(path)))), state)
 
 

@@ -142,3 +142,95 @@ def test_bf16_compute_close_to_fp32(params):
   l16 = model.forward(params, toks, cfg=CFG.replace(compute_dtype="bfloat16", remat=True))
   assert l16.dtype == jnp.float32
   assert np.linalg.norm(l16 - l32) / np.linalg.norm(l32) < 3e-2
+
+
+# ---- mixer patterns: attention and hybrids -------------------------------------------------------
+
+HYBRID = CFG.replace(n_layers=4, mixers="GA")
+ATTN = CFG.replace(mixers="A")
+
+
+@pytest.mark.parametrize("cfg", [ATTN, HYBRID], ids=["A", "GA"])
+def test_pattern_forward_equals_prefill_then_decode(cfg):
+  params = model.init_params(cfg, jax.random.key(0))
+  B, T, P = 2, 200, 140
+  toks = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
+  full = model.forward(params, toks, cfg=cfg)
+  state = model.init_state(cfg, B, max_len=T)
+  logits, state = model.prefill(params, state, toks[:, :P], cfg=cfg)
+  np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-4, rtol=1e-4)
+  step = jax.jit(model.decode_step, static_argnames="cfg")
+  for t in range(P, T):
+    logits, state = step(params, state, toks[:, t], cfg=cfg)
+    np.testing.assert_allclose(logits, full[:, t], atol=1e-4, rtol=1e-4)
+  assert state["pos"].tolist() == [T, T]
+
+
+def test_hybrid_ragged_prefill_matches_separate_prefills():
+  params = model.init_params(HYBRID, jax.random.key(1))
+  toks = jax.random.randint(jax.random.key(3), (2, 150), 0, HYBRID.vocab_size)
+  logits, state = model.prefill(params, model.init_state(HYBRID, 2, 160), toks, np.array([150, 61]),
+                                cfg=HYBRID)
+  l1, s1 = model.prefill(params, model.init_state(HYBRID, 1, 160), toks[1:, :61], cfg=HYBRID)
+  np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
+  for k in ("gla", "conv", "k", "v"):
+    np.testing.assert_allclose(state[k][:, 1], s1[k][:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_param_tree_one_block_per_pattern_letter():
+  cfg = CFG.replace(n_layers=6, mixers="GGA")
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  assert sorted(params["layers"]) == ["block0", "block1", "block2"]
+  assert params["layers"]["block0"]["w_qkvg"].shape == (2, 64, cfg.qkvg_width)
+  assert params["layers"]["block2"]["w_qkv"].shape == (2, 64, 3 * cfg.n_heads * cfg.attn_head_dim)
+  assert sum(x.size for x in jax.tree.leaves(params)) == param_counts(cfg)["total"]
+  from laplace_jax.optimizer import param_labels
+  labels = param_labels(params)
+  assert labels["layers"]["block2"]["w_qkv"] == labels["layers"]["block2"]["w_o"] == "muon"
+  assert labels["layers"]["block2"]["ln1_scale"] == "adamw"
+
+
+@pytest.mark.parametrize("preset", ["laplace-3b", "small", "tiny"])
+@pytest.mark.parametrize("mixers", ["A", "GGGA", "GA"])
+def test_attention_patterns_spend_the_same_parameter_budget(preset, mixers):
+  base = get_config(preset)
+  if base.n_layers % len(mixers):
+    base = base.replace(n_layers=len(mixers) * 2)
+  cfg = base.replace(mixers=mixers)
+  want, got = param_counts(base)["total"], param_counts(cfg)["total"]
+  assert abs(got - want) / want < 0.01, (got, want)
+  assert get_config("laplace-3b").mixers == "G" and param_counts(get_config("laplace-3b"))["muon"] == 2_717_908_992
+
+
+def test_attention_state_bytes_grow_with_context():
+  cfg = CFG.replace(n_layers=4, mixers="GGGA")
+  s = model.init_state(cfg, 1, max_len=300)
+  assert sum(x.nbytes for x in jax.tree.leaves(s)) == state_bytes_per_sequence(cfg, context=300)
+  assert state_bytes_per_sequence(cfg, 600) > state_bytes_per_sequence(cfg, 300)
+  with pytest.raises(ValueError, match="context"):
+    state_bytes_per_sequence(cfg)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mixers="GX"), "letters"),
+    (dict(mixers=""), "letters"),
+    (dict(mixers="GGG"), "divides n_layers"),
+])
+def test_invalid_mixer_patterns_rejected(bad, match):
+  with pytest.raises(ValueError, match=match):
+    CFG.replace(**bad)
+
+
+def test_kv_cache_overflow_is_a_clear_error():
+  params = model.init_params(ATTN, jax.random.key(0))
+  with pytest.raises(ValueError, match="max_len"):
+    model.init_state(ATTN, 1)
+  state = model.init_state(ATTN, 1, max_len=10)
+  with pytest.raises(ValueError, match="max_len=10"):
+    model.prefill(params, state, np.ones((1, 11), np.int32), cfg=ATTN)
+  _, state = model.prefill(params, state, np.ones((1, 10), np.int32), cfg=ATTN)
+  with pytest.raises(ValueError, match="does not fit"):
+    model.decode_step(params, state, jnp.ones((1,), jnp.int32), cfg=ATTN)
+  logits, _ = jax.jit(model.decode_step, static_argnames="cfg")(params, state, jnp.ones((1,), jnp.int32),
+                                                                 cfg=ATTN)
+  assert np.isnan(np.asarray(logits)).all()  # under jit: NaN, never a silently truncated context

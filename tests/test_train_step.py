@@ -134,3 +134,18 @@ def test_20_steps_distributed_muon_equals_undistributed():
   assert runs["all_to_all"][-1] < runs["all_to_all"][0] - 0.5  # it trains
   np.testing.assert_allclose(runs["all_to_all"], runs["gather"], rtol=1e-6)
   np.testing.assert_allclose(runs["all_to_all"], runs["undistributed"], rtol=1e-6)
+
+
+def test_hybrid_pattern_sharded_muon_step_matches_single_device():
+  """A GLA + attention pattern trains with Muon on its attention matrices too, sharded == one device."""
+  from laplace_jax import optimizer as optim
+  cfg = CFG.replace(n_layers=4, mixers="GA")
+  ocfg = optim.OptimizerConfig(total_steps=10, warmup_steps=1)
+  batches = [_batch(16, s) for s in range(2)]
+  one = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  eight = sharding.make_mesh(data=2, fsdp=4)
+  s1, l1 = _run(optim.make_optimizer(ocfg, mesh=one), one, batches, cfg=cfg)
+  s8, l8 = _run(optim.make_optimizer(ocfg, mesh=eight), eight, batches, cfg=cfg)
+  np.testing.assert_allclose(l1, l8, rtol=2e-5)
+  w = lambda s: np.asarray(s["params"]["layers"]["block1"]["w_qkv"])
+  np.testing.assert_allclose(w(s1), w(s8), rtol=1e-4, atol=1e-6)
