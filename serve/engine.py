@@ -69,6 +69,10 @@ class Engine:
                on_deliver: Callable[[list[Delivery]], None] | None = None):
     if model is None:
       from laplace_jax import model
+    if "A" in cfg.mixers:
+      raise ValueError(f"mixers={cfg.mixers!r} has attention layers: the engine serves pure-GLA models only "
+                       "(mixers='G'), whose per-slot state is fixed; an attention layer's KV cache grows with "
+                       "the context. Use laplace_jax.model.prefill/decode_step with init_state(max_len=N).")
     for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
                     ("prefill_chunks_per_step", prefill_chunks_per_step)):
       if not isinstance(v, int) or v < 1:

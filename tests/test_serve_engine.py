@@ -194,3 +194,8 @@ def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
     assert b.sharding.is_fully_replicated and len(b.sharding.device_set) == 8
   with pytest.raises(ValueError):
     loading.load_params(cfg.replace(d_model=32, d_k=4, d_v=8), checkpoint=str(tmp_path / "export"))
+
+
+def test_attention_patterns_are_refused_with_the_reason(cfg, params):
+  with pytest.raises(ValueError, match="grows with the context"):
+    Engine(params, cfg.replace(n_layers=2, mixers="GA"), n_slots=8)
