@@ -1,0 +1,205 @@
+"""Synthetic recall tasks, generated on the fly from a seed: multi-query associative recall and passkey.
+
+Both give batches in the train step's format, {"inputs", "targets": int32 [B, T], "weights": f32 [B, T]},
+weight 1 only where an answer is scored, so a model trains on exactly what it is graded on.
+
+MQAR (Zoology, Arora et al. 2023): vocabulary 8,192 by default. A sequence opens with `n_pairs` key-value
+pairs (keys from [1, V/2), values from [V/2, V), keys distinct), then each key is asked once more at an
+even offset 2·g after the pairs, g drawn without replacement with P(g) ∝ g^(a−1) (a = power_a = 0.01:
+short gaps are likely, long ones happen); the position holding the key is scored on predicting its value.
+Every other position holds a random token of the whole vocabulary. Needs seq_len >= 4·n_pairs.
+
+Passkey (Mohtashami & Jaggi 2023), in a small word vocabulary (PASSKEY_WORDS): filler sentences repeated
+to the context length, "the pass key is d d d d d . remember it ." inserted once at a depth in [0, 1]
+of the filler, then "what is the pass key ? the pass key is" and the five digits as the answer.
+
+  mqar_batch(seed, batch, seq_len, n_pairs, vocab_size=8192) -> batch (deterministic in its arguments)
+  passkey_example(seed, context, depth) -> (prompt ids, answer ids)
+  passkey_batch(seed, batch, seq_len) -> batch (random depths; the answer's 5 tokens are scored)
+  RecallStream(task, seq_len, global_batch, seed, ...) -> endless training iterator, resumable
+  parse_task("mqar:64,4" | "passkey:1024") -> (kind, settings)
+  accuracy(logits_or_ids, targets, weights) -> scored positions answered right / scored positions
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+MQAR_VOCAB = 8192
+MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))  # (sequence, pairs): the Zoology grid
+
+_FILLER = ("the grass is green . the sky is blue . the sun is yellow . here we go . "
+           "there and back again .").split()
+_KEY = "the pass key is {} . remember it . {} is the pass key .".split()
+_QUESTION = "what is the pass key ? the pass key is".split()
+DIGITS = [str(d) for d in range(10)]
+PASSKEY_WORDS = sorted(set(_FILLER + _KEY + _QUESTION) - {"{}"}) + DIGITS
+PASSKEY_ID = {w: i for i, w in enumerate(PASSKEY_WORDS)}
+PASSKEY_DIGITS = 5
+MIN_PASSKEY_CONTEXT = len(_KEY) + 2 * (PASSKEY_DIGITS - 1) + len(_QUESTION)  # key sentence + question
+
+
+def _check_mqar(seq_len: int, n_pairs: int, vocab_size: int):
+  if n_pairs < 1 or seq_len < 4 * n_pairs:
+    raise ValueError(f"MQAR setting (seq_len={seq_len}, n_pairs={n_pairs}): a sequence holds 2·n_pairs "
+                     f"tokens of pairs and then n_pairs queries at even offsets, so it needs seq_len >= "
+                     f"4·n_pairs = {4 * max(n_pairs, 1)}. Use a longer sequence or fewer pairs.")
+  if vocab_size < 4 * n_pairs or vocab_size % 2:
+    raise ValueError(f"MQAR vocab_size={vocab_size}: expected an even size with at least 2·n_pairs distinct "
+                     f"keys in its lower half (n_pairs={n_pairs}); the standard is {MQAR_VOCAB}.")
+
+
+def mqar_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB,
+               power_a: float = 0.01) -> dict[str, np.ndarray]:
+  """`batch` MQAR sequences of `seq_len` inputs; see the module doc. Deterministic in its arguments."""
+  _check_mqar(seq_len, n_pairs, vocab_size)
+  rng = np.random.default_rng([seed, seq_len, n_pairs, vocab_size])
+  half = vocab_size // 2
+  keys_BxN = np.stack([rng.choice(np.arange(1, half), n_pairs, replace=False) for _ in range(batch)])
+  vals_BxN = rng.integers(half, vocab_size, (batch, n_pairs))
+  x_BxW = rng.integers(0, vocab_size, (batch, seq_len + 1))       # random non-query tokens
+  x_BxW[:, 0:2 * n_pairs:2], x_BxW[:, 1:2 * n_pairs:2] = keys_BxN, vals_BxN
+  space = (seq_len - 2 * n_pairs) // 2                             # query slots after the pairs
+  p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
+  p /= p.sum()
+  gaps_BxN = np.stack([rng.choice(space, n_pairs, replace=False, p=p) for _ in range(batch)])
+  order_BxN = rng.permuted(np.tile(np.arange(n_pairs), (batch, 1)), axis=1)  # which key each slot asks
+  q_pos_BxN = 2 * n_pairs + 2 * gaps_BxN
+  rows = np.arange(batch)[:, None]
+  x_BxW[rows, q_pos_BxN] = keys_BxN[rows, order_BxN]
+  x_BxW[rows, q_pos_BxN + 1] = vals_BxN[rows, order_BxN]
+  weights = np.zeros((batch, seq_len), np.float32)
+  weights[rows, q_pos_BxN] = 1.0
+  return {"inputs": x_BxW[:, :-1].astype(np.int32), "targets": x_BxW[:, 1:].astype(np.int32),
+          "weights": weights}
+
+
+def _digits(rng) -> list[str]:
+  return [str(d) for d in rng.integers(0, 10, PASSKEY_DIGITS)]
+
+
+def passkey_example(seed: int, context: int, depth: float) -> tuple[np.ndarray, np.ndarray]:
+  """(prompt ids, answer ids [5]): a prompt of exactly `context` tokens with the key sentence at `depth`
+  (0: the start of the filler, 1: just before the question)."""
+  key = _KEY[:]
+  if context < MIN_PASSKEY_CONTEXT:
+    raise ValueError(f"passkey context={context}: the key sentence and the question alone take "
+                     f"{MIN_PASSKEY_CONTEXT} tokens; use a context of at least that.")
+  if not 0.0 <= depth <= 1.0:
+    raise ValueError(f"passkey depth={depth}: expected a fraction in [0, 1] of the filler.")
+  rng = np.random.default_rng([seed, context, int(round(depth * 1000))])
+  digits = _digits(rng)
+  i = key.index("{}")
+  key[i:i + 1] = digits
+  j = key.index("{}")
+  key[j:j + 1] = digits
+  n_fill = context - len(key) - len(_QUESTION)
+  fill = [_FILLER[t % len(_FILLER)] for t in range(n_fill)]
+  at = int(round(depth * n_fill))
+  words = fill[:at] + key + fill[at:] + _QUESTION
+  return (np.array([PASSKEY_ID[w] for w in words], np.int32),
+          np.array([PASSKEY_ID[d] for d in digits], np.int32))
+
+
+def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
+  """Training sequences of seq_len inputs: a prompt (random length and depth) then its 5-digit answer,
+  left-padded with filler; only the answer tokens are scored."""
+  rng = np.random.default_rng([seed, seq_len, 7])
+  min_ctx = MIN_PASSKEY_CONTEXT
+  x_BxW = np.zeros((batch, seq_len + 1), np.int32)
+  weights = np.zeros((batch, seq_len), np.float32)
+  for b in range(batch):
+    ctx = int(rng.integers(min_ctx, seq_len + 1 - PASSKEY_DIGITS + 1))
+    prompt, answer = passkey_example(int(rng.integers(2**31)), ctx, float(rng.uniform()))
+    seq = np.concatenate([prompt, answer])
+    pad = seq_len + 1 - len(seq)
+    x_BxW[b] = np.concatenate([[PASSKEY_ID[_FILLER[t % len(_FILLER)]] for t in range(pad)], seq])
+    weights[b, pad + len(prompt) - 1:pad + len(seq) - 1] = 1.0  # positions whose next token is a digit
+  return {"inputs": x_BxW[:, :-1], "targets": x_BxW[:, 1:], "weights": weights}
+
+
+def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
+  """'mqar:SEQ,PAIRS' or 'passkey:SEQ' -> ("mqar", (seq, pairs)) / ("passkey", (seq,)), checked."""
+  kind, _, rest = str(spec).partition(":")
+  try:
+    nums = tuple(int(v) for v in rest.split(",")) if rest else ()
+  except ValueError:
+    nums = None
+  if kind == "mqar" and nums and len(nums) == 2:
+    _check_mqar(nums[0], nums[1], MQAR_VOCAB)
+    return kind, nums
+  if kind == "passkey" and nums and len(nums) == 1 and nums[0] >= MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS:
+    return kind, nums
+  raise ValueError(f"recall task {spec!r}: expected 'mqar:SEQ,PAIRS' (e.g. mqar:64,4) or 'passkey:SEQ' "
+                   f"(e.g. passkey:1024, at least {MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS} tokens).")
+
+
+def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
+  kind, nums = parse_task(spec)
+  return mqar_batch(seed, batch, *nums) if kind == "mqar" else passkey_batch(seed, batch, nums[0])
+
+
+def task_vocab(spec: str) -> int:
+  """Token ids a model needs for the task."""
+  return MQAR_VOCAB if parse_task(spec)[0] == "mqar" else len(PASSKEY_WORDS)
+
+
+class RecallStream:
+  """Endless training batches of a task: batch i is task_batch(spec, seed·10⁶ + i); this process's rows.
+  get_state/set_state hold the batch counter, so a resumed run sees the batches an uninterrupted one would."""
+
+  def __init__(self, spec: str, *, seq_len: int, global_batch: int, seed: int = 0, process_index: int = 0,
+               process_count: int = 1):
+    kind, nums = parse_task(spec)
+    if nums[0] != seq_len:
+      raise ValueError(f"recall task {spec!r} has sequences of {nums[0]} tokens but seq_len={seq_len}; "
+                       f"set --seq_len {nums[0]}.")
+    if global_batch % process_count:
+      raise ValueError(f"global_batch={global_batch} does not split over {process_count} processes.")
+    self.spec, self.seed, self.i = spec, seed, 0
+    b = global_batch // process_count
+    self.global_batch, self.rows = global_batch, slice(process_index * b, (process_index + 1) * b)
+    self.last_wait_s = 0.0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    t0 = time.perf_counter()
+    batch = task_batch(self.spec, self.seed * 1_000_000 + self.i, self.global_batch)
+    self.i += 1
+    self.last_wait_s = time.perf_counter() - t0
+    return {k: v[self.rows] for k, v in batch.items()}
+
+  def get_state(self) -> dict:
+    return {"task": self.spec, "seed": self.seed, "batches": self.i}
+
+  def set_state(self, state: dict) -> None:
+    if state.get("task") != self.spec or state.get("seed") != self.seed:
+      raise ValueError(f"data state {state} was saved for another recall stream (task {self.spec!r}, seed "
+                       f"{self.seed}); resume with the same --data_source and --seed.")
+    self.i = int(state["batches"])
+
+  def close(self) -> None:
+    pass
+
+
+def eval_batches(spec: str, *, global_batch: int, n_batches: int, seed: int = 10**9) -> list[dict]:
+  """A fixed held-out set (seeds disjoint from RecallStream's for seed < 1000)."""
+  return [task_batch(spec, seed + i, global_batch) for i in range(n_batches)]
+
+
+def accuracy(pred, targets, weights) -> float:
+  """Share of scored positions (weights > 0) whose prediction equals the target; `pred` is ids [B, T] or
+  logits [B, T, V] (argmax taken)."""
+  pred, targets, weights = np.asarray(pred), np.asarray(targets), np.asarray(weights)
+  if pred.ndim == targets.ndim + 1:
+    pred = pred.argmax(-1)
+  if pred.shape != targets.shape or weights.shape != targets.shape:
+    raise ValueError(f"pred {pred.shape}, targets {targets.shape}, weights {weights.shape}: expected the "
+                     "same [B, T] (logits [B, T, V]).")
+  scored = weights > 0
+  if not scored.any():
+    raise ValueError("no scored positions (all weights are 0): nothing to measure.")
+  return float((pred[scored] == targets[scored]).mean())
