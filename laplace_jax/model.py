@@ -199,7 +199,7 @@ class LaplaceLM(nn.Module):
   cfg: LaplaceConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, state=None, mask_BxT=None, last_only=False):
+  def __call__(self, tokens_BxT, state=None, mask_BxT=None, last_only=False, positions_BxK=None):
     cfg = self.cfg
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
@@ -221,6 +221,8 @@ class LaplaceLM(nn.Module):
     if last_only:  # logits of each row's last real token only: [B, D]
       last_B = (jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)) - 1
       x = jnp.take_along_axis(x, jnp.maximum(last_B, 0)[:, None, None], axis=1)[:, 0]
+    elif positions_BxK is not None:  # logits at chosen positions only: [B, K, V] (the LM head's cost / T·K)
+      x = jnp.take_along_axis(x, positions_BxK[..., None], axis=1)
     head = self.param("lm_head", nn.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), pdt)
     logits = _batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
     if over_B is not None:
@@ -248,12 +250,13 @@ def _check_tokens(tokens, cfg):
                      "config's vocabulary. Check the tokenizer matches the model.")
 
 
-def forward(params, tokens_BxT, *, cfg: LaplaceConfig):
-  """Training/eval forward from a zero state: logits [B, T, V] in fp32."""
+def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
+  """Training/eval forward from a zero state: logits [B, T, V] in fp32, or [B, K, V] at `positions_BxK`
+  only (tasks scored at a few positions per row skip the LM head elsewhere)."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
-  logits, _ = LaplaceLM(cfg).apply({"params": params}, tokens_BxT)
+  logits, _ = LaplaceLM(cfg).apply({"params": params}, tokens_BxT, positions_BxK=positions_BxK)
   return logits
 
 

@@ -120,18 +120,19 @@ def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
 
 
 def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
-  """'mqar:SEQ,PAIRS' or 'passkey:SEQ' -> ("mqar", (seq, pairs)) / ("passkey", (seq,)), checked."""
+  """'mqar:SEQ,PAIRS[,VOCAB]' or 'passkey:SEQ' -> ("mqar", (seq, pairs[, vocab])) / ("passkey", (seq,))."""
   kind, _, rest = str(spec).partition(":")
   try:
     nums = tuple(int(v) for v in rest.split(",")) if rest else ()
   except ValueError:
     nums = None
-  if kind == "mqar" and nums and len(nums) == 2:
-    _check_mqar(nums[0], nums[1], MQAR_VOCAB)
+  if kind == "mqar" and nums and len(nums) in (2, 3):
+    _check_mqar(*nums[:2], nums[2] if len(nums) == 3 else MQAR_VOCAB)
     return kind, nums
   if kind == "passkey" and nums and len(nums) == 1 and nums[0] >= MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS:
     return kind, nums
-  raise ValueError(f"recall task {spec!r}: expected 'mqar:SEQ,PAIRS' (e.g. mqar:64,4) or 'passkey:SEQ' "
+  raise ValueError(f"recall task {spec!r}: expected 'mqar:SEQ,PAIRS[,VOCAB]' (e.g. mqar:64,4; vocabulary "
+                   f"{MQAR_VOCAB} unless given) or 'passkey:SEQ' "
                    f"(e.g. passkey:1024, at least {MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS} tokens).")
 
 
@@ -142,7 +143,10 @@ def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
 
 def task_vocab(spec: str) -> int:
   """Token ids a model needs for the task."""
-  return MQAR_VOCAB if parse_task(spec)[0] == "mqar" else len(PASSKEY_WORDS)
+  kind, nums = parse_task(spec)
+  if kind == "mqar":
+    return nums[2] if len(nums) == 3 else MQAR_VOCAB
+  return len(PASSKEY_WORDS)
 
 
 class RecallStream:
@@ -188,6 +192,16 @@ class RecallStream:
 def eval_batches(spec: str, *, global_batch: int, n_batches: int, seed: int = 10**9) -> list[dict]:
   """A fixed held-out set (seeds disjoint from RecallStream's for seed < 1000)."""
   return [task_batch(spec, seed + i, global_batch) for i in range(n_batches)]
+
+
+def scored_positions(weights_BxT) -> np.ndarray:
+  """[B, K] indices of the scored positions of each row (every row of a recall batch scores K of them)."""
+  w = np.asarray(weights_BxT) > 0
+  k = w.sum(1)
+  if k.min() != k.max() or k.min() == 0:
+    raise ValueError(f"rows score {sorted(set(k.tolist()))} positions: expected the same number (> 0) in "
+                     "every row, as recall batches have.")
+  return np.nonzero(w)[1].reshape(w.shape[0], int(k[0])).astype(np.int32)
 
 
 def accuracy(pred, targets, weights) -> float:

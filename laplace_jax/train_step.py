@@ -112,14 +112,20 @@ def init_train_state_on_mesh(cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: in
   return jax.jit(lambda: init_train_state(cfg, optimizer, seed), out_shardings=shards)()
 
 
-def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None) -> dict:
+def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None, *, weighted: bool = False
+                   ) -> dict:
+  """Batch shapes; `weighted` adds per-token loss weights (recall tasks score only their answers)."""
   sh = None if mesh is None else NamedSharding(mesh, sharding.batch_spec((global_batch, seq_len), mesh))
   tok = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sh)
-  return {"inputs": tok, "targets": tok}
+  batch = {"inputs": tok, "targets": tok}
+  if weighted:
+    batch["weights"] = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32, sharding=sh)
+  return batch
 
 
 def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
-                       step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None) -> Any:
+                       step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None,
+                       weighted: bool = False) -> Any:
   """Lower and compile the step ahead of time for these shapes and shardings; returns the executable.
 
   Raises ValueError before compiling when the batch does not split over the mesh or the micro-batches."""
@@ -129,7 +135,7 @@ def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batc
                      f"× {n_dev} devices (a multiple of {step_cfg.micro_batches * n_dev}); change the batch size "
                      "or the number of micro-batches.")
   state = abstract_state if abstract_state is not None else abstract_train_state(cfg, optimizer, mesh)
-  batch = abstract_batch(global_batch, seq_len, mesh)
+  batch = abstract_batch(global_batch, seq_len, mesh, weighted=weighted)
   state_sh = jax.tree.map(lambda s: s.sharding, state)
   batch_sh = jax.tree.map(lambda s: s.sharding, batch)
 

@@ -234,3 +234,11 @@ def test_kv_cache_overflow_is_a_clear_error():
   logits, _ = jax.jit(model.decode_step, static_argnames="cfg")(params, state, jnp.ones((1,), jnp.int32),
                                                                  cfg=ATTN)
   assert np.isnan(np.asarray(logits)).all()  # under jit: NaN, never a silently truncated context
+
+
+def test_forward_at_positions_equals_full_logits_gathered(params):
+  toks = jax.random.randint(jax.random.key(6), (2, 40), 0, CFG.vocab_size)
+  pos = jnp.array([[0, 5, 39], [7, 7, 12]])
+  full = model.forward(params, toks, cfg=CFG)
+  np.testing.assert_allclose(model.forward(params, toks, cfg=CFG, positions_BxK=pos),
+                             np.take_along_axis(np.asarray(full), np.asarray(pos)[..., None], 1), atol=1e-5)

@@ -20,6 +20,8 @@ HELP = {
     "preset": f"model preset: one of {sorted(PRESETS)}",
     "data_dir": "prepared data (python -m train.prepare); prepared from the embedded corpus if missing and "
                 "it is the default",
+    "data_source": "training data: '' (text prepared in data_dir) or a recall task generated on the fly, "
+                   "mqar:SEQ,PAIRS (e.g. mqar:64,4) | passkey:SEQ (set --seq_len to SEQ)",
     "out_dir": "run directory: checkpoints/, metrics.jsonl, loss.png, export/",
     "steps": "total optimizer steps of the run (a resumed run continues to this number)",
     "global_batch": "sequences per optimizer step, over all devices and micro-batches",
@@ -94,6 +96,7 @@ OPTIMIZER_HELP = {
 class TrainConfig:
   preset: str = "tiny"
   data_dir: str = "data/kjv"
+  data_source: str = ""
   out_dir: str = "runs/tiny"
   steps: int = 200
   global_batch: int = 16
@@ -128,6 +131,9 @@ class TrainConfig:
               "process_id"):
       if getattr(self, f) < 0:
         raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
+    if self.data_source:
+      from laplace_jax.recall import parse_task
+      parse_task(self.data_source)
     if self.preset not in PRESETS:
       raise ValueError(f"--preset={self.preset!r}: expected one of {sorted(PRESETS)}.")
 

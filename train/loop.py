@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import checkpoint, data, sharding, timing, train_step as ts
+from laplace_jax import checkpoint, data, recall, sharding, timing, train_step as ts
 from laplace_jax import optimizer as optim
 from laplace_jax.config import flops_per_token, param_counts
 from train.config import RunConfig, TrainConfig
@@ -65,6 +65,33 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
   return manifest
 
 
+def check_recall_vocab(spec: str, vocab_size: int):
+  if vocab_size < recall.task_vocab(spec):
+    raise ValueError(f"--data_source {spec} uses {recall.task_vocab(spec)} token ids but the model has "
+                     f"vocab_size={vocab_size}; set --model.vocab_size {recall.task_vocab(spec)} or more.")
+
+
+def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
+  """The training stream: a recall task (--data_source) or the prepared text in --data_dir."""
+  if tc.data_source:
+    return recall.RecallStream(tc.data_source, seq_len=seq_len, global_batch=tc.global_batch, seed=tc.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+  return data.make_train_iterator(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
+                                  seed=tc.seed, vocab_size=vocab_size)
+
+
+def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
+  """Held-out batches (this process's rows): the recall task's fixed test seeds, or the text's split."""
+  if tc.data_source:
+    b = tc.global_batch // jax.process_count()
+    rows = slice(jax.process_index() * b, (jax.process_index() + 1) * b)
+    return [{k: v[rows] for k, v in batch.items()}
+            for batch in recall.eval_batches(tc.data_source, global_batch=tc.global_batch,
+                                             n_batches=tc.eval_batches)]
+  return data.make_eval_batches(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
+                                max_batches=tc.eval_batches or None, vocab_size=vocab_size, split=split)
+
+
 def _write_loss_curve(metrics_path: Path, png: Path):
   import matplotlib
   matplotlib.use("Agg")
@@ -102,8 +129,10 @@ def run(rc: RunConfig) -> dict:
 
   abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed)
   t0 = time.perf_counter()
+  weighted = bool(tc.data_source)  # recall tasks score only their answers
   compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=tc.global_batch, seq_len=seq_len,
-                                   step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract)
+                                   step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract,
+                                   weighted=weighted)
   compile_s = time.perf_counter() - t0
   log0(f"train step compiled in {compile_s:.1f} s; {describe_memory(compiled)}")
   if tc.compile_only:
@@ -112,13 +141,15 @@ def run(rc: RunConfig) -> dict:
         "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
         "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}}
 
-  ensure_data(tc, cfg.vocab_size)
+  if tc.data_source:
+    check_recall_vocab(tc.data_source, cfg.vocab_size)
+  else:
+    ensure_data(tc, cfg.vocab_size)
   out = Path(tc.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   ckpt_dir = out / "checkpoints"
   ckpt = checkpoint.Checkpointer(ckpt_dir, max_to_keep=tc.keep_checkpoints)
-  it = data.make_train_iterator(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
-                                seed=tc.seed, vocab_size=cfg.vocab_size)
+  it = make_train_data(tc, seq_len, cfg.vocab_size)
   latest = ckpt.latest_step()
   if latest is not None and not tc.resume:
     raise ValueError(f"--no-resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
@@ -132,10 +163,9 @@ def run(rc: RunConfig) -> dict:
   else:
     state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed), 0
 
-  eval_batches = data.make_eval_batches(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
-                                        max_batches=tc.eval_batches, vocab_size=cfg.vocab_size) \
-      if tc.eval_batches else []
-  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh))
+  eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh,
+                                                                  weighted=weighted))
   to_global = lambda b: jax.tree.map(
       lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, b)
   eval_fn = jax.jit(lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],

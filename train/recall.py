@@ -1,0 +1,306 @@
+"""`python -m train.recall`: a named grid of recall experiments, trained and scored end to end.
+
+Each cell trains a fresh 2-layer model (mixer pattern × task × width) on a recall task generated on the fly
+(laplace_jax.recall), with the project's Muon + AdamW, the loss taken at the scored positions only (the LM
+head runs there alone), then scores it on a fixed held-out set: MQAR accuracy over the query positions;
+passkey exact match of the 5 greedy digits through the explicit-state prefill + decode_step, by context
+and depth. Results go to OUT/results.json after every cell (a rerun skips finished cells) and plots to
+OUT/*.png.
+
+    python -m train.recall --quick -o runs/recall-quick        # ≈30 min on a 2-core CPU
+    python -m train.recall --grid full -o runs/recall-full     # the issue's grid: an accelerator's job
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+PATTERNS = ("G", "GA", "A")  # Laplace, a hybrid (GLA then attention), the attention baseline
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+# Same steps, batch and sequence for every pattern of a task: equal training tokens; widths give equal
+# parameters within 1% (attention spends W_qkvg + W_out's budget).
+GRIDS = {
+    "quick": dict(
+        width=64, mqar=("mqar:64,4,256", "mqar:128,8,256"), mqar_steps=150, mqar_batch=32,
+        state_task="mqar:128,8,256", state_widths=(32, 128),
+        passkey="passkey:256", passkey_steps=150, passkey_batch=16, passkey_contexts=(1024, 2048, 4096),
+        passkey_examples=2, eval_examples=256, adamw_lr=1e-2, muon_lr=0.02),
+    # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment
+    "smoke": dict(
+        width=32, mqar=("mqar:64,4,256",), mqar_steps=3, mqar_batch=8, state_task="mqar:64,4,256",
+        state_widths=(16,), passkey="passkey:64", passkey_steps=3, passkey_batch=4, passkey_contexts=(64,),
+        passkey_examples=1, eval_examples=16, adamw_lr=1e-2, muon_lr=0.02),
+    "full": dict(
+        width=128, mqar=("mqar:64,4", "mqar:128,8", "mqar:256,16", "mqar:512,64"), mqar_steps=20_000,
+        mqar_batch=64, state_task="mqar:256,16", state_widths=(64, 256),
+        passkey="passkey:1024", passkey_steps=5_000, passkey_batch=32,
+        passkey_contexts=(1024, 2048, 4096, 8192, 16384), passkey_examples=20, eval_examples=3_000,
+        adamw_lr=1e-2, muon_lr=0.02),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  task: str
+  pattern: str
+  width: int
+  steps: int
+  batch: int
+
+  @property
+  def key(self) -> str:
+    return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}"
+
+
+def model_config(pattern: str, width: int, task: str):
+  """The grid's 2-layer model: the published ratios (d_k = D/2H, d_v = D/H) at 4 heads, GLU 2·D."""
+  from laplace_jax import recall
+  from laplace_jax.config import get_config
+  seq = recall.parse_task(task)[1][0]
+  return get_config("tiny").replace(
+      vocab_size=recall.task_vocab(task), d_model=width, n_layers=2, n_heads=4, d_k=width // 8,
+      d_v=width // 4, d_ff=2 * width, max_seq_len=seq, chunk_size=min(64, seq), mixers=pattern,
+      gla_form="scan", remat=False, compute_dtype="float32")
+
+
+def cells_of(grid: dict, sections) -> list[Cell]:
+  cells = []
+  if "mqar" in sections:
+    cells += [Cell(t, p, grid["width"], grid["mqar_steps"], grid["mqar_batch"])
+              for t in grid["mqar"] for p in PATTERNS]
+  if "state" in sections:
+    cells += [Cell(grid["state_task"], "G", w, grid["mqar_steps"], grid["mqar_batch"])
+              for w in grid["state_widths"]]
+  if "passkey" in sections:
+    cells += [Cell(grid["passkey"], p, grid["width"], grid["passkey_steps"], grid["passkey_batch"])
+              for p in PATTERNS]
+  return list(dict.fromkeys(cells))
+
+
+def train_cell(cell: Cell, grid: dict, *, progress: bool = True, seed: int = 0):
+  """Train one cell; returns (params, cfg, {final_loss, train_s, losses})."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from laplace_jax import model, recall
+  from laplace_jax import optimizer as optim
+
+  cfg = model_config(cell.pattern, cell.width, cell.task)
+  ocfg = optim.OptimizerConfig(total_steps=cell.steps, warmup_steps=max(1, cell.steps // 20),
+                               adamw_lr=grid["adamw_lr"], muon_lr=grid["muon_lr"])
+  opt = optim.make_optimizer(ocfg)
+  params = model.init_params(cfg, jax.random.key(seed))
+  opt_state = opt.init(params)
+
+  def loss_fn(p, inputs, targets_BxK, pos_BxK):
+    logits = model.forward(p, inputs, cfg=cfg, positions_BxK=pos_BxK)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxK).mean()
+
+  @jax.jit
+  def step(p, o, inputs, targets_BxK, pos_BxK):
+    loss, g = jax.value_and_grad(loss_fn)(p, inputs, targets_BxK, pos_BxK)
+    updates, o = opt.update(g, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  stream = recall.RecallStream(cell.task, seq_len=cfg.max_seq_len, global_batch=cell.batch, seed=seed)
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=cell.steps, desc=f"{cell.pattern:>3} {cell.task} d{cell.width}", unit="step",
+               dynamic_ncols=True, leave=False)
+  losses, t0 = [], time.perf_counter()
+  for i in range(cell.steps):
+    b = next(stream)
+    pos = recall.scored_positions(b["weights"])
+    params, opt_state, loss = step(params, opt_state, b["inputs"], jnp.take_along_axis(
+        jnp.asarray(b["targets"]), pos, 1), pos)
+    if i % 10 == 9 or i == cell.steps - 1:
+      losses.append((i + 1, float(loss)))
+      if bar:
+        bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
+    if bar:
+      bar.update(1)
+  if bar:
+    bar.close()
+  return params, cfg, {"final_loss": losses[-1][1], "train_s": time.perf_counter() - t0, "losses": losses}
+
+
+def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> float:
+  """Accuracy over the query positions of a fixed held-out set (seeds apart from training's)."""
+  import jax
+  from laplace_jax import model, recall
+  fwd = jax.jit(lambda p, x, pos: model.forward(p, x, cfg=cfg, positions_BxK=pos).argmax(-1))
+  right = total = 0
+  for b in recall.eval_batches(task, global_batch=batch, n_batches=max(1, n_examples // batch)):
+    pos = recall.scored_positions(b["weights"])
+    pred = fwd(params, b["inputs"], pos)
+    import numpy as np
+    right += int((np.asarray(pred) == np.take_along_axis(b["targets"], pos, 1)).sum())
+    total += pos.size
+  return right / total
+
+
+def passkey_accuracy(params, cfg, contexts, depths, n_examples: int) -> dict:
+  """{context: {depth: exact-match rate}} of the greedy 5-digit answer via prefill + decode_step."""
+  import jax
+  import numpy as np
+  from laplace_jax import model, recall
+  step = jax.jit(model.decode_step, static_argnames="cfg")
+  out = {}
+  for ctx in contexts:
+    out[ctx] = {}
+    for depth in depths:
+      ok = 0
+      for e in range(n_examples):
+        prompt, answer = recall.passkey_example(10**6 + e, ctx, depth)
+        state = model.init_state(cfg, 1, max_len=ctx + recall.PASSKEY_DIGITS)
+        logits, state = model.prefill(params, state, prompt[None], cfg=cfg)
+        got = []
+        for _ in range(recall.PASSKEY_DIGITS):
+          tok = jax.numpy.argmax(logits, -1).astype(jax.numpy.int32)
+          got.append(int(tok[0]))
+          logits, state = step(params, state, tok, cfg=cfg)
+        ok += got == answer.tolist()
+      out[ctx][depth] = ok / n_examples
+  return out
+
+
+def state_per_layer(cfg) -> int:
+  return cfg.n_heads * cfg.d_k * cfg.d_v
+
+
+def run_cell(cell: Cell, grid: dict, progress: bool) -> dict:
+  from laplace_jax.config import param_counts
+  params, cfg, info = train_cell(cell, grid, progress=progress)
+  row = {"key": cell.key, **dataclasses.asdict(cell), "params": param_counts(cfg)["total"],
+         "gla_state_per_layer": state_per_layer(cfg), "train_tokens": cell.steps * cell.batch * cfg.max_seq_len,
+         **info}
+  t0 = time.perf_counter()
+  if cell.task.startswith("mqar"):
+    row["accuracy"] = mqar_accuracy(params, cfg, cell.task, grid["eval_examples"])
+  else:
+    row["passkey"] = passkey_accuracy(params, cfg, grid["passkey_contexts"], DEPTHS, grid["passkey_examples"])
+  row["eval_s"] = time.perf_counter() - t0
+  return row
+
+
+def plot(results: list[dict], out: Path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  from laplace_jax import recall
+  mq = [r for r in results if r["task"].startswith("mqar")]
+  widths = sorted({r["width"] for r in mq})
+  if mq:
+    w0 = max(widths, key=lambda w: sum(r["width"] == w for r in mq))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in PATTERNS:
+      pts = sorted((recall.parse_task(r["task"])[1][1], r["accuracy"]) for r in mq
+                   if r["pattern"] == p and r["width"] == w0)
+      if pts:
+        ax.plot(*zip(*pts), "o-", label={"G": "GLA (Laplace)", "GA": "hybrid GA", "A": "attention"}.get(p, p))
+    ax.set_xlabel("key-value pairs")
+    ax.set_ylabel("MQAR accuracy")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"MQAR, d_model {w0}, 2 layers")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "mqar_pairs.png", dpi=100)
+    plt.close(fig)
+    g = sorted({r["task"] for r in mq if r["pattern"] == "G"})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in g:
+      pts = sorted((r["gla_state_per_layer"], r["accuracy"]) for r in mq if r["pattern"] == "G" and r["task"] == t)
+      if len(pts) > 1:
+        ax.plot(*zip(*pts), "o-", label=t)
+    ax.set_xlabel("GLA state per layer (heads × d_k × d_v)")
+    ax.set_ylabel("MQAR accuracy")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "mqar_state.png", dpi=100)
+    plt.close(fig)
+  pk = [r for r in results if "passkey" in r]
+  if pk:
+    fig, axes = plt.subplots(1, len(pk), figsize=(4 * len(pk), 3.5), squeeze=False)
+    for ax, r in zip(axes[0], pk):
+      ctxs = sorted(r["passkey"], key=int)
+      depths = sorted(r["passkey"][ctxs[0]], key=float)
+      m = np.array([[r["passkey"][c][d] for c in ctxs] for d in depths])
+      ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+      ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs])
+      ax.set_yticks(range(len(depths)), [str(d) for d in depths])
+      ax.set_xlabel("context (tokens)")
+      ax.set_ylabel("depth")
+      ax.set_title(f"passkey, {r['pattern']}")
+      for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+          ax.text(j, i, f"{m[i, j]:.0%}", ha="center", va="center", color="w" if m[i, j] < 0.5 else "k")
+    fig.tight_layout()
+    fig.savefig(out / "passkey.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m train.recall", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
+  ap.add_argument("--quick", action="store_true", help="the quick grid (same as --grid quick)")
+  ap.add_argument("--sections", default="mqar,state,passkey", help="comma list of mqar, state, passkey")
+  ap.add_argument("-o", "--out", default="runs/recall", help="output directory (results.json, *.png)")
+  ap.add_argument("--no-progress", dest="progress", action="store_false")
+  args = ap.parse_args(argv)
+  grid_name = "quick" if args.quick else args.grid
+  sections = [s for s in args.sections.split(",") if s]
+  bad = set(sections) - {"mqar", "state", "passkey"}
+  if bad:
+    print(f"error: --sections {args.sections!r}: unknown {sorted(bad)}; choose from mqar, state, passkey",
+          file=sys.stderr)
+    return 2
+  grid = GRIDS[grid_name]
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / "results.json"
+  saved = json.loads(path.read_text()) if path.exists() else {"grid": grid_name, "cells": []}
+  if saved.get("grid") != grid_name:
+    print(f"error: {path} holds the {saved.get('grid')!r} grid, not {grid_name!r}; use another --out.",
+          file=sys.stderr)
+    return 2
+  done = {r["key"] for r in saved["cells"]}
+  todo = [c for c in cells_of(grid, sections) if c.key not in done]
+  import jax
+  print(f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True)
+  bar = None
+  if args.progress:
+    from tqdm import tqdm
+    bar = tqdm(total=len(todo), desc="cells", unit="cell", dynamic_ncols=True)
+  for cell in todo:
+    row = run_cell(cell, grid, args.progress)
+    saved["cells"].append(row)
+    path.write_text(json.dumps(saved, indent=1))
+    plot(saved["cells"], out)
+    msg = (f"{cell.key}: accuracy {row['accuracy']:.3f}" if "accuracy" in row else
+           f"{cell.key}: passkey {json.dumps(row['passkey'])}")
+    (bar.write if bar else print)(msg + f" (train {row['train_s']:.0f} s, eval {row['eval_s']:.0f} s)")
+    if bar:
+      bar.update(1)
+  if bar:
+    bar.close()
+  plot(saved["cells"], out)
+  print(f"results: {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
