@@ -71,6 +71,8 @@ MODEL_HELP = {
     "remat": "rematerialise each layer in the backward pass (true/false)",
     "unroll_chunks": "statically unroll the chunk scan (true/false)",
     "gla_form": "chunked GLA form: parallel (faster on GPUs) | scan (constant time per token on CPUs)",
+    "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention (e.g. GGGA)",
+    "rope_base": "RoPE base of the attention layers",
 }
 OPTIMIZER_HELP = {
     "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b)",

@@ -1,0 +1,159 @@
+"""`python -m train.eval`: held-out loss, perplexity and bits per byte of an exported checkpoint.
+
+    python -m train.eval --checkpoint RUN/export/step_N --data_dir DIR [--split val] [--json FILE]
+                         [--seq_len T] [--global_batch B] [--mesh_data D --mesh_fsdp F] [--simulate_devices N]
+                         [--max_batches N] [--preset NAME]
+
+The split is packed exactly as the training loop's held-out eval packs it (documents in stored order,
+EOS-joined, cut into (T+1)-token windows, B windows per batch), and the same compiled loss (token-weighted
+cross-entropy) runs over it, so with --max_batches equal to the run's --eval_batches it reports the loop's
+held-out loss. Without --max_batches it covers the whole split: the last, partial batch is padded and its
+padding weighted 0. Bits per byte = Σ loss / ln 2 over the UTF-8 bytes of the scored tokens' text (EOS
+separators excluded; GPT-2 data only). The model's config is the one saved with the export; --preset
+checks it against a preset and refuses a checkpoint of another config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--checkpoint", required=True, help="an exported params directory (RUN/export/step_N)")
+  ap.add_argument("--data_dir", required=True, help="prepared data (python -m train.prepare)")
+  ap.add_argument("--split", default="val", help="split to evaluate (default: val)")
+  ap.add_argument("--json", help="also write the result to this file (never overwritten)")
+  ap.add_argument("--seq_len", type=int, default=0, help="tokens per window (0: the model's max_seq_len)")
+  ap.add_argument("--global_batch", type=int, default=8, help="windows per batch, over all devices")
+  ap.add_argument("--max_batches", type=int, default=0, help="only the first N full batches (0: the whole split)")
+  ap.add_argument("--mesh_data", type=int, default=1)
+  ap.add_argument("--mesh_fsdp", type=int, default=0, help="0: all devices left after mesh_data")
+  ap.add_argument("--simulate_devices", type=int, default=0, help="CPU only: simulate this many devices")
+  ap.add_argument("--preset", help="refuse the checkpoint unless its config is this preset's")
+  return ap
+
+
+def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_batches: int):
+  """The loop's held-out packing; with max_batches 0 the tail too, as a padded batch with zero weights."""
+  import numpy as np
+  from laplace_jax import data
+  manifest = data.load_manifest(data_dir)
+  if split not in manifest["splits"]:
+    raise ValueError(f"--split {split!r}: {data_dir} has no such split (it has {sorted(manifest['splits'])}). "
+                     "Prepare held-out data with `python -m train.prepare ... --val-fraction F`, or pass "
+                     "--split with one of those.")
+  if max_batches:
+    full = data.make_eval_batches(data_dir, seq_len=seq_len, global_batch_size=global_batch, split=split,
+                                  max_batches=max_batches, process_index=0, process_count=1)
+    return [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full], manifest
+  docs = data._documents(data_dir, manifest, split)
+  eos = np.int32([manifest["eos_id"]])
+  tokens = np.concatenate([p for i in range(len(docs)) for p in (docs[i].astype(np.int32), eos)])
+  width = seq_len + 1
+  n_windows = -(-len(tokens) // width)
+  n_batches = -(-n_windows // global_batch)
+  total = n_batches * global_batch * width
+  padded = np.zeros(total, np.int32)
+  padded[:len(tokens)] = tokens
+  valid = np.zeros(total, bool)
+  valid[:len(tokens)] = True
+  x = padded.reshape(n_batches, global_batch, width)
+  v = valid.reshape(n_batches, global_batch, width)
+  return [{"inputs": x[i, :, :-1], "targets": x[i, :, 1:], "weights": v[i, :, 1:].astype(np.float32)}
+          for i in range(n_batches)], manifest
+
+
+def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, max_batches=0, mesh_data=1,
+             mesh_fsdp=0, preset=None) -> dict:
+  import jax
+  import numpy as np
+  from laplace_jax import checkpoint as ckpt, data, sharding, train_step as ts
+  from laplace_jax.config import LaplaceConfig, get_config
+
+  path = Path(checkpoint)
+  if not (path / "params").exists():
+    raise FileNotFoundError(f"--checkpoint {path}: no exported params there (expected {path / 'params'}); "
+                            "pass RUN/export/step_N as written by python -m train.")
+  if not (path / "config").exists():
+    raise ValueError(f"--checkpoint {path} has no saved config, so its model is unknown; export it with "
+                     "checkpoint.export_params(params, path, config=cfg).")
+  saved = json.loads((path / "config" / "metadata").read_text())
+  try:
+    cfg = LaplaceConfig(**saved)
+  except TypeError as e:
+    raise ValueError(f"--checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e}).")
+  if preset:
+    ckpt.check_config(saved, get_config(preset), where=f"--checkpoint {path} (checked against --preset {preset})")
+  seq_len = seq_len or cfg.max_seq_len
+  mesh = sharding.make_mesh(data=mesh_data, fsdp=mesh_fsdp or None)
+  if global_batch % mesh.devices.size:
+    raise ValueError(f"--global_batch {global_batch} does not split over the mesh's {mesh.devices.size} "
+                     f"devices; use a multiple of {mesh.devices.size}.")
+  batches, manifest = split_batches(data_dir, split, seq_len=seq_len, global_batch=global_batch,
+                                    max_batches=max_batches)
+  data.check_vocab(manifest, cfg.vocab_size)
+  from laplace_jax import model
+  abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  shards = sharding.param_shardings(abstract, mesh)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shards)
+  params = ckpt.load_params(path, abstract, config=cfg)
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(global_batch, seq_len, mesh, weighted=True))
+  fn = jax.jit(lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1], in_shardings=(shards, batch_sh))
+  ce = tok = 0.0
+  n_bytes = 0
+  byte_len = _byte_counter(manifest)
+  with jax.set_mesh(mesh):
+    for b in batches:
+      aux = fn(params, jax.device_put(b, batch_sh))
+      ce, tok = ce + float(aux["ce"]), tok + float(aux["tokens"])
+      if byte_len:
+        n_bytes += byte_len(b["targets"][b["weights"] > 0])
+  loss = ce / max(tok, 1.0)
+  return {"checkpoint": str(path), "data_dir": str(data_dir), "split": split, "tokens": int(tok),
+          "loss": loss, "perplexity": math.exp(loss), "bytes": n_bytes or None,
+          "bits_per_byte": ce / math.log(2) / n_bytes if n_bytes else None,
+          "seq_len": seq_len, "global_batch": global_batch, "batches": len(batches),
+          "mixers": cfg.mixers, "mesh": dict(mesh.shape)}
+
+
+def _byte_counter(manifest):
+  """ids -> UTF-8 bytes of their text (EOS excluded), for GPT-2 data; None for other tokenizers."""
+  from laplace_jax import tokenizer
+  if manifest.get("tokenizer") != tokenizer.TOKENIZER_NAME:
+    return None
+  enc = tokenizer.get_tokenizer()
+  eos = int(manifest["eos_id"])
+  return lambda ids: len(enc.decode_bytes([int(i) for i in ids if i != eos]))
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.simulate_devices:
+    import jax
+    jax.config.update("jax_num_cpu_devices", args.simulate_devices)
+    jax.config.update("jax_platforms", "cpu")
+  if args.json and Path(args.json).exists():
+    print(f"error: --json {args.json} exists; results are never overwritten, pick a new file.", file=sys.stderr)
+    return 2
+  try:
+    res = evaluate(args.checkpoint, args.data_dir, split=args.split, seq_len=args.seq_len,
+                   global_batch=args.global_batch, max_batches=args.max_batches, mesh_data=args.mesh_data,
+                   mesh_fsdp=args.mesh_fsdp, preset=args.preset)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"{res['split']}: {res['tokens']:,} tokens, loss {res['loss']:.4f} nats/token, perplexity "
+        f"{res['perplexity']:.2f}" + (f", {res['bits_per_byte']:.4f} bits/byte" if res["bits_per_byte"] else ""))
+  print(json.dumps(res))
+  if args.json:
+    Path(args.json).write_text(json.dumps(res, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
