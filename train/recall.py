@@ -26,10 +26,10 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # parameters within 1% (attention spends W_qkvg + W_out's budget).
 GRIDS = {
     "quick": dict(
-        width=64, mqar=("mqar:64,4,256", "mqar:128,8,256"), mqar_steps=150, mqar_batch=32,
+        width=64, mqar=("mqar:64,4,256", "mqar:128,8,256"), mqar_steps=400, mqar_batch=32,
         state_task="mqar:128,8,256", state_widths=(32, 128),
-        passkey="passkey:256", passkey_steps=150, passkey_batch=16, passkey_contexts=(1024, 2048, 4096),
-        passkey_examples=2, eval_examples=256, adamw_lr=1e-2, muon_lr=0.02),
+        passkey="passkey:256", passkey_steps=200, passkey_batch=16, passkey_contexts=(1024, 2048, 4096),
+        passkey_examples=2, eval_examples=256, adamw_lr=3e-2, muon_lr=0.02),
     # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment
     "smoke": dict(
         width=32, mqar=("mqar:64,4,256",), mqar_steps=3, mqar_batch=8, state_task="mqar:64,4,256",
@@ -40,7 +40,7 @@ GRIDS = {
         mqar_batch=64, state_task="mqar:256,16", state_widths=(64, 256),
         passkey="passkey:1024", passkey_steps=5_000, passkey_batch=32,
         passkey_contexts=(1024, 2048, 4096, 8192, 16384), passkey_examples=20, eval_examples=3_000,
-        adamw_lr=1e-2, muon_lr=0.02),
+        adamw_lr=3e-2, muon_lr=0.02),
 }
 
 

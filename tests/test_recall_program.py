@@ -1,0 +1,48 @@
+"""Recall tasks in the programs: `python -m train --data_source`, `python -m train.recall`, a GLA model
+learning MQAR above chance."""
+import json
+
+import numpy as np
+import pytest
+
+from laplace_jax import recall
+from train import recall as recall_prog
+from train.config import load_config
+from train.loop import run
+
+
+def test_gla_learns_mqar_above_chance():
+  cell = recall_prog.Cell("mqar:64,4,64", "G", 32, 120, 16)
+  grid = dict(recall_prog.GRIDS["smoke"], eval_examples=128)
+  params, cfg, info = recall_prog.train_cell(cell, grid, progress=False)
+  acc = recall_prog.mqar_accuracy(params, cfg, cell.task, 128)
+  chance = 1 / 32  # values are drawn from the upper half of a 64-token vocabulary
+  assert acc > 3 * chance, (acc, info["losses"][-3:])
+
+
+def test_train_program_takes_a_recall_data_source(tmp_path):
+  args = ["--preset", "tiny", "--data_source", "mqar:64,4,256", "--seq_len", "64", "--model.vocab_size", "256",
+          "--model.max_seq_len", "64", "--model.chunk_size", "64", "--global_batch", "8", "--steps", "2",
+          "--eval_batches", "1", "--no-progress", "--out_dir", str(tmp_path / "run"), "--mesh_data", "1",
+          "--mesh_fsdp", "1"]
+  summary = run(load_config(args))
+  assert np.isfinite(summary["eval_loss"]) and summary["end_step"] == 2
+  with pytest.raises(ValueError, match="4·n_pairs"):
+    load_config(args[:2] + ["--data_source", "mqar:8,4"])
+  with pytest.raises(ValueError, match="vocab_size"):
+    run(load_config([a if a != "256" else "128" for a in args[:-6]] + ["--out_dir", str(tmp_path / "r2")]))
+
+
+def test_recall_grid_runs_end_to_end_and_resumes(tmp_path):
+  out = tmp_path / "grid"
+  assert recall_prog.main(["--grid", "smoke", "--sections", "mqar,passkey", "-o", str(out), "--no-progress"]) == 0
+  res = json.loads((out / "results.json").read_text())
+  assert {r["pattern"] for r in res["cells"]} == {"G", "GA", "A"}
+  assert all(0 <= r["accuracy"] <= 1 for r in res["cells"] if "accuracy" in r)
+  assert all(set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS} or
+             set(r["passkey"]["64"]) == set(recall_prog.DEPTHS) for r in res["cells"] if "passkey" in r)
+  assert (out / "mqar_pairs.png").exists() and (out / "passkey.png").exists()
+  n = len(res["cells"])
+  assert recall_prog.main(["--grid", "smoke", "--sections", "mqar,passkey", "-o", str(out), "--no-progress"]) == 0
+  assert len(json.loads((out / "results.json").read_text())["cells"]) == n  # finished cells are skipped
+  assert recall_prog.main(["--grid", "quick", "-o", str(out), "--no-progress"]) == 2  # another grid's results
