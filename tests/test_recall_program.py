@@ -12,12 +12,12 @@ from train.loop import run
 
 
 def test_gla_learns_mqar_above_chance():
-  cell = recall_prog.Cell("mqar:64,4,64", "G", 32, 120, 16)
-  grid = dict(recall_prog.GRIDS["smoke"], eval_examples=128)
+  cell = recall_prog.Cell("mqar:64,4,32", "G", 32, 150, 16)
+  grid = dict(recall_prog.GRIDS["smoke"], adamw_lr=3e-2)
   params, cfg, info = recall_prog.train_cell(cell, grid, progress=False)
-  acc = recall_prog.mqar_accuracy(params, cfg, cell.task, 128)
-  chance = 1 / 32  # values are drawn from the upper half of a 64-token vocabulary
-  assert acc > 3 * chance, (acc, info["losses"][-3:])
+  acc = recall_prog.mqar_accuracy(params, cfg, cell.task, 256)
+  chance = 1 / 16  # values are drawn from the upper half of a 32-token vocabulary
+  assert acc > 2 * chance, (acc, info["losses"][-3:])
 
 
 def test_train_program_takes_a_recall_data_source(tmp_path):
