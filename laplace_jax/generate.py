@@ -39,7 +39,7 @@ def generate(params, prompt_ids, max_new_tokens: int, *, cfg: LaplaceConfig, tem
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1.")
   vv = valid_vocab or cfg.vocab_size
-  state = model.init_state(cfg, 1)
+  state = model.init_state(cfg, 1, max_len=len(prompt_ids) + max_new_tokens)  # max_len: attention layers
   logits, state = model.prefill(params, state, np.asarray([prompt_ids], np.int32), cfg=cfg)
   key = jax.random.key(seed)
   key, sub = jax.random.split(key)
