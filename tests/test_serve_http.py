@@ -175,3 +175,57 @@ def test_full_queue_gives_429_and_disconnects_free_slots(served):
     time.sleep(0.05)
   assert engine.active_slots == 0 and engine.queue_depth == 0
   assert call(url, body={"prompt": "after", "max_tokens": 3})[0] == 200
+
+
+def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
+  """Every step's delivery queued before the handler runs (as under load): the handler sees one merged
+  batch and must still stop counting at the token that completes the stop string."""
+  import dataclasses as dc
+  ids = tok.encode(" alpha beta gamma delta epsilon zeta eta theta")
+  stop = " gam"
+  first = next(i for i in range(len(ids)) if stop in tok.token_bytes(ids[:i + 1]).decode())
+  assert first + 1 < len(ids)
+
+  class StubEngine:
+    cancelled = []
+    def cancel(self, req):
+      self.cancelled.append(req)
+
+  limits = protocol.Limits(model_name="m", vocab_size=tok.vocab_size, eos_id=tok.eos_id, max_tokens=64,
+                           max_prompt_tokens=100, max_stop_ids=8)
+  server = Server(StubEngine(), tok, limits)
+  c = protocol.parse_completion({"prompt": [1], "max_tokens": len(ids), "stop": stop, "ignore_eos": True},
+                                limits, tok.encode)
+
+  async def go():
+    req = dc.replace(_req(), context=asyncio.Queue())
+    for i, t in enumerate(ids):
+      req.context.put_nowait(([t], "length" if i == len(ids) - 1 else None))
+    resp = await server._whole(req, c, {})
+    return json.loads(resp.text), req
+  out, req = asyncio.run(go())
+  assert out["usage"]["completion_tokens"] == first + 1
+  assert out["choices"][0]["text"] == tok.token_bytes(ids[:first + 1]).decode().split(stop)[0]
+  assert out["choices"][0]["finish_reason"] == "stop" and StubEngine.cancelled == [req]
+
+
+def _req():
+  from serve.engine import Request
+  return Request(prompt_ids=[1])
+
+
+def test_prompts_are_tokenized_off_the_event_loop(served, tok):
+  import dataclasses as dc
+  import threading
+  url, server = served
+  threads = []
+  def encode(text):
+    threads.append(threading.get_ident())
+    return tok.encode(text)
+  server.tok = dc.replace(tok, encode=encode)
+  try:
+    assert call(url, body={"prompt": "a prompt to encode", "max_tokens": 2})[0] == 200
+  finally:
+    server.tok = tok
+  loop_thread = server.loop._thread_id if hasattr(server.loop, "_thread_id") else None
+  assert threads and loop_thread is not None and loop_thread not in threads
