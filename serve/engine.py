@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from serve.slots import SlotFunctions, host_settings
@@ -48,6 +49,8 @@ class Request:
   first_token_at: float | None = None
   cancelled: bool = False
   slot: int | None = None
+  cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
+  gen_base: int = 0       # the engine's generate count when this request entered its slot
   context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
 
   def __hash__(self):
@@ -66,11 +69,13 @@ class Engine:
   def __init__(self, params, cfg, *, model=None, n_slots: int = 8, prefill_batch: int = 1,
                max_queue: int = 256, max_stop_ids: int = 8, valid_vocab: int | None = None,
                prefill_chunks_per_step: int = 4, mesh=None,
-               on_deliver: Callable[[list[Delivery]], None] | None = None):
+               on_deliver: Callable[[list[Delivery]], None] | None = None,
+               state_cache=None, snapshot_every: int = 8, cache_min_tokens: int = 128):
     if model is None:
       from laplace_jax import model
     for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
-                    ("prefill_chunks_per_step", prefill_chunks_per_step)):
+                    ("prefill_chunks_per_step", prefill_chunks_per_step), ("snapshot_every", snapshot_every),
+                    ("cache_min_tokens", cache_min_tokens)):
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r}: expected a positive integer.")
     if max_queue < 0:
@@ -95,8 +100,13 @@ class Engine:
     self._stop = threading.Event()
     self.error: BaseException | None = None
     self.stats = {"requests": 0, "finished": 0, "rejected": 0, "tokens": 0, "steps": 0,
-                  "prefill_tokens": 0}
+                  "prefill_tokens": 0, "cached_prompt_tokens": 0}
     self._rate = collections.deque()  # (time, tokens) of recent steps, for tokens/s
+    # State cache (serve.state_cache.StateCache or None): states copied out of the device, in flight to the
+    # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
+    self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
+    self._copies: collections.deque = collections.deque()
+    self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
 
   # ---- the caller's side (any thread) ----
 
@@ -177,7 +187,10 @@ class Engine:
       self.table, out = self.fns.generate(self.params, self.table)
       self.pending.append(("gen", out, tuple(self.slot_req)))
       self.stats["steps"] += 1
+      self._gens += 1
       dispatched = True
+    if self._copies:
+      self._collect_copies(block=False)
     # Keep one generate step in flight while reading the previous one back.
     while self.pending and (len(self.pending) > 1 or not dispatched):
       self._read_back(self.pending.popleft())
@@ -190,6 +203,8 @@ class Engine:
         if r in self.queue:
           self.queue.remove(r)
     out = []
+    live = [r for r in cancels if r.finish_reason is None and r.slot is not None and self.slot_req[r.slot] is r]
+    self._copy_out(live)  # a stop string ends a request by cancelling it: its context is still worth keeping
     for r in cancels:
       if r.finish_reason is None:
         self._finish(r, "cancelled")
@@ -215,13 +230,16 @@ class Engine:
       tokens = np.zeros((self.prefill_batch, C), np.int32)
       lengths = np.zeros((self.prefill_batch,), np.int32)
       for i, r in enumerate(pf["reqs"]):
-        piece = r.prompt_ids[c * C:(c + 1) * C]
+        at = r.cached_tokens + c * C
+        piece = r.prompt_ids[at:at + C]
         tokens[i, :len(piece)] = piece
         lengths[i] = len(piece)
       pf["state"] = self.fns.prefill_chunk(self.params, pf["state"], tokens, lengths)
       self.stats["prefill_tokens"] += int(lengths.sum())
       pf["next_chunk"] += 1
       budget -= 1
+      if self.cache is not None and pf["next_chunk"] % self.snapshot_every == 0:
+        self._snapshot(pf)
       if pf["next_chunk"] == pf["n_chunks"]:
         self._insert(pf)
 
@@ -237,10 +255,81 @@ class Engine:
     slots = free[:len(take)]
     self.reserved.update(slots)
     C = self.cfg.chunk_size
-    n_chunks = max(-(-len(r.prompt_ids) // C) for r in take)
+    state = self._restore(take) if self.cache is not None else None
+    n_chunks = max(-(-(len(r.prompt_ids) - r.cached_tokens) // C) for r in take)
     self.prefill = {"reqs": take, "slots": slots, "n_chunks": n_chunks, "next_chunk": 0,
-                    "state": self.fns.empty_prefill()}
+                    "state": self.fns.empty_prefill() if state is None else state}
     return True
+
+  # ---- state cache ----
+
+  def _restore(self, reqs):
+    """Each request's longest cached prefix (at least one prompt token is left to prefill, for the first
+    token's logits); a prefill batch starting from those states, or None when nothing was cached."""
+    if self._copies:
+      self._collect_copies(block=True)  # states copied out just before may be this prompt's prefix
+    found = []
+    for r in reqs:
+      n, state = self.cache.lookup(r.prompt_ids, len(r.prompt_ids) - 1)
+      r.cached_tokens = n
+      found.append(state)
+    if all(f is None for f in found):
+      return None
+    template = next(f for f in found if f is not None)
+    host = {k: np.zeros((a.shape[0], self.prefill_batch, *a.shape[1:]), a.dtype) for k, a in template.items()}
+    for i, f in enumerate(found):
+      if f is not None:
+        for k in host:
+          host[k][:, i] = f[k]
+    self.stats["cached_prompt_tokens"] += sum(r.cached_tokens for r in reqs)
+    return self.fns.load_prefill(host)
+
+  def _copy_out(self, reqs):
+    """Start copying the slot states of these requests to the host (their slots are still theirs: called
+    before anything can be inserted over them). The state has consumed the prompt and one output token
+    per generate step since the insert."""
+    if self.cache is None or not reqs:
+      return
+    rows, ids = [], []
+    for r in reqs:
+      fed = self._gens - r.gen_base
+      if fed > len(r.output_ids) or len(r.prompt_ids) + fed < self.cache_min_tokens:
+        continue
+      rows.append(r.slot)
+      ids.append(list(r.prompt_ids) + r.output_ids[:fed])
+    self._gather_async(self.table["model"], rows, ids)
+
+  def _snapshot(self, pf):
+    """Mid-prompt snapshots of a long prefill, so later prompts sharing the prefix skip it."""
+    C = self.cfg.chunk_size
+    rows, ids = [], []
+    for i, r in enumerate(pf["reqs"]):
+      done = r.cached_tokens + pf["next_chunk"] * C
+      if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
+        rows.append(i)
+        ids.append(list(r.prompt_ids[:done]))
+    self._gather_async(pf["state"]["model"], rows, ids)
+
+  def _gather_async(self, state, rows, ids):
+    E = self.prefill_batch  # one compiled gather width; a short group is padded with its first row
+    for g in range(0, len(rows), E):
+      part = rows[g:g + E]
+      idx = np.asarray(part + [part[0]] * (E - len(part)), np.int32)
+      out = self.fns.gather(state, idx)
+      for leaf in jax.tree.leaves(out):
+        leaf.copy_to_host_async()
+      self._copies.append((ids[g:g + E], out))
+
+  def _collect_copies(self, block: bool):
+    """Move the copies that have landed (all of them if block) into the cache."""
+    while self._copies:
+      ids, out = self._copies[0]
+      if not block and not all(leaf.is_ready() for leaf in jax.tree.leaves(out)):
+        return
+      self._copies.popleft()
+      host = {k: np.asarray(v) for k, v in out.items()}
+      for i, seq in enumerate(ids):
+        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()})
 
   def _insert(self, pf):
     rows = [{"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "seed": r.seed,
@@ -252,7 +341,7 @@ class Engine:
     for r, s in zip(pf["reqs"], pf["slots"]):
       self.reserved.discard(s)
       if r.finish_reason is None:  # cancelled during prefill: leave the slot free
-        self.slot_req[s], r.slot = r, s
+        self.slot_req[s], r.slot, r.gen_base = r, s, self._gens
     self.pending.append(("insert", out, tuple(pf["reqs"])))
     self.prefill = None
 
@@ -260,7 +349,7 @@ class Engine:
     kind, out, owners = item
     out = np.asarray(out)  # the one device-to-host copy of this step: [2, n] tokens and finished flags
     now = time.perf_counter()
-    deliveries, n_tokens = [], 0
+    deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(owners):
       if r is None or r.finish_reason is not None:
         continue
@@ -271,10 +360,13 @@ class Engine:
       n_tokens += 1
       if done:
         reason = "stop" if tok in r.stop_ids else "length"
+        finished.append(r)
         self._finish(r, reason)
         deliveries.append((r, [tok], reason))
       else:
         deliveries.append((r, [tok], None))
+    if finished and self.cache is not None:
+      self._copy_out(finished)
     self.stats["tokens"] += n_tokens
     self._rate.append((now, n_tokens))
     while self._rate[0][0] < now - 60:
@@ -339,5 +431,11 @@ class Engine:
   def warmup(self):
     """Compile every function by serving one short request to completion."""
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
+    if self.cache is not None:  # the cache's copies out of the slot table and the prefill batch, and restore
+      idx = np.zeros((self.prefill_batch,), np.int32)
+      pf = self.fns.empty_prefill()
+      rows = self.fns.gather(pf["model"], idx)
+      jax.block_until_ready((self.fns.gather(self.table["model"], idx),
+                             self.fns.load_prefill(jax.tree.map(np.asarray, rows))))
     self.stats = dict.fromkeys(self.stats, 0)
     self._rate.clear()

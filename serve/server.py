@@ -123,6 +123,9 @@ class Server:
         ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
         ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
         ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
+        ("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache, not prefilled.",
+         [("", s["cached_prompt_tokens"])]),
+        *self._cache_rows(),
         ("http_responses_total", "counter", "HTTP responses by status code.",
          [(f'{{code="{c}"}}', n) for c, n in sorted(self.responses.items())]),
     ]
@@ -132,6 +135,19 @@ class Server:
       lines += [f"laplace_serve_{name}{labels} {value}" for labels, value in samples]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
+
+  def _cache_rows(self):
+    c = self.engine.cache
+    if c is None:
+      return []
+    return [("state_cache_hits_total", "counter", "Requests that restored a cached state.", [("", c.stats["hits"])]),
+            ("state_cache_misses_total", "counter", "Requests with no cached prefix.", [("", c.stats["misses"])]),
+            ("state_cache_evictions_total", "counter", "States evicted for the byte budget.",
+             [("", c.stats["evictions"])]),
+            ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
+            ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
+            ("state_cache_files_written_total", "counter", "State files written to --state-cache-dir.",
+             [("", c.stats["files_written"])])]
 
   async def completions(self, request):
     self._check_key(request)

@@ -54,6 +54,10 @@ class SlotFunctions:
     self.prefill_chunk = _jit(self._prefill_chunk, donate=(1,), out=pf_sh)  # donated: the prefill batch
     self.insert = _jit(self._insert, donate=(1,), out=both)                 # donated: the slot table
     self.generate = _jit(self._generate, donate=(1,), out=both)
+    # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
+    # step that follows runs on), and start a prefill batch from host states.
+    self.gather = jax.jit(self._gather)
+    self.load_prefill = _jit(self._load_prefill, out=pf_sh)
 
   # ---- the traced functions ----
 
@@ -92,6 +96,16 @@ class SlotFunctions:
     for name in SAMPLING_FIELDS:
       new[name] = put(table[name], settings[name].astype(table[name].dtype), 0)
     return new, jnp.stack([tok, done.astype(jnp.int32)])
+
+  @staticmethod
+  def _gather(state, rows_E):
+    """Rows rows_E of a layer-major model state ([L, S, ...] -> [L, E, ...])."""
+    return jax.tree.map(lambda x: x[:, rows_E], state)
+
+  def _load_prefill(self, state):
+    """A prefill batch that starts from the given (host) state rows instead of zeros."""
+    return {"model": jax.tree.map(jnp.asarray, state),
+            "logits": jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32)}
 
   def _generate(self, params, table):
     """Advance every slot by one token. Returns (table, out [2, S] int32: tokens and finished flags)."""
