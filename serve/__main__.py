@@ -80,7 +80,8 @@ def build(args):
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", args.preset, n_slots, time.perf_counter() - t)
   limits = protocol.Limits(model_name=args.model_name or f"laplace-{args.preset}", vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop)
+                           max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
+                           max_prompts=n_slots + args.max_queue)
   return Server(engine, tok, limits, api_key=args.api_key)
 
 
