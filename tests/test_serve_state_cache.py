@@ -196,3 +196,28 @@ def test_restored_then_prefilled_state_equals_a_full_prefill(engines, cfg, param
   ref = _full_state(params, cfg, ids)
   for k in ref:
     np.testing.assert_allclose(st[k], ref[k], rtol=1e-4, atol=1e-5)
+
+
+def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(engines):
+  cached, plain = engines
+  rng = np.random.default_rng(9)
+  base = list(rng.integers(0, GPT2_VOCAB, 180))
+  first = cached.generate([Request(prompt_ids=base, max_tokens=2, temperature=0.0)])[0]
+  cached._collect_copies(block=True)  # base + the 2 tokens are cached
+  base = base + first
+  hits = cached.cache.stats["hits"]
+
+  def batch():
+    prompts = [base + list(rng2.integers(0, GPT2_VOCAB, 20 + 10 * i)) for i in range(3)]
+    return [Request(prompt_ids=p, max_tokens=5, temperature=0.8, seed=40 + i,
+                    siblings=[Request(prompt_ids=p, max_tokens=5, temperature=0.8, seed=50 + i)])
+            for i, p in enumerate(prompts)]
+  outs = []
+  for eng in (cached, plain):
+    rng2 = np.random.default_rng(10)
+    reqs = batch()
+    eng.submit_all(reqs)
+    eng.run_until_idle()
+    outs.append([[m.output_ids for m in (r, *r.siblings)] for r in reqs])
+  assert outs[0] == outs[1]
+  assert cached.cache.stats["hits"] - hits == 3  # one per prompt; the choices share its prefill
