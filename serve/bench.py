@@ -12,6 +12,7 @@ Sections (each prints a table; --json writes all numbers):
   memory      bytes per sequence: Laplace's state (measured array bytes) against the baseline's KV cache.
   flops       Laplace decode_step at --flops-slots slots: model FLOP/s against a matmul peak measured
               in the same run (square matmuls in the compute dtype).
+  agent, prefix, cache_memory, cache_overhead: the state cache (serve/bench_cache.py; not in the default).
 Timings are medians over repeated steps; sizes default to what a 2-core CPU finishes in a few minutes.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from laplace_jax import model
 from laplace_jax.timing import matmul_peak_flops, median_seconds
 from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
-from serve import baseline
+from serve import baseline, bench_cache
 from serve.loading import cast_params
 from serve.engine import Engine, Request
 
@@ -61,6 +62,7 @@ def parse_args(argv=None):
   p.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
                  help="serve weights cast to the compute dtype (default) or as stored")
   p.add_argument("--json", help="also write every number to this file")
+  bench_cache.add_args(p)
   return p.parse_args(argv)
 
 
@@ -251,7 +253,8 @@ def run_flops(args, out):
                   "fraction_of_peak": achieved / peak}
 
 
-SECTIONS = {"throughput": run_throughput, "context": run_context, "memory": run_memory, "flops": run_flops}
+SECTIONS = {"throughput": run_throughput, "context": run_context, "memory": run_memory, "flops": run_flops,
+            **bench_cache.SECTIONS}
 
 
 def main(argv=None):
