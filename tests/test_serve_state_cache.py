@@ -221,3 +221,12 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
     outs.append([[m.output_ids for m in (r, *r.siblings)] for r in reqs])
   assert outs[0] == outs[1]
   assert cached.cache.stats["hits"] - hits == 3  # one per prompt; the choices share its prefill
+
+
+def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
+  from serve.__main__ import main
+  (tmp_path / "notes.txt").write_text("not a cache")
+  with pytest.raises(SystemExit, match="--state-cache-dir=.*not a state cache"):
+    main(["--preset", "tiny", "--random-init", "--state-cache-dir", str(tmp_path)])
+  with pytest.raises(SystemExit):  # argparse: a negative budget
+    main(["--preset", "tiny", "--random-init", "--state-cache-gb", "-1"])
