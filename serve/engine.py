@@ -305,7 +305,11 @@ class Engine:
     """Each request's longest cached prefix (at least one prompt token is left to prefill, for the first
     token's logits); a prefill batch starting from those states, or None when nothing was cached."""
     if self._copies:
-      self._collect_copies(block=True)  # states copied out just before may be this prompt's prefix
+      self._collect_copies(block=False)
+    if any(self._is_prefix(seq, r.prompt_ids) for ids, _ in self._copies for seq in ids for r in reqs):
+      # A state still on its way to the host is this prompt's prefix (an agent's next turn arriving just
+      # after the last one finished): wait for it rather than prefill it again.
+      self._collect_copies(block=True)
     found = []
     for r in reqs:
       if r.echo:  # every prompt token is scored
@@ -327,6 +331,10 @@ class Engine:
         sib.cached_tokens = r.cached_tokens
     self.stats["cached_prompt_tokens"] += sum(r.cached_tokens for r in reqs)
     return self.fns.load_prefill(host)
+
+  @staticmethod
+  def _is_prefix(seq, prompt) -> bool:
+    return len(seq) < len(prompt) and seq[-1] == prompt[len(seq) - 1] and list(prompt[:len(seq)]) == seq
 
   def _copy_out(self, reqs):
     """Start copying the slot states of these requests to the host (their slots are still theirs: called
