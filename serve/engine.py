@@ -17,9 +17,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
+from serve.engine_cache import EngineCacheMixin
 from serve.slots import SlotFunctions, host_settings, unpack_logprobs
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Request:
 Delivery = tuple  # (request, new token ids, finish_reason or None)
 
 
-class Engine:
+class Engine(EngineCacheMixin):
   """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`."""
 
   def __init__(self, params, cfg, *, model=None, n_slots: int = 8, prefill_batch: int = 1,
@@ -299,90 +299,6 @@ class Engine:
                     "scored": any(r.echo for r in take), "scores": []}
     return True
 
-  # ---- state cache ----
-
-  def _restore(self, reqs):
-    """Each request's longest cached prefix (at least one prompt token is left to prefill, for the first
-    token's logits); a prefill batch starting from those states, or None when nothing was cached."""
-    if self._copies:
-      self._collect_copies(block=False)
-    if any(self._is_prefix(seq, r.prompt_ids) for ids, _ in self._copies for seq in ids for r in reqs):
-      # A state still on its way to the host is this prompt's prefix (an agent's next turn arriving just
-      # after the last one finished): wait for it rather than prefill it again.
-      self._collect_copies(block=True)
-    found = []
-    for r in reqs:
-      if r.echo:  # every prompt token is scored
-        found.append(None)
-        continue
-      n, state = self.cache.lookup(r.prompt_ids, len(r.prompt_ids) - 1)
-      r.cached_tokens = n
-      found.append(state)
-    if all(f is None for f in found):
-      return None
-    template = next(f for f in found if f is not None)
-    host = {k: np.zeros((a.shape[0], self.prefill_batch, *a.shape[1:]), a.dtype) for k, a in template.items()}
-    for i, f in enumerate(found):
-      if f is not None:
-        for k in host:
-          host[k][:, i] = f[k]
-    for r in reqs:
-      for sib in r.siblings:
-        sib.cached_tokens = r.cached_tokens
-    self.stats["cached_prompt_tokens"] += sum(r.cached_tokens for r in reqs)
-    return self.fns.load_prefill(host)
-
-  @staticmethod
-  def _is_prefix(seq, prompt) -> bool:
-    return len(seq) < len(prompt) and seq[-1] == prompt[len(seq) - 1] and list(prompt[:len(seq)]) == seq
-
-  def _copy_out(self, reqs):
-    """Start copying the slot states of these requests to the host (their slots are still theirs: called
-    before anything can be inserted over them). The state has consumed the prompt and one output token
-    per generate step since the insert."""
-    if self.cache is None or not reqs:
-      return
-    rows, ids = [], []
-    for r in reqs:
-      fed = self._gens - r.gen_base
-      if fed > len(r.output_ids) or len(r.prompt_ids) + fed < self.cache_min_tokens:
-        continue
-      rows.append(r.slot)
-      ids.append(list(r.prompt_ids) + r.output_ids[:fed])
-    self._gather_async(self.table["model"], rows, ids)
-
-  def _snapshot(self, pf):
-    """Mid-prompt snapshots of a long prefill, so later prompts sharing the prefix skip it."""
-    C = self.cfg.chunk_size
-    rows, ids = [], []
-    for i, r in enumerate(pf["reqs"]):
-      done = r.cached_tokens + pf["next_chunk"] * C
-      if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
-        rows.append(i)
-        ids.append(list(r.prompt_ids[:done]))
-    self._gather_async(pf["state"]["model"], rows, ids)
-
-  def _gather_async(self, state, rows, ids):
-    E = self.prefill_batch  # one compiled gather width; a short group is padded with its first row
-    for g in range(0, len(rows), E):
-      part = rows[g:g + E]
-      idx = np.asarray(part + [part[0]] * (E - len(part)), np.int32)
-      out = self.fns.gather(state, idx)
-      for leaf in jax.tree.leaves(out):
-        leaf.copy_to_host_async()
-      self._copies.append((ids[g:g + E], out))
-
-  def _collect_copies(self, block: bool):
-    """Move the copies that have landed (all of them if block) into the cache."""
-    while self._copies:
-      ids, out = self._copies[0]
-      if not block and not all(leaf.is_ready() for leaf in jax.tree.leaves(out)):
-        return
-      self._copies.popleft()
-      host = {k: np.asarray(v) for k, v in out.items()}
-      for i, seq in enumerate(ids):
-        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()})
-
   def _insert(self, pf):
     """Write each prefilled row into the slots of its choices (n > 1: one row, several slots), sampling
     each choice's first token; choices with max_tokens 0 (echo scoring) finish here without a slot."""
@@ -526,11 +442,6 @@ class Engine:
     """Compile every function by serving one short request to completion."""
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
     self.generate([Request(prompt_ids=[0], max_tokens=1, echo=True, logprobs=0)])  # the scored prefill
-    if self.cache is not None:  # the cache's copies out of the slot table and the prefill batch, and restore
-      idx = np.zeros((self.prefill_batch,), np.int32)
-      pf = self.fns.empty_prefill()
-      rows = self.fns.gather(pf["model"], idx)
-      jax.block_until_ready((self.fns.gather(self.table["model"], idx),
-                             self.fns.load_prefill(jax.tree.map(np.asarray, rows))))
+    self._warm_cache()
     self.stats = dict.fromkeys(self.stats, 0)
     self._rate.clear()

@@ -186,7 +186,6 @@ def test_full_queue_gives_429_and_disconnects_free_slots(served):
 def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
   """Every step's delivery queued before the handler runs (as under load): the handler sees one merged
   batch and must still stop counting at the token that completes the stop string."""
-  import dataclasses as dc
   ids = tok.encode(" alpha beta gamma delta epsilon zeta eta theta")
   stop = " gam"
   first = next(i for i in range(len(ids)) if stop in tok.token_bytes(ids[:i + 1]).decode())
