@@ -138,6 +138,7 @@ def test_models_health_metrics_and_auth(served):
     ({"prompt": "hi", "stop": 3}, 400, "stop"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "n": 7}, 400, "n"),
+    ({"prompt": "hi", "n": 5}, 400, None),                           # more choices than the 4 slots
     ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ({"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ({"prompt": "hi", "echo": 1}, 400, "echo"),

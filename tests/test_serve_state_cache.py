@@ -230,3 +230,24 @@ def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
     main(["--preset", "tiny", "--random-init", "--state-cache-dir", str(tmp_path)])
   with pytest.raises(SystemExit):  # argparse: a negative budget
     main(["--preset", "tiny", "--random-init", "--state-cache-gb", "-1"])
+
+
+def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params):
+  eng = _engine(cfg, params, StateCache(state_cache.model_identity(cfg, params), 1 << 30))
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, d, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+      and listening else None)
+  listening = True
+  try:
+    prompt = list(range(1000, 1600))  # long enough to leave snapshots
+    out = eng.generate([Request(prompt_ids=prompt, max_tokens=3, logprobs=2),
+                        Request(prompt_ids=prompt[:40], max_tokens=2, echo=True, logprobs=0)])[0]
+    eng._collect_copies(block=True)
+    r = Request(prompt_ids=prompt + out + [5, 6, 7], max_tokens=2, seed=2**50,
+                siblings=[Request(prompt_ids=prompt + out + [5, 6, 7], max_tokens=1)])
+    eng.generate([r])
+    assert r.cached_tokens == len(prompt) + len(out)
+  finally:
+    listening = False
+  assert compiles == []
