@@ -26,6 +26,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 BLOCK = 64          # tokens per hash-chain block
+MAX_PENDING_WRITES = 64  # files queued for the writer; past it new entries stay in memory only
 MAGIC = b"LPLSTATE1\n"
 MARKER = "laplace-state-cache.json"
 
@@ -70,7 +71,7 @@ class StateCache:
     self.by_block: dict[bytes, set[str]] = collections.defaultdict(set)  # chain hash of floor(n/BLOCK) blocks
     self.bytes = 0
     self.stats = {"hits": 0, "misses": 0, "evictions": 0, "tokens_reused": 0, "stored": 0,
-                  "files_written": 0, "files_skipped": 0}
+                  "files_written": 0, "files_skipped": 0, "files_not_written": 0}
     self._lock = threading.Lock()
     self.dir = directory
     self._writes: queue.Queue | None = None
@@ -135,7 +136,10 @@ class StateCache:
       for old in evicted:
         self._writes.put(("delete", old))
       if write:
-        self._writes.put(("write", e))
+        if self._writes.qsize() < MAX_PENDING_WRITES:  # a slow disk must not hold evicted states in memory
+          self._writes.put(("write", e))
+        else:
+          self.stats["files_not_written"] += 1
     return True
 
   def _unindex(self, e: Entry):
