@@ -287,3 +287,18 @@ def test_n_choices_prompt_lists_seeds_and_model_info(served):
   assert st == 200 and m["id"] == "laplace-tiny"
   st, err = call(url, "GET", "/v1/models/gpt-4")
   assert st == 404 and "laplace-tiny" in err["error"]["message"]
+
+
+def test_streamed_echo_and_logprobs_match_the_whole_response(served):
+  url, _ = served
+  body = {"prompt": "Once upon a time there", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+          "echo": True, "logprobs": 2}
+  st, whole = call(url, body=body)
+  assert st == 200
+  st, events = call(url, body={**body, "stream": True})
+  chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+  assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+  want = whole["choices"][0]["logprobs"]
+  for key in ("tokens", "token_logprobs", "text_offset"):
+    assert sum((c["logprobs"][key] for c in chunks), []) == want[key]
+  assert want["token_logprobs"][0] is None and len(want["tokens"]) == 5 + 8
