@@ -45,7 +45,7 @@ def measure(cfg, slots):
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   mem = compiled.memory_analysis()
   minimum = minimum_bytes(cfg, params, state, slots)
-  return ops, mem, minimum, sum(x.size * 4 for x in jax.tree.leaves(state))
+  return ops, mem, minimum, sum(x.size * 4 for x in jax.tree.leaves(state)), compiled.as_text()
 
 
 def main(argv=None):
@@ -53,10 +53,14 @@ def main(argv=None):
   p.add_argument("--preset", default="small", choices=sorted(PRESETS))
   p.add_argument("--slots", type=int, default=1280)
   p.add_argument("--top", type=int, default=12, help="largest instructions to list")
+  p.add_argument("--hlo", help="write the compiled HLO text to this file")
   p.add_argument("--json", help="also write the figures to this file")
   args = p.parse_args(argv)
   cfg = get_config(args.preset)
-  ops, mem, minimum, state_bytes = measure(cfg, args.slots)
+  ops, mem, minimum, state_bytes, text = measure(cfg, args.slots)
+  if args.hlo:
+    with open(args.hlo, "w") as f:
+      f.write(text)
   moved, least = hlo_bytes.total_bytes(ops), sum(minimum.values())
   print(f"# decode step bytes, {args.preset} at {args.slots} slots, jax {jax.__version__}, "
         f"{jax.devices()[0].platform}")
