@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import gla
+from laplace_jax import gla, gla_decode
 from laplace_jax.config import LaplaceConfig, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
@@ -105,9 +105,10 @@ class Block(nn.Module):
     v_BxTxHxV = v.reshape(B, T, H, V)
     g_gamma = jnp.asarray(log_decays(cfg))
     s0 = None if layer_state is None else layer_state["gla"]
-    if decoding:
-      o1, s_new = gla.recurrent_simple_gla_step(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0],
-                                                g_gamma, s0)
+    if decoding:  # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
+      o1, table = gla_decode.gla_decode_layer(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma,
+                                              state["gla"], layer_idx)
+      state = dict(state, gla=table)
       o_BxTxHxV = o1[:, None]
     else:
       o_BxTxHxV, s_new = gla.chunk_simple_gla(
@@ -133,7 +134,7 @@ class Block(nn.Module):
       n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
       ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
       new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
-    new = {"gla": s_new} if decoding else {"gla": s_new, "conv": new_win}
+    new = {} if decoding else {"gla": s_new, "conv": new_win}
     state = dict(state, **{k: jax.lax.dynamic_update_index_in_dim(state[k], n.astype(state[k].dtype), layer_idx, 0)
                            for k, n in new.items()})
     return (x, state), None
