@@ -53,7 +53,10 @@ class SlotFunctions:
     self.empty_prefill = _jit(self._empty_prefill, out=pf_sh)
     self.prefill_chunk = _jit(self._prefill_chunk, donate=(1,), out=pf_sh)  # donated: the prefill batch
     self.insert = _jit(self._insert, donate=(1,), out=both)                 # donated: the slot table
-    self.generate = _jit(self._generate, donate=(1,), out=both)
+    logits_sh = None if mesh is None else sharding.batch_shardings(
+        jax.ShapeDtypeStruct((n_slots, cfg.vocab_size), jnp.float32), mesh)
+    self._decode = _jit(self._decode_logits, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
+    self._sample = _jit(self._sample_next, donate=(1,), out=both)
 
   # ---- the traced functions ----
 
@@ -93,14 +96,23 @@ class SlotFunctions:
       new[name] = put(table[name], settings[name].astype(table[name].dtype), 0)
     return new, jnp.stack([tok, done.astype(jnp.int32)])
 
-  def _generate(self, params, table):
-    """Advance every slot by one token. Returns (table, out [2, S] int32: tokens and finished flags)."""
+  def generate(self, params, table):
+    """Advance every slot by one token. Returns (table, out [2, S] int32: tokens and finished flags).
+
+    Two compiled calls, decode then sampling: compiled into one program on the CPU, the (untaken)
+    sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots."""
+    table, logits = self._decode(params, table)
+    return self._sample(logits, table)
+
+  def _decode_logits(self, params, table):
     logits, state = self.model.decode_step(params, table["model"], table["tokens"], cfg=self.cfg)
+    return dict(table, model=state), logits
+
+  def _sample_next(self, logits, table):
     pos = table["pos"] + 1
     tok = self.sample(logits, table["temperature"], table["top_k"], table["top_p"], table["seed"], pos)
     done = _done(tok, pos, table["max_tokens"], table["stop_ids"])
-    new = dict(table, model=state, tokens=tok, pos=pos)
-    return new, jnp.stack([tok, done.astype(jnp.int32)])
+    return dict(table, tokens=tok, pos=pos), jnp.stack([tok, done.astype(jnp.int32)])
 
 
 def _jit(f, donate=(), out=None):
