@@ -105,3 +105,17 @@ def test_compiled_decode_step_keeps_one_state_table_and_copies_none_of_it():
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   layer_state = state_bytes // cfg.n_layers
   assert not [o for o in ops if o.opcode == "copy" and o.read_bytes >= layer_state // 4]
+
+
+def test_model_decode_with_the_kernel_equals_the_xla_decode(monkeypatch):
+  cfg = get_config("tiny")
+  params = model.init_params(cfg, jax.random.key(0))
+  _, state = model.prefill(params, model.init_state(cfg, 3), np.arange(30).reshape(3, 10) % 97, cfg=cfg)
+  tokens = jnp.array([5, 7, 11], jnp.int32)
+  step = lambda s: model.decode_step(params, s, tokens, cfg=cfg)  # not jitted: one trace per impl
+  logits_xla, state_xla = step(state)
+  monkeypatch.setattr(gla_decode, "resolve_impl", lambda impl, backend=None: "interpret")
+  logits_k, state_k = step(state)
+  np.testing.assert_allclose(logits_k, logits_xla, rtol=1e-5, atol=1e-5)
+  for name in ("gla", "conv"):
+    np.testing.assert_allclose(state_k[name], state_xla[name], rtol=1e-5, atol=1e-6)
