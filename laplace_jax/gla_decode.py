@@ -13,8 +13,9 @@ Two implementations:
   "xla"     the pure-XLA step (slice, `recurrent_simple_gla_step`, in-place update): the reference and the
             fallback on every other backend (CPU, Neuron).
 impl="auto" picks "pallas" on GPUs and "xla" elsewhere; "interpret" runs the kernel in Pallas interpret
-mode (tests, on the CPU). A kernel asked for where it cannot run (another backend, a compile failure)
-falls back to "xla" with one log line per reason.
+mode (tests, on the CPU). A kernel asked for where it cannot run (another backend, a compile failure, a
+multi-device mesh set with `jax.set_mesh`) falls back to "xla" with one log line per reason. Callers that
+shard the table over several devices without setting a mesh must pass impl="xla".
 """
 from __future__ import annotations
 
@@ -132,6 +133,12 @@ def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = 
     raise ValueError(f"block_b={block_b!r}: expected a positive integer (slots per kernel program).")
   scale = K ** -0.5 if scale is None else float(scale)
   impl = resolve_impl(impl)
+  mesh = jax.sharding.get_abstract_mesh()
+  if impl != "xla" and not mesh.empty and mesh.size > 1:
+    # A pallas_call is one device's program: XLA cannot split it over a mesh's slots.
+    _log_once(f"gla_decode: the Pallas kernel runs on one device, not over a {mesh.size}-device mesh; "
+              "using the XLA step.")
+    impl = "xla"
   if impl == "pallas":
     shapes = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in (q, k, v, jnp.asarray(g_gamma), table))
     shapes += (((), jnp.dtype(jnp.int32)),)

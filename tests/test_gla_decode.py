@@ -119,3 +119,15 @@ def test_model_decode_with_the_kernel_equals_the_xla_decode(monkeypatch):
   np.testing.assert_allclose(logits_k, logits_xla, rtol=1e-5, atol=1e-5)
   for name in ("gla", "conv"):
     np.testing.assert_allclose(state_k[name], state_xla[name], rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_under_a_multi_device_mesh_falls_back_with_one_log_line(caplog):
+  from laplace_jax import sharding
+  q, k, v, g, table = _inputs(8, jnp.float32)
+  gla_decode._logged.clear()
+  with caplog.at_level(logging.WARNING, logger="laplace_jax.gla_decode"), jax.set_mesh(sharding.make_mesh(fsdp=8)):
+    o, new = gla_decode.gla_decode_layer(q, k, v, g, table, 1, impl="interpret")
+  assert len(caplog.records) == 1 and "8-device mesh" in caplog.records[0].getMessage()
+  o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[1])
+  np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(new[1], s_ref, rtol=1e-5, atol=1e-5)
