@@ -29,7 +29,8 @@ _WHILE = re.compile(r"(body|condition)=%?([\w.\-]+)")
 _PARAM_INDEX = re.compile(r"^(\d+)\)")
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-        "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain"}
+        "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
+        "async-start", "async-update", "async-done", "copy-done"}  # an async op's work is its computation
 SLICING = {"slice", "dynamic-slice", "gather"}
 IN_PLACE = {"dynamic-update-slice", "scatter"}
 
@@ -202,6 +203,8 @@ def memory_traffic(hlo_text: str) -> list[OpTraffic]:
         read, written = sum(op_bytes[1:]), op_bytes[1]
       elif ins.opcode == "scatter":
         read, written = sum(op_bytes[1:]), op_bytes[2]
+      elif ins.opcode == "copy-start":  # its result tuple holds the destination and the source
+        read, written = op_bytes[0], op_bytes[0]
       else:
         read, written = sum(op_bytes), result
       op = re.search(r'op_name="([^"]*)"', ins.attrs)

@@ -84,3 +84,22 @@ def test_compiled_scan_counts_its_body_per_iteration():
 def test_rejects_text_without_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_bytes.memory_traffic("HloModule m\n")
+
+
+def test_async_wrapped_work_counts_once_in_its_computation():
+  text = """
+HloModule m
+
+%wrapped (p: f32[256]) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  ROOT %n = f32[256]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %s = ((f32[256]{0}), f32[256]{0}, s32[]) async-start(%a), calls=%wrapped
+  ROOT %d = f32[256]{0} async-done(%s)
+}
+"""
+  ops = hlo_bytes.memory_traffic(text)
+  assert [(o.name, o.read_bytes, o.written_bytes, o.count) for o in ops] == [("n", 1024, 1024, 1)]
