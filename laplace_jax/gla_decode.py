@@ -9,7 +9,8 @@ Two implementations:
   "pallas"  a Pallas kernel for GPUs: each program owns a block of slots of one head, reads that block of
             the state once, writes S' once (the table is aliased in place) and takes the readout from the
             same registers. Triton needs power-of-two tiles, so K and V are walked in power-of-two pieces
-            (96 = 64 + 32, 192 = 128 + 64) and the slot block is the largest power of two that divides B.
+            (96 = 64 + 32, 192 = 128 + 64); the slot block is a power of two that divides B and keeps the
+            largest tile within MAX_TILE values (registers, not local memory).
   "xla"     the pure-XLA step (slice, `recurrent_simple_gla_step`, in-place update): the reference and the
             fallback on every other backend (CPU, Neuron).
 impl="auto" picks "pallas" on GPUs and "xla" elsewhere; "interpret" runs the kernel in Pallas interpret
@@ -58,6 +59,16 @@ def slot_block(batch: int, block_b: int) -> int:
   return bb
 
 
+MAX_TILE = 16384  # fp32 values of one (slots, K piece, V piece) tile a Triton program holds: 64 KiB
+
+
+def kernel_slot_block(batch: int, K: int, V: int, block_b: int) -> int:
+  """Slots per kernel program: a power of two dividing `batch`, at most block_b, whose largest tile of the
+  state fits in MAX_TILE values (laplace-3b: 64 x 128 pieces, so 2 slots)."""
+  largest = pow2_pieces(K)[0][1] * pow2_pieces(V)[0][1]
+  return slot_block(batch, max(1, min(block_b, MAX_TILE // largest)))
+
+
 def _kernel(layer_ref, lam_ref, q_ref, k_ref, v_ref, _table_in, o_ref, table_ref, *, bb, K, V, scale):
   i, h = pl.program_id(0), pl.program_id(1)
   layer, lam = layer_ref[0], lam_ref[h]
@@ -77,7 +88,7 @@ def _kernel(layer_ref, lam_ref, q_ref, k_ref, v_ref, _table_in, o_ref, table_ref
 
 def _pallas(q, k, v, g_gamma, table, layer, *, scale, block_b, interpret):
   L, B, H, K, V = table.shape
-  bb = slot_block(B, block_b)
+  bb = kernel_slot_block(B, K, V, block_b)
   kernel = functools.partial(_kernel, bb=bb, K=K, V=V, scale=scale)
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   lam_H = jnp.exp(jnp.asarray(g_gamma, F32))

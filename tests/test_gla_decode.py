@@ -53,6 +53,9 @@ def test_power_of_two_tiling():
   assert gla_decode.pow2_pieces(192) == [(0, 128), (128, 64)]
   assert gla_decode.pow2_pieces(48) == [(0, 32), (32, 16)]
   assert [gla_decode.slot_block(b, 16) for b in (1280, 64, 6, 5, 8)] == [16, 16, 2, 1, 8]
+  assert gla_decode.kernel_slot_block(1280, 96, 192, 16) == 2    # laplace-3b: 2 x 64 x 128 values per tile
+  assert gla_decode.kernel_slot_block(1280, 48, 96, 16) == 8     # small: 8 x 32 x 64
+  assert gla_decode.kernel_slot_block(6, 8, 16, 16) == 2
 
 
 def test_kernel_asked_for_on_the_cpu_falls_back_with_one_log_line(caplog):
