@@ -73,11 +73,12 @@ def main(argv=None):
   by_kind = defaultdict(int)
   for o in ops:
     by_kind[o.opcode] += o.total_bytes
-  print("by opcode: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+  order = sorted(by_kind.items(), key=lambda kv: -kv[1])
+  print("by opcode: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in order))
   print(f"\nlargest {args.top} (GB per step = (read + written) x executions):")
   for o in sorted(ops, key=lambda o: -o.total_bytes)[:args.top]:
-    print(f"  {o.total_bytes / 1e9:7.3f}  x{o.count:<3d} r {o.read_bytes / 1e6:8.1f} MB  w {o.written_bytes / 1e6:8.1f} MB"
-          f"  {o.opcode:8s} {o.name}  {o.op_name.split('/')[-1]}")
+    print(f"  {o.total_bytes / 1e9:7.3f}  x{o.count:<3d} r {o.read_bytes / 1e6:8.1f} MB  "
+          f"w {o.written_bytes / 1e6:8.1f} MB  {o.opcode:8s} {o.name}  {o.op_name.split('/')[-1]}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"preset": args.preset, "slots": args.slots, "moved_bytes": moved, "minimum": minimum,

@@ -76,7 +76,8 @@ def main(argv=None):
     if name != "floor":
       s = float(np.median(rounds[name]))
       ratio = float(np.median(np.array(rounds[name]) / np.array(rounds["floor"])))
-      print(f"{name:9s} {s * 1e3:8.2f} ms  {2 * layer_bytes / s / 1e9:6.0f} GB/s of state  {ratio:5.2f}x the floor")
+      print(f"{name:9s} {s * 1e3:8.2f} ms  {2 * layer_bytes / s / 1e9:6.0f} GB/s of state  "
+            f"{ratio:5.2f}x the floor")
 
 
 if __name__ == "__main__":

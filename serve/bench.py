@@ -312,7 +312,8 @@ def run_overhead(args, out):
   out["overhead"] = {"preset": args.throughput_preset, "points": res}
 
 
-SECTIONS = {"throughput": run_throughput, "overhead": run_overhead, "context": run_context, "memory": run_memory, "flops": run_flops}
+SECTIONS = {"throughput": run_throughput, "overhead": run_overhead, "context": run_context, "memory": run_memory,
+            "flops": run_flops}
 
 
 def main(argv=None):
