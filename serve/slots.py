@@ -8,6 +8,7 @@ Slot table (one pytree, leading slot axis S after the model state's layer axis):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -101,7 +102,10 @@ class SlotFunctions:
 
     Two compiled calls, decode then sampling: compiled into one program on the CPU, the (untaken)
     sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots."""
-    table, logits = self._decode(params, table)
+    # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
+    # kernel (one device's program) knows to leave a multi-device table to XLA.
+    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      table, logits = self._decode(params, table)
     return self._sample(logits, table)
 
   def _decode_logits(self, params, table):

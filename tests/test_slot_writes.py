@@ -23,3 +23,18 @@ def test_insert_moves_the_slot_rows_not_the_table():
   assert max(biggest.read_bytes, biggest.written_bytes) < layer_bytes / 4, biggest
   assert compiled.memory_analysis().temp_size_in_bytes < layer_bytes  # sampling temporaries, no state copy
   assert compiled.memory_analysis().alias_size_in_bytes >= 2 * layer_bytes  # the state is updated in place
+
+
+def test_decode_over_a_serving_mesh_leaves_the_kernel_to_xla(monkeypatch, caplog):
+  import logging
+  from laplace_jax import gla_decode, sharding
+  cfg = get_config("tiny")
+  monkeypatch.setattr(gla_decode, "resolve_impl", lambda impl, backend=None: "interpret")  # as on a GPU
+  gla_decode._logged.clear()
+  fns = SlotFunctions(model, cfg, n_slots=8, prefill_batch=1, n_stop=2, valid_vocab=cfg.vocab_size,
+                      mesh=sharding.make_mesh(fsdp=8))
+  params = model.init_params(cfg, jax.random.key(0))
+  with caplog.at_level(logging.WARNING, logger="laplace_jax.gla_decode"):
+    table, out = fns.generate(params, fns.empty_table())
+  assert out.shape == (2, 8)
+  assert [r.getMessage() for r in caplog.records if "8-device mesh" in r.getMessage()]
