@@ -354,7 +354,7 @@ class Engine(EngineCacheMixin):
 
   def _read_back(self, item):
     kind, out, owners = item
-    out = np.asarray(out)  # the one device-to-host copy of this step: [2, n] tokens and finished flags
+    out = np.asarray(out)  # the one device-to-host copy of this step: [3 + 2N, n] (serve.slots)
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(owners):
