@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, gla
+from laplace_jax import attention, gla, gla_decode
 from laplace_jax.config import LaplaceConfig, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
@@ -57,9 +57,10 @@ def _uniform(bound):
   return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, s0, mask_BxT):
+def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
   """The Laplace mixer: W_qkvg → simple GLA → self-augmentation → Head RMSNorm → ⊙ SiLU(g) → W_out.
-  Returns (output [B, T, D] in the compute dtype, new GLA state or None)."""
+  `table` is every GLA layer's state [L_gla, B, H, K, V] (or None), this layer's at `idx`. Returns (output
+  [B, T, D] in the compute dtype, the table with this layer's state updated, or None)."""
   B, T, _ = u_BxTxD.shape
   H, K, V = cfg.n_heads, cfg.d_k, cfg.d_v
   cdt = jnp.dtype(cfg.compute_dtype)
@@ -69,14 +70,18 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, s0, mask_BxT):
   q_BxTxHxK, k_BxTxHxK = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
   v_BxTxHxV = v.reshape(B, T, H, V)
   g_gamma = jnp.asarray(log_decays(cfg))
-  if T == 1 and s0 is not None and mask_BxT is None:
-    o1, s_new = gla.recurrent_simple_gla_step(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0],
-                                              g_gamma, s0)
+  if T == 1 and table is not None and mask_BxT is None:
+    # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
+    o1, table = gla_decode.gla_decode_layer(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma,
+                                            table, idx)
     o_BxTxHxV = o1[:, None]
   else:
+    s0 = None if table is None else table[idx]
     o_BxTxHxV, s_new = gla.chunk_simple_gla(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
         chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks, form=cfg.gla_form)
+    if table is not None:
+      table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
 
   # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
   gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32),
@@ -86,7 +91,7 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, s0, mask_BxT):
   tier_scale_HxV = jnp.repeat(w["head_norm_scale"], H // cfg.n_decay_tiers, axis=0)
   o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + cfg.norm_eps) * tier_scale_HxV
   o = o.reshape(B, T, H * V).astype(cdt) * nn.silu(g)
-  return mm(o, w["w_out"]), s_new
+  return mm(o, w["w_out"]), table
 
 
 def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT):
@@ -150,18 +155,29 @@ class Block(nn.Module):
     # Causal depth-wise conv over [previous W-1 inputs | this segment]; the decode state keeps the last W.
     h = _batch_sharded(_layer_norm(x_BxTxD, ln1, cfg.norm_eps))
     win_BxWxD = jnp.zeros((B, W, D), F32) if state is None else state["conv"][layer_idx]
-    ext = jnp.concatenate([win_BxWxD.astype(cdt), h], axis=1)            # [B, W+T, D]
-    conv = sum(ext[:, 1 + i:1 + i + T] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
+    decoding = T == 1 and state is not None and mask_BxT is None
+    put = lambda s, n, i: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
+    if decoding:
+      # One token: the conv reads exactly the new window. Written in place first and read back after, so
+      # nothing reads the old window once it is overwritten (else XLA copies every layer's windows twice).
+      new_win = jnp.concatenate([win_BxWxD[:, 1:], h.astype(F32)], axis=1)  # [B, W, D]
+      state = dict(state, conv=put(state["conv"], new_win, layer_idx))
+      ext = state["conv"][layer_idx].astype(cdt)
+      conv = sum(ext[:, i:i + 1] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
+    else:
+      ext = jnp.concatenate([win_BxWxD.astype(cdt), h], axis=1)            # [B, W+T, D]
+      conv = sum(ext[:, 1 + i:1 + i + T] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
     u = nn.silu(conv)
 
     if self.mixer == "G":
-      s0 = None if state is None else state["gla"][mix_idx]
-      mixed, s_new = _gla_mixer(cfg, mix_w, u, s0, mask_BxT)
-      new = {"gla": s_new}
+      mixed, table = _gla_mixer(cfg, mix_w, u, None if state is None else state["gla"], mix_idx, mask_BxT)
+      if state is not None:
+        state = dict(state, gla=table)
     else:
       cache = None if state is None else (state["k"][mix_idx], state["v"][mix_idx], state["pos"])
       mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
-      new = None if kv is None else {"k": kv[0], "v": kv[1]}
+      if kv is not None:
+        state = dict(state, k=put(state["k"], kv[0], mix_idx), v=put(state["v"], kv[1], mix_idx))
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
 
     h2 = _layer_norm(x, ln2, cfg.norm_eps)
@@ -169,13 +185,11 @@ class Block(nn.Module):
 
     if state is None:
       return (x, None), None
-    # New conv window: the last W real inputs (rows are right-padded: real tokens come first).
-    n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
-    ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
-    new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
-    put = lambda s, n, i: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
-    state = {**state, "conv": put(state["conv"], new_win, layer_idx),
-             **{name: put(state[name], v, mix_idx) for name, v in new.items()}}
+    if not decoding:  # new conv window: the last W real inputs (rows are right-padded: real tokens first)
+      n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
+      ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
+      new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
+      state = dict(state, conv=put(state["conv"], new_win, layer_idx))
     return (x, state), None
 
 
