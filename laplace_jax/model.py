@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import gla
-from laplace_jax.config import LaplaceConfig, log_decays
+from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
 F32 = jnp.float32
@@ -101,9 +101,10 @@ class Block(nn.Module):
                                                 g_gamma, s0)
       o_BxTxHxV = o1[:, None]
     else:
+      form, unroll = gla_form_for_backend(cfg, jax.default_backend())
       o_BxTxHxV, s_new = gla.chunk_simple_gla(
           q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
-          chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks, form=cfg.gla_form)
+          chunk_size=min(cfg.chunk_size, T), unroll=unroll, form=form)
 
     # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
     gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32), aug_a.astype(F32),

@@ -30,7 +30,7 @@ class OptimizerConfig:
   total_steps: int = 190_735       # 100B tokens / 524,288 tokens per step
   warmup_steps: int = 3_815
   end_lr_fraction: float = 0.1     # cosine decays to this fraction of each peak
-  clip_norm: float | None = 1.0    # global gradient norm; None disables clipping
+  clip_norm: float | None = 1.0    # global gradient norm; 0 (TOML and flags have no null) or None: no clipping
   muon_lr: float = 0.02
   muon_beta: float = 0.95
   muon_nesterov: bool = True
@@ -57,8 +57,8 @@ class OptimizerConfig:
       bad("warmup_steps", f"an integer in [0, total_steps={self.total_steps}]")
     if not 0 <= self.end_lr_fraction <= 1:
       bad("end_lr_fraction", "a fraction of the peak in [0, 1]")
-    if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-      bad("clip_norm", "a positive finite norm, or None to disable clipping")
+    if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+      bad("clip_norm", "a positive finite norm, or 0 (or None) to disable clipping")
     for f in ("muon_lr", "adamw_lr", "muon_weight_decay", "adamw_weight_decay"):
       v = getattr(self, f)
       if not (math.isfinite(v) and v >= 0):

@@ -68,13 +68,14 @@ MODEL_HELP = {
     "compute_dtype": "matmul dtype (float32 | bfloat16)",
     "remat": "rematerialise each layer in the backward pass (true/false)",
     "unroll_chunks": "statically unroll the chunk scan (true/false)",
-    "gla_form": "chunked GLA form: parallel (faster on GPUs) | scan (constant time per token on CPUs)",
+    "gla_form": "chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | "
+                "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
 }
 OPTIMIZER_HELP = {
     "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b)",
     "warmup_steps": "linear warm-up steps",
     "end_lr_fraction": "cosine decays to this fraction of each peak",
-    "clip_norm": "global gradient-norm clip",
+    "clip_norm": "global gradient-norm clip (0: no clipping)",
     "muon_lr": "Muon peak learning rate (2-D hidden matrices)",
     "muon_beta": "Muon Nesterov momentum",
     "muon_nesterov": "Nesterov momentum (true/false)",
