@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import gla
-from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays
+from laplace_jax import fsdp, gla
+from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays, param_shapes
 from laplace_jax.sharding import BATCH_AXES
 
 F32 = jnp.float32
@@ -34,8 +34,8 @@ def _batch_sharded(x):
   Without it XLA's partitioner may gather whole activations to form FSDP weight gradients (measured on
   laplace-3b: ≈1.5 TB per device per step) instead of reduce-scattering partial gradients."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
-    return x
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names) or set(BATCH_AXES) & set(mesh.manual_axes):
+    return x  # no mesh, or inside a shard_map (rows are already per device)
   n = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
   if x.shape[0] % n:
     return x
@@ -141,7 +141,12 @@ class LaplaceLM(nn.Module):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
     x = _batch_sharded(embed[tokens_BxT].astype(cdt))
-    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    # Inside the train step's shard_map each layer's weights arrive as FSDP shards and are gathered here,
+    # per layer and inside remat (laplace_jax/fsdp.py); elsewhere they are whole and pass unchanged.
+    shapes = param_shapes(cfg)["layer"]
+    block = nn.map_variables(Block, "params", lambda v: {c: fsdp.gather_tree(t, shapes, cdt)
+                                                          for c, t in v.items()}, init=self.is_initializing())
+    block = nn.remat(block, prevent_cse=False) if cfg.remat else block
     blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_layers)
     (x, new_state), _ = blocks(cfg, name="layers")((x, state), jnp.arange(cfg.n_layers), mask_BxT)

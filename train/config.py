@@ -45,6 +45,10 @@ HELP = {
     "sample_tokens": "after training, print this many tokens sampled from the final params (0: none)",
     "sample_prompt": "prompt for the sample",
     "progress": "show a progress bar",
+    "allow_changes": "resume even though these config fields differ from the checkpoint's (comma-separated, "
+                     "e.g. optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)",
+    "profile_steps": "capture a jax.profiler trace of this many steps (after the first, which compiles) into "
+                     "out_dir/profile, viewable in TensorBoard or Perfetto (0: none)",
 }
 
 
@@ -72,7 +76,8 @@ MODEL_HELP = {
                 "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
 }
 OPTIMIZER_HELP = {
-    "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b)",
+    "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b; fixed when a run starts "
+                   "and kept when it is resumed or extended)",
     "warmup_steps": "linear warm-up steps",
     "end_lr_fraction": "cosine decays to this fraction of each peak",
     "clip_norm": "global gradient-norm clip (0: no clipping)",
@@ -119,6 +124,8 @@ class TrainConfig:
   sample_tokens: int = 0
   sample_prompt: str = "In the beginning"
   progress: bool = True
+  allow_changes: str = ""
+  profile_steps: int = 0
 
   def __post_init__(self):
     for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",
@@ -126,7 +133,7 @@ class TrainConfig:
       if getattr(self, f) < 1:
         raise ValueError(f"--{f}={getattr(self, f)}: expected a positive integer.")
     for f in ("seq_len", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
-              "process_id"):
+              "process_id", "profile_steps"):
       if getattr(self, f) < 0:
         raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
     if self.preset not in PRESETS:
@@ -138,6 +145,7 @@ class RunConfig:
   train: TrainConfig
   model: LaplaceConfig
   optimizer: OptimizerConfig
+  explicit: frozenset = frozenset()  # "section.field" names set by the TOML file or a flag (not defaults)
 
 
 _SECTIONS = {"train": TrainConfig, "model": LaplaceConfig, "optimizer": OptimizerConfig}
@@ -222,4 +230,5 @@ def load_config(argv=None) -> RunConfig:
                  "[model]")
   optimizer = _apply(OptimizerConfig, optimizer_defaults(train.preset, train.steps),
                      {**toml.get("optimizer", {}), **flags["optimizer"]}, "[optimizer]")
-  return RunConfig(train, model, optimizer)
+  explicit = frozenset(f"{sec}.{k}" for sec in _SECTIONS for k in {**toml.get(sec, {}), **flags[sec]})
+  return RunConfig(train, model, optimizer, explicit)
