@@ -38,6 +38,7 @@ class OptimizerConfig:
   muon_weight_decay: float = 0.0
   muon_scale_mode: str = "reference"   # or "adamw_rms" (then use an AdamW-sized muon_lr)
   muon_distribution: str = "all_to_all"  # with a mesh; "gather" only to compare traffic
+  muon_ns_dtype: str = "float32"   # Newton–Schulz iterations: float32 (the params' dtype), or bfloat16
   adamw_lr: float = 3e-4
   adamw_b1: float = 0.9
   adamw_b2: float = 0.95
@@ -74,6 +75,8 @@ class OptimizerConfig:
       bad("muon_scale_mode", f"one of {SCALE_MODES}")
     if self.muon_distribution not in DISTRIBUTIONS:
       bad("muon_distribution", f"one of {DISTRIBUTIONS}")
+    if self.muon_ns_dtype not in ("float32", "bfloat16"):
+      bad("muon_ns_dtype", "'float32' or 'bfloat16'")
 
   def replace(self, **changes) -> "OptimizerConfig":
     return dataclasses.replace(self, **changes)
@@ -115,7 +118,8 @@ def make_optimizer(ocfg: OptimizerConfig = OptimizerConfig(), *, mesh: Mesh | No
   """Clip by global norm, then Muon on the hidden matrices and AdamW on the rest (see the module doc)."""
   muon_tx = muon(lr_schedule(ocfg.muon_lr, ocfg), beta=ocfg.muon_beta, nesterov=ocfg.muon_nesterov,
                  ns_steps=ocfg.muon_ns_steps, weight_decay=ocfg.muon_weight_decay,
-                 scale_mode=ocfg.muon_scale_mode, mesh=mesh, distribution=ocfg.muon_distribution)
+                 scale_mode=ocfg.muon_scale_mode, mesh=mesh, distribution=ocfg.muon_distribution,
+                 ns_dtype=None if ocfg.muon_ns_dtype == "float32" else jnp.bfloat16)
   adamw_tx = optax.adamw(lr_schedule(ocfg.adamw_lr, ocfg), b1=ocfg.adamw_b1, b2=ocfg.adamw_b2,
                          eps=ocfg.adamw_eps, weight_decay=ocfg.adamw_weight_decay, mask=_adamw_decay_mask)
   parts = optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)

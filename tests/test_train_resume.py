@@ -85,6 +85,15 @@ def test_metrics_hold_each_step_once_after_a_crash_and_resume(data_dir, tmp_path
   assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_field_newer_than_the_checkpoint_counts_as_its_default():
+  rc = load_config([])
+  saved = resume.run_config_dict(rc)
+  del saved["optimizer"]["muon_ns_dtype"]
+  assert resume.reconcile(rc, saved, where="x")[0] == rc
+  with pytest.raises(ValueError, match=r"optimizer.muon_ns_dtype: saved 'float32', now 'bfloat16'"):
+    resume.reconcile(load_config(["--optimizer.muon_ns_dtype", "bfloat16"]), saved, where="x")
+
+
 def test_drop_rows_after_keeps_earlier_rows_in_order(tmp_path):
   p = tmp_path / "metrics.jsonl"
   rows = [{"step": 1, "loss": 3.0}, {"step": 2, "eval_loss": 2.5}, {"step": 3, "loss": 2.0}]

@@ -88,6 +88,7 @@ OPTIMIZER_HELP = {
     "muon_weight_decay": "Muon decoupled weight decay",
     "muon_scale_mode": "reference (sqrt(max(1, out/in))) | adamw_rms (0.2*sqrt(max(in, out)))",
     "muon_distribution": "all_to_all (two sharded all_to_alls) | gather (every matrix on every device)",
+    "muon_ns_dtype": "Newton-Schulz iterations in float32 | bfloat16 (the reference Muon's; faster on GPUs)",
     "adamw_lr": "AdamW peak learning rate (embedding, head, norms, conv, aug_balance)",
     "adamw_b1": "AdamW beta1",
     "adamw_b2": "AdamW beta2",

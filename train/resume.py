@@ -65,9 +65,12 @@ def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, lis
   for section, values in saved.items():
     if section not in now:
       continue
+    # A field newer than the checkpoint counts as saved with its default (what the run used).
+    defaults = {f.name: f.default for f in dataclasses.fields(_SECTIONS[section])}
     for name in sorted(set(values) | set(now[section])):
       key = f"{section}.{name}"
-      old, new = values.get(name, "<absent>"), now[section].get(name, "<absent>")
+      old = values.get(name, json.loads(json.dumps(defaults.get(name, "<absent>"))))
+      new = now[section].get(name, "<absent>")
       if old == new or key in ALLOWED:
         continue
       if key in allowed:
