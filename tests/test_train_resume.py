@@ -10,7 +10,8 @@ from train import prepare, resume
 from train.config import load_config
 from train.loop import run
 
-COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_data", "2", "--mesh_fsdp", "4",
+# One device: what is checked here does not depend on the mesh, and the step compiles faster.
+COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_data", "1", "--mesh_fsdp", "1",
           "--eval_batches", "0", "--log_every", "1", "--no-progress"]
 
 
@@ -32,7 +33,8 @@ def _train(data_dir, out, *extra):
 
 def test_changed_config_is_refused_listing_each_difference_then_allowed(data_dir, tmp_path):
   out = tmp_path / "run"
-  _train(data_dir, out, "--steps", "2")
+  _train(data_dir, out, "--steps", "2", "--profile_steps", "1")
+  assert list((out / "profile").rglob("*.xplane.pb")), "no jax.profiler trace written"
   with pytest.raises(ValueError) as e:
     _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--global_batch", "16",
            "--model.remat", "true")  # remat is allowed: it does not change the math
@@ -41,16 +43,11 @@ def test_changed_config_is_refused_listing_each_difference_then_allowed(data_dir
   assert "train.global_batch: saved 8, now 16 (--global_batch)" in msg
   assert "remat" not in msg
   assert "--allow_changes train.global_batch,optimizer.muon_lr" in msg
+  with pytest.raises(ValueError, match=r"--allow_changes 'optimizer.muon_rate'.*unknown field"):
+    _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--allow_changes", "optimizer.muon_rate")
   summary = _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5",
                    "--allow_changes", "optimizer.muon_lr")
   assert summary["start_step"] == 2 and summary["end_step"] == 3
-
-
-def test_unknown_allow_changes_field_is_a_clear_error(data_dir, tmp_path):
-  out = tmp_path / "run"
-  _train(data_dir, out, "--steps", "1")
-  with pytest.raises(ValueError, match=r"--allow_changes 'optimizer.muon_rate'.*unknown field"):
-    _train(data_dir, out, "--steps", "2", "--allow_changes", "optimizer.muon_rate")
 
 
 def test_extended_run_keeps_its_schedule(data_dir, tmp_path):
@@ -108,3 +105,12 @@ def test_clip_norm_off_from_toml_and_flags(tmp_path):
   toml.write_text("[optimizer]\nclip_norm = 0.0\n")
   assert load_config(["--config", str(toml)]).optimizer.clip_norm == 0.0
   assert load_config(["--optimizer.clip_norm", "0"]).optimizer.clip_norm == 0.0
+
+
+def test_tokens_per_step_sets_the_batch_for_any_length():
+  assert load_config(["--seq_len", "16384", "--tokens_per_step", "32768"]).train.global_batch == 2
+  assert load_config(["--seq_len", "2048", "--tokens_per_step", "32768"]).train.global_batch == 16
+  with pytest.raises(ValueError, match=r"--tokens_per_step=1000: expected a multiple of the sequence length 256"):
+    load_config(["--tokens_per_step", "1000"])
+  with pytest.raises(ValueError, match="disagree"):
+    load_config(["--seq_len", "128", "--tokens_per_step", "1024", "--global_batch", "4"])

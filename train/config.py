@@ -24,6 +24,8 @@ HELP = {
     "steps": "total optimizer steps of the run (a resumed run continues to this number)",
     "global_batch": "sequences per optimizer step, over all devices and micro-batches",
     "seq_len": "tokens per sequence (0: the model's max_seq_len)",
+    "tokens_per_step": "sets global_batch to this many tokens / seq_len (0: use global_batch): keeps the tokens "
+                       "per step when the sequence length changes",
     "micro_batches": "split each step into this many accumulated micro-batches (memory)",
     "z_loss": "weight of the z-loss logsumexp² term (0 disables it)",
     "mesh_data": "data-parallel axis size of the device mesh",
@@ -105,6 +107,7 @@ class TrainConfig:
   steps: int = 200
   global_batch: int = 16
   seq_len: int = 0
+  tokens_per_step: int = 0
   micro_batches: int = 1
   z_loss: float = 1e-4
   mesh_data: int = 1
@@ -133,7 +136,7 @@ class TrainConfig:
               "max_bad_steps", "num_processes", "save_every"):
       if getattr(self, f) < 1:
         raise ValueError(f"--{f}={getattr(self, f)}: expected a positive integer.")
-    for f in ("seq_len", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
+    for f in ("seq_len", "tokens_per_step", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
               "process_id", "profile_steps"):
       if getattr(self, f) < 0:
         raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
@@ -231,5 +234,14 @@ def load_config(argv=None) -> RunConfig:
                  "[model]")
   optimizer = _apply(OptimizerConfig, optimizer_defaults(train.preset, train.steps),
                      {**toml.get("optimizer", {}), **flags["optimizer"]}, "[optimizer]")
+  if train.tokens_per_step:
+    seq = train.seq_len or model.max_seq_len
+    if train.tokens_per_step % seq:
+      raise ValueError(f"--tokens_per_step={train.tokens_per_step}: expected a multiple of the sequence length "
+                       f"{seq}. Use e.g. {max(1, train.tokens_per_step // seq) * seq}.")
+    if "global_batch" in train_vals and train_vals["global_batch"] * seq != train.tokens_per_step:
+      raise ValueError(f"--global_batch={train.global_batch} and --tokens_per_step={train.tokens_per_step} "
+                       f"disagree at seq_len {seq}; set only one of them.")
+    train = dataclasses.replace(train, global_batch=train.tokens_per_step // seq)
   explicit = frozenset(f"{sec}.{k}" for sec in _SECTIONS for k in {**toml.get(sec, {}), **flags[sec]})
   return RunConfig(train, model, optimizer, explicit)

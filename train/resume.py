@@ -13,9 +13,11 @@ from pathlib import Path
 
 from train.config import RunConfig, _SECTIONS
 
-_TRAIN_ALLOWED = ("data_dir", "out_dir", "steps", "mesh_data", "mesh_fsdp", "simulate_devices", "log_every",
-                  "eval_every", "eval_batches", "save_every", "keep_checkpoints", "resume", "max_bad_steps",
-                  "compile_only", "coordinator", "num_processes", "process_id", "sample_tokens",
+# How long, how often, where to and on what a run executes. tokens_per_step is only a way to set global_batch,
+# which is compared.
+_TRAIN_ALLOWED = ("out_dir", "steps", "tokens_per_step", "mesh_data", "mesh_fsdp", "simulate_devices",
+                  "log_every", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "resume",
+                  "max_bad_steps", "compile_only", "coordinator", "num_processes", "process_id", "sample_tokens",
                   "sample_prompt", "progress", "allow_changes", "profile_steps")
 # Execution choices of the model that leave its math unchanged (remat, the GLA form and its unrolling).
 _MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form")
