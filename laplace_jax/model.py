@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import fsdp, gla
+from laplace_jax import fsdp, gla, gla_decode
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays, param_shapes
 from laplace_jax.sharding import BATCH_AXES
 
@@ -86,8 +86,17 @@ class Block(nn.Module):
     # Causal depth-wise conv over [previous W-1 inputs | this segment]; the decode state keeps the last W.
     h = _batch_sharded(_layer_norm(x_BxTxD, ln1, cfg.norm_eps))
     win_BxWxD = (jnp.zeros((B, W, D), F32) if layer_state is None else layer_state["conv"])
-    ext = jnp.concatenate([win_BxWxD.astype(cdt), h], axis=1)            # [B, W+T, D]
-    conv = sum(ext[:, 1 + i:1 + i + T] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
+    decoding = T == 1 and layer_state is not None and mask_BxT is None
+    if decoding:
+      # One token: the conv reads exactly the new window. Written in place first and read back after, so
+      # nothing reads the old window once it is overwritten (else XLA copies every layer's windows twice).
+      new_win = jnp.concatenate([win_BxWxD[:, 1:], h.astype(F32)], axis=1)  # [B, W, D]
+      state = dict(state, conv=jax.lax.dynamic_update_index_in_dim(state["conv"], new_win, layer_idx, 0))
+      ext = state["conv"][layer_idx].astype(cdt)
+      conv = sum(ext[:, i:i + 1] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
+    else:
+      ext = jnp.concatenate([win_BxWxD.astype(cdt), h], axis=1)            # [B, W+T, D]
+      conv = sum(ext[:, 1 + i:1 + i + T] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
     u = nn.silu(conv)
 
     qkvg = mm(u, w_qkvg)
@@ -96,9 +105,10 @@ class Block(nn.Module):
     v_BxTxHxV = v.reshape(B, T, H, V)
     g_gamma = jnp.asarray(log_decays(cfg))
     s0 = None if layer_state is None else layer_state["gla"]
-    if T == 1 and s0 is not None and mask_BxT is None:
-      o1, s_new = gla.recurrent_simple_gla_step(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0],
-                                                g_gamma, s0)
+    if decoding:  # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
+      o1, table = gla_decode.gla_decode_layer(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma,
+                                              state["gla"], layer_idx)
+      state = dict(state, gla=table)
       o_BxTxHxV = o1[:, None]
     else:
       form, unroll = gla_form_for_backend(cfg, jax.default_backend())
@@ -121,13 +131,13 @@ class Block(nn.Module):
 
     if state is None:
       return (x, None), None
-    # New conv window: the last W real inputs (rows are right-padded: real tokens come first).
-    n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
-    ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
-    new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
-    new = {"gla": s_new, "conv": new_win}
-    state = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), layer_idx, 0),
-                         state, new)
+    if not decoding:  # new conv window: the last W real inputs (rows are right-padded: real tokens first)
+      n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
+      ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
+      new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
+    new = {} if decoding else {"gla": s_new, "conv": new_win}
+    state = dict(state, **{k: jax.lax.dynamic_update_index_in_dim(state[k], n.astype(state[k].dtype), layer_idx, 0)
+                           for k, n in new.items()})
     return (x, state), None
 
 

@@ -33,12 +33,23 @@ def parse_args(argv=None):
   e.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
   e.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
   e.add_argument("--mesh-devices", type=int, default=1, help="devices that split the slots (1: no mesh)")
+  c = p.add_argument_group("state cache")
+  c.add_argument("--state-cache-gb", type=float, default=4.0,
+                 help="host memory for cached sequence states (prefix reuse, resumed conversations); 0: off")
+  c.add_argument("--state-cache-dir", help="keep cached states in this directory across restarts "
+                 "(one directory per model)")
+  c.add_argument("--state-snapshot-every", type=int, default=8,
+                 help="long prompts leave a cached state every this many 128-token chunks")
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000)
   h.add_argument("--api-key", default=os.environ.get("LAPLACE_API_KEY"),
                  help="require 'Authorization: Bearer KEY' on /v1/* (default: $LAPLACE_API_KEY)")
   args = p.parse_args(argv)
+  if args.state_cache_gb < 0:
+    p.error(f"--state-cache-gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
+  if args.state_cache_dir and args.state_cache_gb == 0:
+    p.error("--state-cache-dir needs a state cache: pass --state-cache-gb > 0")
   if not args.checkpoint and not args.random_init:
     p.error("no weights: pass --checkpoint PATH (an export_params directory) or --random-init")
   return args
@@ -56,15 +67,21 @@ def build(args):
   tok = loading.gpt2_tokenizer()
   params = loading.load_params(cfg, checkpoint=args.checkpoint, seed=args.seed, mesh=mesh,
                                dtype=args.params_dtype)
+  cache = None
+  if args.state_cache_gb > 0:
+    from serve.state_cache import StateCache, model_identity
+    cache = StateCache(model_identity(cfg, params), int(args.state_cache_gb * 1e9), args.state_cache_dir)
   engine = Engine(params, cfg, n_slots=n_slots, prefill_batch=args.prefill_batch,
                   prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
-                  valid_vocab=tok.vocab_size, mesh=mesh)
+                  valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache,
+                  snapshot_every=args.state_snapshot_every)
   t = time.perf_counter()
   engine.warmup()
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", args.preset, n_slots, time.perf_counter() - t)
   limits = protocol.Limits(model_name=args.model_name or f"laplace-{args.preset}", vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop)
+                           max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
+                           max_prompts=n_slots + args.max_queue)
   return Server(engine, tok, limits, api_key=args.api_key)
 
 
@@ -83,7 +100,10 @@ async def serve_forever(server, host, port):
 def main(argv=None):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
-  server = build(args)
+  try:
+    server = build(args)
+  except ValueError as e:  # a bad flag found while building (a foreign --state-cache-dir, a mesh too big)
+    raise SystemExit(f"python -m serve: error: {e}") from None
   asyncio.run(serve_forever(server, args.host, args.port))
 
 

@@ -1,7 +1,7 @@
 """`python -m serve.bench`: serving throughput, time per token against context, memory per sequence, and
 decode-step FLOP/s, for Laplace and for a same-size softmax-attention KV-cache baseline (serve/baseline.py).
 
-Sections (each prints a table; --json writes all numbers):
+Sections (each prints a table; --json writes all numbers; `overhead` runs only when named):
   throughput  output tokens/s at each concurrency: the engine end to end (prefill, insert, decode+sampling,
               read-back; greedy), Laplace's bare decode_step, and the baseline's decode step over a cache of
               --throughput-context tokens (skipped, with the memory it needs, past --baseline-mem-gb).
@@ -9,9 +9,12 @@ Sections (each prints a table; --json writes all numbers):
               prefilled for real with min(context, --max-real-prefill) tokens; the step has no position
               input and the same shapes at any context, so this is the cost at that context. Baseline: a
               cache of exactly that many (random) keys and values, attended in full.
+  overhead    engine tokens/s as a share of the bare decode_step's, the two interleaved in rounds, and
+              against the memory floor: the whole decode state scaled in place (read + written once).
   memory      bytes per sequence: Laplace's state (measured array bytes) against the baseline's KV cache.
   flops       Laplace decode_step at --flops-slots slots: model FLOP/s against a matmul peak measured
               in the same run (square matmuls in the compute dtype).
+  agent, prefix, cache_memory, cache_overhead: the state cache (serve/bench_cache.py; not in the default).
 Timings are medians over repeated steps; sizes default to what a 2-core CPU finishes in a few minutes.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 from laplace_jax import model
 from laplace_jax.timing import matmul_peak_flops, median_seconds
 from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
-from serve import baseline
+from serve import baseline, bench_cache
 from serve.loading import cast_params
 from serve.engine import Engine, Request
 
@@ -53,6 +56,8 @@ def parse_args(argv=None):
   p.add_argument("--contexts", type=ints, default=[1024, 8192, 65536], help="default: 1024,8192,65536")
   p.add_argument("--max-real-prefill", type=int, default=1024,
                  help="longest prompt Laplace really prefills in the context section (default: 1024)")
+  p.add_argument("--overhead-rounds", type=int, default=5,
+                 help="interleaved rounds in the overhead section (default: 5)")
   p.add_argument("--context-steps", type=int, default=12, help="timed steps per context (default: 12)")
   p.add_argument("--flops-slots", type=int, default=1280, help="slots in the flops section (default: 1280)")
   p.add_argument("--matmul-size", type=int, default=2048, help="side of the peak-matmul probe (default: 2048)")
@@ -61,6 +66,7 @@ def parse_args(argv=None):
   p.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
                  help="serve weights cast to the compute dtype (default) or as stored")
   p.add_argument("--json", help="also write every number to this file")
+  bench_cache.add_args(p)
   return p.parse_args(argv)
 
 
@@ -166,14 +172,15 @@ def run_throughput(args, out):
       base_tps = f"{c / base_s:,.0f}"
     else:
       base_s, base_tps = None, f"n/a (cache needs {_gb(need)})"
-    rows.append([c, f"{engine_tps:,.0f}", f"{c / lap_s:,.0f}", f"{lap_s * 1e3:.2f}", base_tps,
+    rows.append([c, f"{engine_tps:,.0f}", f"{c / lap_s:,.0f}", f"{engine_tps * lap_s / c:.0%}",
+                 f"{lap_s * 1e3:.2f}", base_tps,
                  f"{admit_s:.1f}", f"{compile_s:.1f}"])
     res.append({"concurrency": c, "engine_tokens_per_s": engine_tps, "laplace_step_s": lap_s,
                 "baseline_step_s": base_s, "baseline_cache_bytes": need, "admit_s": admit_s,
                 "compile_s": compile_s})
   _table(f"throughput ({args.throughput_preset}; prompts of {args.prompt_tokens} tokens, greedy; baseline "
          f"cache {args.throughput_context} tokens)",
-         ["concurrent", "engine tok/s", "Laplace decode_step tok/s", "Laplace step ms",
+         ["concurrent", "engine tok/s", "Laplace decode_step tok/s", "engine / decode_step", "Laplace step ms",
           "baseline decode tok/s", "admission s", "compile s"], rows)
   out["throughput"] = {"preset": args.throughput_preset, "points": res}
 
@@ -251,7 +258,64 @@ def run_flops(args, out):
                   "fraction_of_peak": achieved / peak}
 
 
-SECTIONS = {"throughput": run_throughput, "context": run_context, "memory": run_memory, "flops": run_flops}
+def run_overhead(args, out):
+  """Engine tokens/s against the bare decode step, interleaved in rounds so a shared machine's drift hits
+  both alike: each round times --steps engine steps (one step in flight, as served) then as many bare
+  decode_step calls over the same number of rows; the ratio is of the medians over rounds."""
+  cfg = get_config(args.throughput_preset)
+  params = laplace_params(cfg, args.params_dtype)
+  rng = np.random.default_rng(0)
+  rows, res = [], []
+  for c in args.concurrency:
+    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=50257)
+    engine.warmup()
+    reqs = [Request(prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(), max_tokens=1 << 20)
+            for _ in range(c)]
+    for r in reqs:
+      engine.submit(r)
+    while engine.queue or engine.prefill is not None:
+      engine.step()
+    engine.step()
+    step = LaplaceStep(params, cfg, c)
+    step()
+    # The memory floor: every state array of c slots read and written once, in place.
+    scale = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5, s), donate_argnums=0)
+
+    def floor_step():
+      step.state = scale(step.state)
+      jax.block_until_ready(step.state)
+
+    floor_step()
+    eng_s, bare_s, floor_s = [], [], []
+    for _ in range(args.overhead_rounds):
+      tok0, t0 = engine.stats["tokens"], time.perf_counter()
+      for _ in range(args.steps):
+        engine.step()
+      eng_s.append((time.perf_counter() - t0) * c / (engine.stats["tokens"] - tok0))
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        step()
+      bare_s.append((time.perf_counter() - t0) / args.steps)
+      floor_s.append(median_seconds(floor_step, args.steps, warmup=0))
+    for r in reqs:
+      engine.cancel(r)
+    engine.run_until_idle()
+    del engine, reqs, step
+    gc.collect()
+    e, b, f = float(np.median(eng_s)), float(np.median(bare_s)), float(np.median(floor_s))
+    rows.append([c, f"{e * 1e3:.2f}", f"{b * 1e3:.2f}", f"{b / e:.0%}", f"{c / e:,.0f}", f"{f * 1e3:.2f}",
+                 f"{f / e:.0%}"])
+    res.append({"concurrency": c, "engine_step_s": e, "decode_step_s": b, "state_floor_s": f, "ratio": b / e,
+                "engine_tokens_per_s": c / e, "engine_rounds_s": eng_s, "decode_rounds_s": bare_s,
+                "floor_rounds_s": floor_s})
+  _table(f"engine overhead ({args.throughput_preset}; greedy; {args.overhead_rounds} rounds of {args.steps} "
+         "steps, interleaved)", ["concurrent", "engine ms/step", "decode_step ms", "engine / decode_step tok/s",
+                                 "engine tok/s", "state r+w floor ms", "engine / floor-bound tok/s"], rows)
+  out["overhead"] = {"preset": args.throughput_preset, "points": res}
+
+
+SECTIONS = {"throughput": run_throughput, "overhead": run_overhead, "context": run_context, "memory": run_memory,
+            "flops": run_flops, **bench_cache.SECTIONS}
 
 
 def main(argv=None):

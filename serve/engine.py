@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from serve.slots import SlotFunctions, host_settings
+from serve.engine_cache import EngineCacheMixin
+from serve.slots import SlotFunctions, host_settings, unpack_logprobs
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -40,14 +41,21 @@ class Request:
   top_p: float = 1.0
   seed: int | None = None
   stop_ids: Sequence[int] = ()
+  logprobs: int | None = None  # None: off; 0..5: each output token's logprob and the top-n
+  echo: bool = False           # score the prompt too (prompt_logprobs); never restored from the cache
+  siblings: list = dataclasses.field(default_factory=list)  # more choices of the same prompt (n > 1)
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   output_ids: list = dataclasses.field(default_factory=list)
+  token_logprobs: list = dataclasses.field(default_factory=list)  # per output token: (logprob, [(id, lp)])
+  prompt_logprobs: list | None = None  # echo: [None, (logprob, [(id, lp)]), ...] per prompt token
   finish_reason: str | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   submitted_at: float = 0.0
   first_token_at: float | None = None
   cancelled: bool = False
   slot: int | None = None
+  cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
+  gen_base: int = 0       # the engine's generate count when this request entered its slot
   context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
 
   def __hash__(self):
@@ -60,17 +68,19 @@ class Request:
 Delivery = tuple  # (request, new token ids, finish_reason or None)
 
 
-class Engine:
+class Engine(EngineCacheMixin):
   """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`."""
 
   def __init__(self, params, cfg, *, model=None, n_slots: int = 8, prefill_batch: int = 1,
                max_queue: int = 256, max_stop_ids: int = 8, valid_vocab: int | None = None,
                prefill_chunks_per_step: int = 4, mesh=None,
-               on_deliver: Callable[[list[Delivery]], None] | None = None):
+               on_deliver: Callable[[list[Delivery]], None] | None = None,
+               state_cache=None, snapshot_every: int = 8, cache_min_tokens: int = 128):
     if model is None:
       from laplace_jax import model
     for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
-                    ("prefill_chunks_per_step", prefill_chunks_per_step)):
+                    ("prefill_chunks_per_step", prefill_chunks_per_step), ("snapshot_every", snapshot_every),
+                    ("cache_min_tokens", cache_min_tokens)):
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r}: expected a positive integer.")
     if max_queue < 0:
@@ -95,26 +105,48 @@ class Engine:
     self._stop = threading.Event()
     self.error: BaseException | None = None
     self.stats = {"requests": 0, "finished": 0, "rejected": 0, "tokens": 0, "steps": 0,
-                  "prefill_tokens": 0}
+                  "prefill_tokens": 0, "cached_prompt_tokens": 0}
     self._rate = collections.deque()  # (time, tokens) of recent steps, for tokens/s
+    # State cache (serve.state_cache.StateCache or None): states copied out of the device, in flight to the
+    # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
+    self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
+    self._copies: collections.deque = collections.deque()
+    self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
 
   # ---- the caller's side (any thread) ----
 
   def submit(self, req: Request) -> Request:
-    """Queue a request; raises ValueError on bad settings, QueueFull past the queue bound."""
-    self._validate(req)
+    """Queue a request (with its siblings); raises ValueError on bad settings, QueueFull past the bound."""
+    self.submit_all([req])
+    return req
+
+  def submit_all(self, reqs: Sequence[Request]):
+    """Queue several requests (a list of prompts) all or none: ValueError / QueueFull leave none queued.
+    The queue bound counts choices: a request with n - 1 siblings counts n."""
+    for r in reqs:
+      self._validate(r)
+    size = sum(1 + len(r.siblings) for r in reqs)
     with self._lock:
       busy = sum(r is not None for r in self.slot_req) + len(self.reserved)
-      if len(self.queue) >= self.max_queue + max(0, self.n_slots - busy):
-        self.stats["rejected"] += 1
-        raise QueueFull(f"{len(self.queue)} requests already wait for {self.n_slots} busy slots")
-      if req.seed is None:
-        req.seed = secrets.randbits(32)
-      req.submitted_at = time.perf_counter()
-      self.queue.append(req)
-      self.stats["requests"] += 1
+      waiting = sum(1 + len(r.siblings) for r in self.queue)
+      room = self.max_queue + max(0, self.n_slots - busy) - waiting
+      if size > room:
+        self.stats["rejected"] += len(reqs)
+        raise QueueFull(f"{waiting} choices already wait for {self.n_slots} slots (queue bound "
+                        f"{self.max_queue}); this request needs room for {size}")
+      now = time.perf_counter()
+      for r in reqs:
+        for m in self._members(r):
+          if m.seed is None:
+            m.seed = secrets.randbits(32)
+          m.submitted_at = now
+        self.queue.append(r)
+      self.stats["requests"] += size
     self._wake.set()
-    return req
+
+  @staticmethod
+  def _members(r: Request) -> list:
+    return [r, *r.siblings]
 
   def cancel(self, req: Request):
     """Stop a request (client gone); its slot is freed on the engine's next step."""
@@ -134,15 +166,24 @@ class Engine:
     if ids.min() < 0 or ids.max() >= self.valid_vocab:
       raise ValueError(f"prompt token ids span [{ids.min()}, {ids.max()}]: expected ids in "
                        f"[0, {self.valid_vocab}).")
-    if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-      raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer >= 1.")
+    if not isinstance(req.max_tokens, int) or req.max_tokens < 0:
+      raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer >= 0 (0: score the prompt only).")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+      raise ValueError(f"logprobs={req.logprobs!r}: expected None or an integer in [0, 5].")
+    if 1 + len(req.siblings) > self.n_slots:
+      raise ValueError(f"{1 + len(req.siblings)} choices of one prompt: at most the {self.n_slots} slots "
+                       "(--n-slots) can decode at once.")
+    for sib in req.siblings:
+      if list(sib.prompt_ids) != list(req.prompt_ids) or sib.siblings or sib.echo != req.echo:
+        raise ValueError("siblings must share the prompt and echo setting, and have no siblings themselves.")
+      self._validate(sib)
     if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
       raise ValueError(f"temperature={req.temperature}, top_p={req.top_p}, top_k={req.top_k}: expected "
                        "temperature >= 0, 0 < top_p <= 1, top_k >= 0 (0 = off).")
     if len(req.stop_ids) > self.fns.n_stop:
       raise ValueError(f"{len(req.stop_ids)} stop ids: at most {self.fns.n_stop} per request.")
-    if req.seed is not None and not 0 <= req.seed < 2**32:
-      raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**32).")
+    if req.seed is not None and not 0 <= req.seed < 2**64:
+      raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**64).")
 
   # ---- status ----
 
@@ -177,7 +218,10 @@ class Engine:
       self.table, out = self.fns.generate(self.params, self.table)
       self.pending.append(("gen", out, tuple(self.slot_req)))
       self.stats["steps"] += 1
+      self._gens += 1
       dispatched = True
+    if self._copies:
+      self._collect_copies(block=False)
     # Keep one generate step in flight while reading the previous one back.
     while self.pending and (len(self.pending) > 1 or not dispatched):
       self._read_back(self.pending.popleft())
@@ -190,6 +234,8 @@ class Engine:
         if r in self.queue:
           self.queue.remove(r)
     out = []
+    live = [r for r in cancels if r.finish_reason is None and r.slot is not None and self.slot_req[r.slot] is r]
+    self._copy_out(live)  # a stop string ends a request by cancelling it: its context is still worth keeping
     for r in cancels:
       if r.finish_reason is None:
         self._finish(r, "cancelled")
@@ -215,66 +261,121 @@ class Engine:
       tokens = np.zeros((self.prefill_batch, C), np.int32)
       lengths = np.zeros((self.prefill_batch,), np.int32)
       for i, r in enumerate(pf["reqs"]):
-        piece = r.prompt_ids[c * C:(c + 1) * C]
+        at = r.cached_tokens + c * C
+        piece = r.prompt_ids[at:at + C]
         tokens[i, :len(piece)] = piece
         lengths[i] = len(piece)
-      pf["state"] = self.fns.prefill_chunk(self.params, pf["state"], tokens, lengths)
+      if pf["scored"]:
+        pf["state"], scores = self.fns.prefill_chunk_scored(self.params, pf["state"], tokens, lengths)
+        pf["scores"].append(scores)
+      else:
+        pf["state"] = self.fns.prefill_chunk(self.params, pf["state"], tokens, lengths)
       self.stats["prefill_tokens"] += int(lengths.sum())
       pf["next_chunk"] += 1
       budget -= 1
+      if self.cache is not None and pf["next_chunk"] % self.snapshot_every == 0:
+        self._snapshot(pf)
       if pf["next_chunk"] == pf["n_chunks"]:
         self._insert(pf)
 
   def _start_prefill(self) -> bool:
     """Take up to prefill_batch queued requests that have free slots; False if none."""
     free = [s for s, r in enumerate(self.slot_req) if r is None and s not in self.reserved]
+    need = lambda r: sum(m.max_tokens > 0 for m in self._members(r))  # max_tokens 0: scored, never decoded
     with self._lock:
-      take = []
-      while self.queue and len(take) < min(self.prefill_batch, len(free)):
+      take, used = [], 0
+      while self.queue and len(take) < self.prefill_batch and used + need(self.queue[0]) <= len(free):
+        used += need(self.queue[0])
         take.append(self.queue.popleft())
     if not take:
       return False
-    slots = free[:len(take)]
+    slots = free[:used]
     self.reserved.update(slots)
     C = self.cfg.chunk_size
-    n_chunks = max(-(-len(r.prompt_ids) // C) for r in take)
+    state = self._restore(take) if self.cache is not None else None
+    n_chunks = max(-(-(len(r.prompt_ids) - r.cached_tokens) // C) for r in take)
     self.prefill = {"reqs": take, "slots": slots, "n_chunks": n_chunks, "next_chunk": 0,
-                    "state": self.fns.empty_prefill()}
+                    "state": self.fns.empty_prefill() if state is None else state,
+                    "scored": any(r.echo for r in take), "scores": []}
     return True
 
   def _insert(self, pf):
-    rows = [{"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "seed": r.seed,
-             "max_tokens": r.max_tokens, "stop_ids": list(r.stop_ids)} for r in pf["reqs"]]
-    settings = host_settings(rows, self.prefill_batch, self.fns.n_stop)
-    slot_idx = np.full((self.prefill_batch,), self.n_slots, np.int32)  # >= n_slots: dropped
-    slot_idx[:len(pf["slots"])] = pf["slots"]
-    self.table, out = self.fns.insert(self.params, self.table, pf["state"], slot_idx, settings)
-    for r, s in zip(pf["reqs"], pf["slots"]):
-      self.reserved.discard(s)
-      if r.finish_reason is None:  # cancelled during prefill: leave the slot free
-        self.slot_req[s], r.slot = r, s
-    self.pending.append(("insert", out, tuple(pf["reqs"])))
+    """Write each prefilled row into the slots of its choices (n > 1: one row, several slots), sampling
+    each choice's first token; choices with max_tokens 0 (echo scoring) finish here without a slot."""
+    if pf["scored"]:
+      self._score_prompts(pf)
+    entries, free, done = [], iter(pf["slots"]), []  # (row, slot or None, request)
+    for i, r in enumerate(pf["reqs"]):
+      for m in self._members(r):
+        entries.append((i, next(free) if m.max_tokens > 0 else None, m))
+    E = self.prefill_batch
+    for g in range(0, len(entries), E):
+      part = entries[g:g + E]
+      rows = [{"temperature": m.temperature, "top_k": m.top_k, "top_p": m.top_p, "seed": m.seed & 0xFFFFFFFF,
+               "seed_hi": m.seed >> 32, "max_tokens": m.max_tokens, "stop_ids": list(m.stop_ids),
+               "logprobs": -1 if m.logprobs is None else m.logprobs} for _, _, m in part]
+      settings = host_settings(rows, E, self.fns.n_stop)
+      row_idx = np.zeros((E,), np.int32)
+      slot_idx = np.full((E,), self.n_slots, np.int32)  # >= n_slots: dropped
+      owners = []
+      for j, (row, slot, m) in enumerate(part):
+        row_idx[j] = row
+        if slot is not None:
+          slot_idx[j] = slot
+          self.reserved.discard(slot)
+        if slot is not None and m.finish_reason is None:  # cancelled during prefill: leave the slot free
+          self.slot_req[slot], m.slot, m.gen_base = m, slot, self._gens
+          owners.append(m)
+        else:
+          owners.append(None)
+          if m.finish_reason is None:
+            self._finish(m, "length")
+            done.append((m, [], "length"))
+      self.table, out = self.fns.insert(self.params, self.table, pf["state"], row_idx, slot_idx, settings)
+      self.pending.append(("insert", out, tuple(owners)))
     self.prefill = None
+    if done:
+      self.on_deliver(done)
+
+  def _score_prompts(self, pf):
+    """Echo: each prompt token's logprob given the tokens before it, and the top-n there."""
+    C = self.cfg.chunk_size
+    chunks = [tuple(np.asarray(a) for a in sc) for sc in pf["scores"]]  # per chunk: [P, C], [P, C, N] x 2
+    for i, r in enumerate(pf["reqs"]):
+      if not r.echo:
+        continue
+      out = [None]
+      for p in range(1, len(r.prompt_ids)):
+        chosen, vals, ids = (a[i] for a in chunks[p // C])
+        j = p % C
+        out.append((float(chosen[j]), [(int(t), float(v)) for t, v in zip(ids[j], vals[j])]))
+      for m in self._members(r):
+        m.prompt_logprobs = out
 
   def _read_back(self, item):
     kind, out, owners = item
-    out = np.asarray(out)  # the one device-to-host copy of this step: [2, n] tokens and finished flags
+    out = np.asarray(out)  # the one device-to-host copy of this step: [3 + 2N, n] (serve.slots)
     now = time.perf_counter()
-    deliveries, n_tokens = [], 0
+    deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(owners):
       if r is None or r.finish_reason is not None:
         continue
       tok, done = int(out[0, i]), bool(out[1, i])
       r.output_ids.append(tok)
+      if r.logprobs is not None:
+        r.token_logprobs.append(unpack_logprobs(out, i))
       if r.first_token_at is None:
         r.first_token_at = now
       n_tokens += 1
       if done:
         reason = "stop" if tok in r.stop_ids else "length"
+        finished.append(r)
         self._finish(r, reason)
         deliveries.append((r, [tok], reason))
       else:
         deliveries.append((r, [tok], None))
+    if finished and self.cache is not None:
+      self._copy_out(finished)
     self.stats["tokens"] += n_tokens
     self._rate.append((now, n_tokens))
     while self._rate[0][0] < now - 60:
@@ -328,7 +429,8 @@ class Engine:
     with self._lock:
       waiting = list(self.queue)
       self.queue.clear()
-    live = [r for r in self.slot_req if r is not None] + (self.prefill or {}).get("reqs", []) + waiting
+    live = [r for r in self.slot_req if r is not None] + [
+        m for r in (self.prefill or {}).get("reqs", []) + waiting for m in self._members(r)]
     out = []
     for r in live:
       if r.finish_reason is None:
@@ -339,5 +441,7 @@ class Engine:
   def warmup(self):
     """Compile every function by serving one short request to completion."""
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
+    self.generate([Request(prompt_ids=[0], max_tokens=1, echo=True, logprobs=0)])  # the scored prefill
+    self._warm_cache()
     self.stats = dict.fromkeys(self.stats, 0)
     self._rate.clear()

@@ -27,11 +27,13 @@ class Limits:
   max_tokens: int            # cap on max_tokens per request
   max_prompt_tokens: int
   max_stop_ids: int          # device-side stop ids per request, EOS included
+  max_prompts: int = 64      # prompts x n per request (the slots plus the queue)
 
 
 @dataclasses.dataclass
 class Completion:
-  prompt_ids: list
+  prompts: list         # one list of token ids per prompt
+  texts: list           # the prompts as text (echo): the string sent, or the ids decoded
   max_tokens: int
   temperature: float
   top_k: int
@@ -42,6 +44,13 @@ class Completion:
   stream: bool
   include_usage: bool
   return_token_ids: bool
+  n: int = 1            # choices per prompt
+  logprobs: int | None = None
+  echo: bool = False
+
+  @property
+  def prompt_ids(self) -> list:
+    return self.prompts[0]
 
 
 def _is_int(x):
@@ -71,9 +80,19 @@ def parse_body(raw: bytes) -> dict:
   return obj
 
 
+def _prompts(p, limits: Limits, encode: Callable[[str], list]) -> tuple[list, list]:
+  """([ids per prompt], [text per prompt or None]) from a string, ids, or a list of either."""
+  if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+    if len(p) > limits.max_prompts:
+      raise ApiError(400, f"'prompt' is a list of {len(p)} prompts: at most {limits.max_prompts} fit this "
+                     "server's slots and queue (--n-slots, --max-queue). Send fewer per request.", "prompt")
+    got = [_prompt_ids(x, limits, encode) for x in p]
+    return [g for g, _ in got], [t for _, t in got]
+  ids, text = _prompt_ids(p, limits, encode)
+  return [ids], [text]
+
+
 def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
-  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-    p = p[0]  # the one-element batch form
   if isinstance(p, str):
     if not p:
       raise ApiError(400, "'prompt' is an empty string: expected text or token ids.", "prompt")
@@ -87,14 +106,14 @@ def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
                      "prompt")
     ids = list(p)
   elif isinstance(p, list):
-    raise ApiError(400, "'prompt' is a list that is neither token ids nor a single prompt: this server takes "
-                   "one prompt per request (send several requests).", "prompt")
+    raise ApiError(400, "'prompt' is a list that is neither token ids nor a list of prompts (strings or "
+                   "token-id lists): mixed or nested items are not accepted.", "prompt")
   else:
     raise ApiError(400, f"'prompt' is a {type(p).__name__}: expected a string or a list of token ids.", "prompt")
   if len(ids) > limits.max_prompt_tokens:
     raise ApiError(400, f"the prompt has {len(ids)} tokens: at most {limits.max_prompt_tokens} are allowed "
                    "(--max-prompt-tokens).", "prompt")
-  return ids
+  return ids, p if isinstance(p, str) else None
 
 
 def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -> Completion:
@@ -105,13 +124,22 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
                    f"'{limits.model_name}' (GET /v1/models).", "model")
   if "prompt" not in obj:
     raise ApiError(400, "'prompt' is missing: expected a string or a list of token ids.", "prompt")
-  ids = _prompt_ids(obj["prompt"], limits, encode)
-  max_tokens = _get(obj, "max_tokens", 16, lambda v: _is_int(v) and 1 <= v <= limits.max_tokens,
-                    f"an integer in [1, {limits.max_tokens}]")
+  prompts, texts = _prompts(obj["prompt"], limits, encode)
+  echo = _get(obj, "echo", False, lambda v: isinstance(v, bool), "true or false")
+  max_tokens = _get(obj, "max_tokens", 16, lambda v: _is_int(v) and 0 <= v <= limits.max_tokens,
+                    f"an integer in [0, {limits.max_tokens}] (0: score the prompt, with echo)")
+  logprobs = _get(obj, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= 5,
+                  "an integer in [0, 5] (the top-n logprobs per token; 5 is the most)")
+  n = _get(obj, "n", 1, lambda v: _is_int(v) and 1 <= v <= limits.max_prompts,
+           f"an integer in [1, {limits.max_prompts}] (--n-slots plus --max-queue bound the choices)")
+  if len(prompts) * n > limits.max_prompts:
+    raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices: at most "
+                   f"{limits.max_prompts} fit this server's slots and queue (--n-slots, --max-queue).", "n")
   temperature = float(_get(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
   top_p = float(_get(obj, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
   top_k = _get(obj, "top_k", 0, lambda v: _is_int(v) and v >= -1, "an integer >= 0 (0 or -1: off)")
-  seed = _get(obj, "seed", None, lambda v: _is_int(v) and 0 <= v < 2**32, "an integer in [0, 2**32)")
+  seed = _get(obj, "seed", None, lambda v: _is_int(v) and -2**63 <= v < 2**64, "an integer in [-2**63, 2**64)")
+  seed = None if seed is None else seed % 2**64
   stop = _get(obj, "stop", [], lambda v: (isinstance(v, str) and v) or (
       isinstance(v, list) and len(v) <= 4 and all(isinstance(s, str) and s for s in v)),
       "a non-empty string or a list of at most 4 non-empty strings")
@@ -128,14 +156,12 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
   include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
   return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
   # Accepted only at the values that mean "off": anything else would be silently ignored otherwise.
-  for name, off, ok in (("n", 1, lambda v: v == 1), ("best_of", 1, lambda v: v == 1),
-                        ("echo", False, lambda v: v is False), ("logprobs", None, lambda v: v is None),
-                        ("suffix", None, lambda v: v is None), ("presence_penalty", 0, lambda v: v == 0),
+  for name, off, ok in (("best_of", n, lambda v: v == n), ("suffix", None, lambda v: v is None), ("presence_penalty", 0, lambda v: v == 0),
                         ("frequency_penalty", 0, lambda v: v == 0), ("logit_bias", {}, lambda v: v == {})):
     v = obj.get(name)
     if v is not None and not ok(v):
       raise ApiError(400, f"'{name}'={json.dumps(v)[:80]} is not supported by this server: omit it or send "
                      f"{json.dumps(off)}.", name)
-  return Completion(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0),
+  return Completion(prompts=prompts, texts=texts, n=n, logprobs=logprobs, echo=echo, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0),
                     top_p=top_p, seed=seed, stop=stop, stop_ids=list(stop_ids), stream=stream,
                     include_usage=include_usage, return_token_ids=return_ids)

@@ -16,11 +16,15 @@ F32 = jnp.float32
 TOPK_CAP = 64  # candidates examined by the fast top-k / top-p path (a static shape)
 
 
-def slot_uniforms(seed_S, pos_S):
-  """One U[0, 1) draw per slot from (seed, position)."""
-  def one(seed, pos):
-    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), pos), (), F32)
-  return jax.vmap(one)(seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32))
+def slot_uniforms(seed_S, pos_S, seed_hi_S=None):
+  """One U[0, 1) draw per slot from (seed, position). A 64-bit seed is (seed_hi << 32) | seed; its high
+  word is folded into the key only when non-zero, so seeds below 2**32 keep their streams."""
+  def one(seed, pos, hi):
+    key = jax.random.key(seed)
+    key = jax.lax.cond(hi != 0, lambda: jax.random.fold_in(key, hi), lambda: key)
+    return jax.random.uniform(jax.random.fold_in(key, pos), (), F32)
+  hi = jnp.zeros_like(seed_S, jnp.uint32) if seed_hi_S is None else seed_hi_S.astype(jnp.uint32)
+  return jax.vmap(one)(seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32), hi)
 
 
 def argmax_rows(x_SxV, valid: int, block: int = 64):
@@ -98,7 +102,7 @@ def _filtered_full(scaled_SxV, lse_S, u_S, top_k_S, top_p_S):
   return _pick(jnp.where(keep, p, 0.0), u_S)
 
 
-def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int):
+def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int, seed_hi_S=None):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
   (the model's padded vocabulary rows) are never produced."""
   greedy = argmax_rows(logits_SxV.astype(F32), valid_vocab)
@@ -112,7 +116,7 @@ def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_
     plain = hot & ~filt
     cap = min(TOPK_CAP, V)
     scaled = logits / jnp.where(hot, temperature_S, 1.0)[:, None]
-    u = slot_uniforms(seed_S, pos_S)
+    u = slot_uniforms(seed_S, pos_S, seed_hi_S)
 
     def full_dist():
       return _pick(jax.nn.softmax(scaled, -1), u).astype(jnp.int32)
@@ -136,3 +140,16 @@ def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_
   # Batch-level conds skip the work no slot needs (an all-greedy batch costs one blocked argmax); each
   # row's result depends on its own row alone, whichever branches run.
   return jax.lax.cond(hot.any(), sampled, lambda: greedy)
+
+
+TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)
+
+
+def logprobs(logits_SxV, tok_S, *, valid_vocab: int):
+  """log-softmax of the raw logits over the valid vocabulary: (the chosen token's [S], the top
+  TOP_LOGPROBS values [S, N] and ids [S, N]). Temperature and filters do not change them."""
+  lg = logits_SxV[:, :valid_vocab].astype(F32)
+  lse = jax.nn.logsumexp(lg, -1)
+  chosen = jnp.take_along_axis(lg, tok_S[:, None].astype(jnp.int32), -1)[:, 0] - lse
+  vals, ids = jax.lax.top_k(lg, TOP_LOGPROBS)
+  return chosen, vals - lse[:, None], ids.astype(jnp.int32)

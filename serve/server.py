@@ -33,6 +33,7 @@ class Server:
     app = web.Application(middlewares=[self._errors], client_max_size=4 << 20)
     app.router.add_post("/v1/completions", self.completions)
     app.router.add_get("/v1/models", self.models)
+    app.router.add_get("/v1/models/{model_id}", self.model_info)
     app.router.add_get("/health", self.health)
     app.router.add_get("/metrics", self.metrics)
     return app
@@ -101,12 +102,22 @@ class Server:
       return web.json_response({"status": "error", "error": repr(self.engine.error)}, status=503)
     return web.json_response({"status": "ok"})
 
+  def _model_card(self):
+    return {"id": self.limits.model_name, "object": "model", "created": int(self.started),
+            "owned_by": "laplace-jax", "max_tokens": self.limits.max_tokens,
+            "max_prompt_tokens": self.limits.max_prompt_tokens}
+
   async def models(self, request):
     self._check_key(request)
-    return web.json_response({"object": "list", "data": [{
-        "id": self.limits.model_name, "object": "model", "created": int(self.started),
-        "owned_by": "laplace-jax", "max_tokens": self.limits.max_tokens,
-        "max_prompt_tokens": self.limits.max_prompt_tokens}]})
+    return web.json_response({"object": "list", "data": [self._model_card()]})
+
+  async def model_info(self, request):
+    self._check_key(request)
+    name = request.match_info["model_id"]
+    if name != self.limits.model_name:
+      raise ApiError(404, f"model {json.dumps(name)[:80]} is not served here: this server serves "
+                     f"'{self.limits.model_name}' (GET /v1/models).", "model")
+    return web.json_response(self._model_card())
 
   async def metrics(self, request):
     e, s = self.engine, self.engine.stats
@@ -123,6 +134,9 @@ class Server:
         ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
         ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
         ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
+        ("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache, not prefilled.",
+         [("", s["cached_prompt_tokens"])]),
+        *self._cache_rows(),
         ("http_responses_total", "counter", "HTTP responses by status code.",
          [(f'{{code="{c}"}}', n) for c, n in sorted(self.responses.items())]),
     ]
@@ -133,13 +147,43 @@ class Server:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
+  def _cache_rows(self):
+    c = self.engine.cache
+    if c is None:
+      return []
+    return [("state_cache_hits_total", "counter", "Requests that restored a cached state.", [("", c.stats["hits"])]),
+            ("state_cache_misses_total", "counter", "Requests with no cached prefix.", [("", c.stats["misses"])]),
+            ("state_cache_evictions_total", "counter", "States evicted for the byte budget.",
+             [("", c.stats["evictions"])]),
+            ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
+            ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
+            ("state_cache_files_written_total", "counter", "State files written to --state-cache-dir.",
+             [("", c.stats["files_written"])])]
+
   async def completions(self, request):
     self._check_key(request)
-    c = protocol.parse_completion(protocol.parse_body(await request.read()), self.limits, self.tok.encode)
-    req = Request(prompt_ids=c.prompt_ids, max_tokens=c.max_tokens, temperature=c.temperature,
-                  top_k=c.top_k, top_p=c.top_p, seed=c.seed, stop_ids=c.stop_ids, context=asyncio.Queue())
+    raw = await request.read()
+    # Parsing and tokenizing a long prompt takes a while (a 3.6 MB prompt: 0.26 s): off the event loop,
+    # so every open stream keeps flowing meanwhile.
+    c = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: protocol.parse_completion(protocol.parse_body(raw), self.limits, self.tok.encode))
+    events: asyncio.Queue = asyncio.Queue()
+    choices, leaders = [], []
+    for p, ids in enumerate(c.prompts):
+      members = []
+      for j in range(c.n):
+        ch = _Choice(p * c.n + j, p, events)
+        # Choice j follows seed + j: a prompt sent in a list, or with n, gets what it gets alone.
+        ch.req = Request(prompt_ids=ids, max_tokens=c.max_tokens, temperature=c.temperature, top_k=c.top_k,
+                         top_p=c.top_p, seed=None if c.seed is None else (c.seed + j) % 2**64,
+                         stop_ids=c.stop_ids, logprobs=c.logprobs, echo=c.echo, context=ch)
+        ch.text = TextStream(self.tok.token_bytes, c.stop)
+        members.append(ch.req)
+        choices.append(ch)
+      members[0].siblings = members[1:]
+      leaders.append(members[0])
     try:
-      self.engine.submit(req)
+      self.engine.submit_all(leaders)
     except QueueFull as e:
       raise ApiError(429, f"server busy: {e}. Retry later.") from None
     except ValueError as e:
@@ -147,74 +191,138 @@ class Server:
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.limits.model_name}
     try:
       if c.stream:
-        return await self._stream(request, req, c, meta)
-      return await self._whole(req, c, meta)
+        return await self._stream(request, choices, c, meta)
+      return await self._whole(choices, c, meta)
     finally:
-      if req.finish_reason is None:
-        self.engine.cancel(req)
+      for ch in choices:
+        if ch.req.finish_reason is None:
+          self.engine.cancel(ch.req)
 
-  async def _pieces(self, req: Request, c: protocol.Completion, out_ids: list):
-    """Yield (text, finish_reason or None) as the engine delivers; fills out_ids with the tokens used."""
-    text = TextStream(self.tok.token_bytes, c.stop)
-    while True:
-      tokens, reason = await req.context.get()
-      while not req.context.empty() and reason is None:  # catch up on steps that queued meanwhile
-        more, reason = req.context.get_nowait()
-        tokens = tokens + more
-      if reason in ("error", "cancelled"):
-        raise ApiError(500 if reason == "error" else 503, f"generation ended early ({reason}); see the "
-                       "server log.", kind="server_error")
-      out_ids.extend(tokens)
-      if reason == "stop" and tokens and tokens[-1] in c.stop_ids:
-        tokens = tokens[:-1]  # a stop token is not part of the text
-      piece = text.feed(tokens)
-      if text.stopped:
-        self.engine.cancel(req)
-        yield piece, "stop"
-        return
-      if reason is not None:
-        yield piece + text.close(), reason
-        return
-      if piece:
-        yield piece, None
+  async def _pieces(self, choices: list, c: protocol.Completion):
+    """Yield (choice, text, finish_reason or None, first new token index) as the engine delivers."""
+    live = set(choices)
+    events = choices[0].events
+    for ch in choices:
+      if c.echo:
+        ch.prompt_text = (c.texts[ch.prompt] if c.texts[ch.prompt] is not None
+                          else self.tok.token_bytes(c.prompts[ch.prompt]).decode("utf-8", "replace"))
+    while live:
+      batch = [await events.get()]
+      while not events.empty():  # catch up on steps that queued meanwhile
+        batch.append(events.get_nowait())
+      for ch, tokens, reason in batch:
+        if ch not in live:
+          continue
+        if reason in ("error", "cancelled"):
+          raise ApiError(500 if reason == "error" else 503, f"generation ended early ({reason}); see the "
+                         "server log.", kind="server_error")
+        first = len(ch.out_ids)
+        piece = ""
+        # Token by token: a merged delivery may run past the token that completes a stop string, and
+        # nothing after that token is returned or counted.
+        for i, t in enumerate(tokens):
+          ch.out_ids.append(t)
+          if reason == "stop" and i == len(tokens) - 1 and t in c.stop_ids:
+            break  # a stop token is counted but is not part of the text
+          piece += ch.text.feed([t])
+          if ch.text.stopped:
+            break
+        if ch.text.stopped:
+          self.engine.cancel(ch.req)
+          reason = "stop"
+        elif reason is not None:
+          piece += ch.text.close()
+        if reason is not None:
+          live.discard(ch)
+          ch.finish = reason
+        yield ch, piece, reason, first
 
-  def _usage(self, c, out_ids):
-    return {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(out_ids),
-            "total_tokens": len(c.prompt_ids) + len(out_ids)}
+  def _logprobs(self, ch, c, first: int, with_prompt: bool):
+    """OpenAI's logprobs object for output tokens [first:] (and the echoed prompt's tokens before them)."""
+    if c.logprobs is None:
+      return None
+    ids, pairs = [], []
+    if with_prompt and c.echo:
+      ids += list(ch.req.prompt_ids)
+      pairs += ch.req.prompt_logprobs or [None] * len(ch.req.prompt_ids)
+    ids += ch.out_ids[first:]
+    pairs += ch.req.token_logprobs[first:len(ch.out_ids)]
+    word = lambda t: self.tok.token_bytes([t]).decode("utf-8", "replace")
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, pair in zip(ids, pairs):
+      w = word(t)
+      out["tokens"].append(w)
+      out["text_offset"].append(ch.offset)
+      ch.offset += len(w)
+      out["token_logprobs"].append(None if pair is None else pair[0])
+      out["top_logprobs"].append(None if pair is None else {word(i): v for i, v in pair[1][:c.logprobs]})
+    return out
 
-  async def _whole(self, req, c, meta):
-    out_ids, parts, finish = [], [], None
-    async for piece, reason in self._pieces(req, c, out_ids):
-      parts.append(piece)
-      finish = reason
-    choice = {"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish}
-    if c.return_token_ids:
-      choice["token_ids"] = out_ids
-    return web.json_response({**meta, "object": "text_completion", "choices": [choice],
-                              "usage": self._usage(c, out_ids)})
+  def _usage(self, c, choices):
+    prompt = sum(len(p) for p in c.prompts)
+    done = sum(len(ch.out_ids) for ch in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-  async def _stream(self, request, req, c, meta):
+  async def _whole(self, choices, c, meta):
+    parts = collections.defaultdict(list)
+    async for ch, piece, _, _ in self._pieces(choices, c):
+      parts[ch.index].append(piece)
+    out = []
+    for ch in choices:
+      text = (ch.prompt_text if c.echo else "") + "".join(parts[ch.index])
+      choice = {"index": ch.index, "text": text, "logprobs": self._logprobs(ch, c, 0, True),
+                "finish_reason": ch.finish}
+      if c.return_token_ids:
+        choice["token_ids"] = ch.out_ids
+      out.append(choice)
+    return web.json_response({**meta, "object": "text_completion", "choices": out,
+                              "usage": self._usage(c, choices)})
+
+  async def _stream(self, request, choices, c, meta):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     send = lambda obj: resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-    out_ids, sent = [], 0
     try:
       try:
-        async for piece, reason in self._pieces(req, c, out_ids):
-          choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+        async for ch, piece, reason, _ in self._pieces(choices, c):
+          head = ch.prompt_text if c.echo and not ch.echoed else ""
+          if not (piece or head or reason):
+            continue  # tokens with no text yet ride with the next event
+          first, ch.sent, ch.echoed = ch.sent, len(ch.out_ids), True
+          choice = {"index": ch.index, "text": head + piece, "finish_reason": reason,
+                    "logprobs": self._logprobs(ch, c, first, bool(head))}
           if c.return_token_ids:
-            choice["token_ids"], sent = out_ids[sent:], len(out_ids)
+            choice["token_ids"] = ch.out_ids[first:]
           await send({**meta, "object": "text_completion", "choices": [choice]})
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:
-        await send({**meta, "object": "text_completion", "choices": [], "usage": self._usage(c, out_ids)})
+        await send({**meta, "object": "text_completion", "choices": [], "usage": self._usage(c, choices)})
       await resp.write(b"data: [DONE]\n\n")
       await resp.write_eof()
-    except ConnectionResetError:  # the client left; `completions` frees the slot
+    except ConnectionResetError:  # the client left; `completions` frees the slots
       pass
     return resp
+
+
+class _Choice:
+  """One choice of a completion: its engine request, text stream and tokens so far. It is also the
+  request's `context`: the engine's deliveries land in the completion's one event queue, tagged."""
+
+  def __init__(self, index: int, prompt: int, events: asyncio.Queue):
+    self.index, self.prompt, self.events = index, prompt, events
+    self.req: Request | None = None
+    self.text: TextStream | None = None
+    self.out_ids: list = []
+    self.finish: str | None = None
+    self.prompt_text = ""
+    self.offset = 0        # text_offset of the next token
+    self.echoed = False    # streaming: the prompt was sent
+    self.sent = 0          # streaming: output tokens sent so far
+
+  def put_nowait(self, item):
+    self.events.put_nowait((self, *item))
 
 
 class InThread:

@@ -30,7 +30,8 @@ def served(tok):
                   valid_vocab=tok.vocab_size)
   engine.warmup()
   limits = protocol.Limits(model_name="laplace-tiny", vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                           max_tokens=64, max_prompt_tokens=1000, max_stop_ids=engine.fns.n_stop)
+                           max_tokens=64, max_prompt_tokens=1000, max_stop_ids=engine.fns.n_stop,
+                           max_prompts=4 + 2)
   server = Server(engine, tok, limits, api_key=KEY)
   with InThread(server) as port:
     yield f"http://127.0.0.1:{port}", server
@@ -119,11 +120,13 @@ def test_models_health_metrics_and_auth(served):
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", 1]}, 400, "prompt"),
+    ({"prompt": ["a"] * 7}, 400, "prompt"),                          # more prompts than slots + queue
+    ({"prompt": ["a", "b"], "n": 4}, 400, "n"),
     ({"prompt": [1, 50257]}, 400, "prompt"),
     ({"prompt": [1, -1]}, 400, "prompt"),
     ({"prompt": [1] * 1001}, 400, "prompt"),                         # over max_prompt_tokens
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 65}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
@@ -133,10 +136,14 @@ def test_models_health_metrics_and_auth(served):
     ({"prompt": "hi", "top_k": True}, 400, "top_k"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "hi", "stop": 3}, 400, "stop"),
-    ({"prompt": "hi", "seed": -1}, 400, "seed"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "hi", "n": 7}, 400, "n"),
+    ({"prompt": "hi", "n": 5}, 400, None),                           # more choices than the 4 slots
+    ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "hi", "echo": 1}, 400, "echo"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
 ])
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, body, status, param):
@@ -175,3 +182,123 @@ def test_full_queue_gives_429_and_disconnects_free_slots(served):
     time.sleep(0.05)
   assert engine.active_slots == 0 and engine.queue_depth == 0
   assert call(url, body={"prompt": "after", "max_tokens": 3})[0] == 200
+
+
+def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
+  """Every step's delivery queued before the handler runs (as under load): the handler sees one merged
+  batch and must still stop counting at the token that completes the stop string."""
+  ids = tok.encode(" alpha beta gamma delta epsilon zeta eta theta")
+  stop = " gam"
+  first = next(i for i in range(len(ids)) if stop in tok.token_bytes(ids[:i + 1]).decode())
+  assert first + 1 < len(ids)
+
+  class StubEngine:
+    cancelled = []
+    def cancel(self, req):
+      self.cancelled.append(req)
+
+  limits = protocol.Limits(model_name="m", vocab_size=tok.vocab_size, eos_id=tok.eos_id, max_tokens=64,
+                           max_prompt_tokens=100, max_stop_ids=8)
+  server = Server(StubEngine(), tok, limits)
+  c = protocol.parse_completion({"prompt": [1], "max_tokens": len(ids), "stop": stop, "ignore_eos": True},
+                                limits, tok.encode)
+
+  from serve.server import _Choice
+  from serve.text import TextStream
+
+  async def go():
+    ch = _Choice(0, 0, asyncio.Queue())
+    ch.req, ch.text = _req(), TextStream(tok.token_bytes, c.stop)
+    for i, t in enumerate(ids):
+      ch.put_nowait(([t], "length" if i == len(ids) - 1 else None))
+    resp = await server._whole([ch], c, {})
+    return json.loads(resp.text), ch.req
+  out, req = asyncio.run(go())
+  assert out["usage"]["completion_tokens"] == first + 1
+  assert out["choices"][0]["text"] == tok.token_bytes(ids[:first + 1]).decode().split(stop)[0]
+  assert out["choices"][0]["finish_reason"] == "stop" and StubEngine.cancelled == [req]
+
+
+def _req():
+  from serve.engine import Request
+  return Request(prompt_ids=[1])
+
+
+def test_prompts_are_tokenized_off_the_event_loop(served, tok):
+  import dataclasses as dc
+  import threading
+  url, server = served
+  threads = []
+  def encode(text):
+    threads.append(threading.get_ident())
+    return tok.encode(text)
+  server.tok = dc.replace(tok, encode=encode)
+  try:
+    assert call(url, body={"prompt": "a prompt to encode", "max_tokens": 2})[0] == 200
+  finally:
+    server.tok = tok
+  loop_thread = server.loop._thread_id if hasattr(server.loop, "_thread_id") else None
+  assert threads and loop_thread is not None and loop_thread not in threads
+
+
+def test_lm_eval_loglikelihood_request_and_echo(served, tok):
+  """The request lm-evaluation-harness's local-completions sends for loglikelihood, scored against
+  log-softmax of model.forward's logits."""
+  import numpy as np
+  url, server = served
+  ids = tok.encode("The quick brown fox jumps over the lazy dog")
+  st, out = call(url, body={"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+                            "seed": 1234})
+  assert st == 200, out
+  lp = out["choices"][0]["logprobs"]
+  assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+  assert lp["top_logprobs"][0] is None and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+  logits = np.asarray(model.forward(server.engine.params, np.array([ids]), cfg=server.engine.cfg))[0, :, :tok.vocab_size]
+  ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+  np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], [ref[t - 1, ids[t]] for t in range(1, len(ids))],
+                             atol=1e-4)
+  assert out["choices"][0]["text"].startswith("The quick brown fox jumps over the lazy dog")
+  assert lp["text_offset"][:3] == [0, 3, 9]  # "The", " quick", " brown"
+  st, zero = call(url, body={"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 0})
+  assert st == 200 and zero["choices"][0]["text"] == "The quick brown fox"
+  assert zero["usage"]["completion_tokens"] == 0 and len(zero["choices"][0]["logprobs"]["tokens"]) == 4
+
+
+def test_n_choices_prompt_lists_seeds_and_model_info(served):
+  url, _ = served
+  body = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True, "logprobs": 2}
+  alone = [call(url, body={**body, "prompt": p, "seed": s})[1]["choices"][0]["token_ids"]
+           for p in ("one", "two") for s in (2**63 + 5, 2**63 + 6)]
+  st, out = call(url, body={**body, "prompt": ["one", "two"], "n": 2, "seed": 2**63 + 5})
+  assert st == 200, out
+  assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+  assert [c["token_ids"] for c in out["choices"]] == alone
+  assert all(len(c["logprobs"]["top_logprobs"][0]) == 2 for c in out["choices"])
+  assert out["usage"]["completion_tokens"] == 24
+  st, neg = call(url, body={**body, "prompt": "one", "seed": -(2**63) + 5})
+  assert st == 200 and neg["choices"][0]["token_ids"] == alone[0]  # -2**63 + 5 is 2**63 + 5 as 64 bits
+  st, events = call(url, body={**body, "prompt": ["one", "two"], "n": 2, "seed": 2**63 + 5, "stream": True})
+  got = {}
+  for e in events[:-1]:
+    c = json.loads(e)["choices"][0]
+    got.setdefault(c["index"], []).extend(c["token_ids"])
+  assert [got[i] for i in range(4)] == alone
+  st, m = call(url, "GET", "/v1/models/laplace-tiny")
+  assert st == 200 and m["id"] == "laplace-tiny"
+  st, err = call(url, "GET", "/v1/models/gpt-4")
+  assert st == 404 and "laplace-tiny" in err["error"]["message"]
+
+
+def test_streamed_echo_and_logprobs_match_the_whole_response(served):
+  url, _ = served
+  body = {"prompt": "Once upon a time there", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+          "echo": True, "logprobs": 2}
+  st, whole = call(url, body=body)
+  assert st == 200
+  st, events = call(url, body={**body, "stream": True})
+  chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+  assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+  want = whole["choices"][0]["logprobs"]
+  for key in ("tokens", "token_logprobs", "text_offset"):
+    assert sum((c["logprobs"][key] for c in chunks), []) == want[key]
+  assert want["token_logprobs"][0] is None and len(want["tokens"]) == 5 + 8

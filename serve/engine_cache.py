@@ -1,0 +1,108 @@
+"""The engine's side of the state cache (serve.state_cache): restore a prompt's longest cached prefix into
+its prefill row, and copy states out of the device without stalling the step: a jitted gather of the
+rows into a small [L, E, ...] array, `copy_to_host_async`, and a read once it has landed.
+
+When a slot's state is copied: its request finished (read back) or was cancelled (a stop string), before
+anything can be inserted over it; the state has then consumed the prompt and one output token per generate
+step dispatched since the insert. Long prefills leave snapshots every `snapshot_every` chunks.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+class EngineCacheMixin:
+  """Methods of `serve.engine.Engine` that touch `self.cache` (None: every entry point is a no-op)."""
+
+
+  def _restore(self, reqs):
+    """Each request's longest cached prefix (at least one prompt token is left to prefill, for the first
+    token's logits); a prefill batch starting from those states, or None when nothing was cached."""
+    if self._copies:
+      self._collect_copies(block=False)
+    if any(self._is_prefix(seq, r.prompt_ids) for ids, _ in self._copies for seq in ids for r in reqs):
+      # A state still on its way to the host is this prompt's prefix (an agent's next turn arriving just
+      # after the last one finished): wait for it rather than prefill it again.
+      self._collect_copies(block=True)
+    found = []
+    for r in reqs:
+      if r.echo:  # every prompt token is scored
+        found.append(None)
+        continue
+      n, state = self.cache.lookup(r.prompt_ids, len(r.prompt_ids) - 1)
+      r.cached_tokens = n
+      found.append(state)
+    if all(f is None for f in found):
+      return None
+    template = next(f for f in found if f is not None)
+    host = {k: np.zeros((a.shape[0], self.prefill_batch, *a.shape[1:]), a.dtype) for k, a in template.items()}
+    for i, f in enumerate(found):
+      if f is not None:
+        for k in host:
+          host[k][:, i] = f[k]
+    for r in reqs:
+      for sib in r.siblings:
+        sib.cached_tokens = r.cached_tokens
+    self.stats["cached_prompt_tokens"] += sum(r.cached_tokens for r in reqs)
+    return self.fns.load_prefill(host)
+
+  @staticmethod
+  def _is_prefix(seq, prompt) -> bool:
+    return len(seq) < len(prompt) and seq[-1] == prompt[len(seq) - 1] and list(prompt[:len(seq)]) == seq
+
+  def _copy_out(self, reqs):
+    """Start copying the slot states of these requests to the host (their slots are still theirs: called
+    before anything can be inserted over them). The state has consumed the prompt and one output token
+    per generate step since the insert."""
+    if self.cache is None or not reqs:
+      return
+    rows, ids = [], []
+    for r in reqs:
+      fed = self._gens - r.gen_base
+      if fed > len(r.output_ids) or len(r.prompt_ids) + fed < self.cache_min_tokens:
+        continue
+      rows.append(r.slot)
+      ids.append(list(r.prompt_ids) + r.output_ids[:fed])
+    self._gather_async(self.table["model"], rows, ids)
+
+  def _snapshot(self, pf):
+    """Mid-prompt snapshots of a long prefill, so later prompts sharing the prefix skip it."""
+    C = self.cfg.chunk_size
+    rows, ids = [], []
+    for i, r in enumerate(pf["reqs"]):
+      done = r.cached_tokens + pf["next_chunk"] * C
+      if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
+        rows.append(i)
+        ids.append(list(r.prompt_ids[:done]))
+    self._gather_async(pf["state"]["model"], rows, ids)
+
+  def _gather_async(self, state, rows, ids):
+    E = self.prefill_batch  # one compiled gather width; a short group is padded with its first row
+    for g in range(0, len(rows), E):
+      part = rows[g:g + E]
+      idx = np.asarray(part + [part[0]] * (E - len(part)), np.int32)
+      out = self.fns.gather(state, idx)
+      for leaf in jax.tree.leaves(out):
+        leaf.copy_to_host_async()
+      self._copies.append((ids[g:g + E], out))
+
+  def _collect_copies(self, block: bool):
+    """Move the copies that have landed (all of them if block) into the cache."""
+    while self._copies:
+      ids, out = self._copies[0]
+      if not block and not all(leaf.is_ready() for leaf in jax.tree.leaves(out)):
+        return
+      self._copies.popleft()
+      host = {k: np.asarray(v) for k, v in out.items()}
+      for i, seq in enumerate(ids):
+        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()})
+
+  def _warm_cache(self):
+    """Compile the gathers (from the slot table and from a prefill batch) and the restore."""
+    if self.cache is None:
+      return
+    idx = np.zeros((self.prefill_batch,), np.int32)
+    rows = self.fns.gather(self.fns.empty_prefill()["model"], idx)
+    jax.block_until_ready((self.fns.gather(self.table["model"], idx),
+                           self.fns.load_prefill(jax.tree.map(np.asarray, rows))))

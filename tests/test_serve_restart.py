@@ -1,0 +1,84 @@
+"""`python -m serve --state-cache-dir`: a conversation's state survives a kill -9 of the server, the next
+turn after the restart restores it, and its tokens equal those of a server with no cache."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start(*flags):
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen([sys.executable, "-m", "serve", "--preset", "tiny", "--random-init", "--port", "0",
+                           "--n-slots", "4", *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+  deadline, log = time.time() + 240, []
+  while time.time() < deadline:
+    line = proc.stderr.readline()
+    if not line and proc.poll() is not None:
+      raise AssertionError("server exited:\n" + "".join(log))
+    log.append(line)
+    m = re.search(r"serving \S+ on (http://\S+)", line)
+    if m:
+      return proc, m.group(1)
+  proc.kill()
+  raise AssertionError("server did not start:\n" + "".join(log))
+
+
+def _post(url, body):
+  req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+  with urllib.request.urlopen(req, timeout=120) as r:
+    return json.loads(r.read())
+
+
+def _metric(url, name):
+  with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    text = r.read().decode()
+  return float(re.search(rf"^laplace_serve_{name} (\S+)$", text, re.M).group(1))
+
+
+def _turn(prompt):
+  return {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.mark.slow
+def test_a_conversation_resumes_after_kill_9(tmp_path):
+  cache_dir = str(tmp_path / "states")
+  first = np.random.default_rng(0).integers(0, 50_000, 200).tolist()
+  proc, url = _start("--state-cache-dir", cache_dir)
+  try:
+    out1 = _post(url, _turn(first))["choices"][0]["token_ids"]
+    deadline = time.time() + 60
+    while _metric(url, "state_cache_files_written_total") < 1 and time.time() < deadline:
+      time.sleep(0.1)
+    assert _metric(url, "state_cache_files_written_total") >= 1
+  finally:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+  second = first + out1 + np.random.default_rng(1).integers(0, 50_000, 40).tolist()
+
+  proc, url = _start("--state-cache-dir", cache_dir)
+  try:
+    got = _post(url, _turn(second))["choices"][0]["token_ids"]
+    assert _metric(url, "state_cache_hits_total") == 1
+    assert _metric(url, "prompt_tokens_cached_total") == len(first) + len(out1)
+    assert _metric(url, "prompt_tokens_total") == 40
+  finally:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+  proc, url = _start("--state-cache-gb", "0")
+  try:
+    assert _post(url, _turn(first))["choices"][0]["token_ids"] == out1
+    assert _post(url, _turn(second))["choices"][0]["token_ids"] == got
+  finally:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
