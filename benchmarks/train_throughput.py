@@ -1,7 +1,8 @@
 """Train-step throughput and MFU, and Muon's share of step time beside its share of FLOPs (issue 3, item 6).
 
     python benchmarks/train_throughput.py [--preset small] [--batch 4] [--seq-len 512] [--steps 3]
-        [--compute-dtype float32] [--matmul-size 2048]
+        [--compute-dtype float32] [--matmul-size 2048] [--micro-batches 1] [--muon-ns-dtype float32]
+        [--compile-only]
 
 Runs the real compiled step (model + Muon/AdamW, one device) on random tokens. Model FLOPs per token are
 laplace_jax.config.flops_per_token (6·matmul params + the chunked GLA); MFU is against a matmul peak of the
@@ -32,6 +33,9 @@ def main():
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--compute-dtype", default=None, help="override the preset's compute dtype")
   ap.add_argument("--no-remat", action="store_true")
+  ap.add_argument("--micro-batches", type=int, default=1, help="split the batch into accumulated micro-batches")
+  ap.add_argument("--muon-ns-dtype", default="float32", help="Newton-Schulz iterations: float32 | bfloat16")
+  ap.add_argument("--compile-only", action="store_true", help="print the compiled step's memory and exit")
   ap.add_argument("--matmul-size", type=int, default=2048)
   args = ap.parse_args()
   cfg = get_config(args.preset)
@@ -40,12 +44,21 @@ def main():
   if args.no_remat:
     cfg = cfg.replace(remat=False)
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
-  opt = make_optimizer(OptimizerConfig(total_steps=1000, warmup_steps=10), mesh=None)
+  opt = make_optimizer(OptimizerConfig(total_steps=1000, warmup_steps=10, muon_ns_dtype=args.muon_ns_dtype),
+                       mesh=None)
   peak = timing.matmul_peak_flops(args.matmul_size, jnp.dtype(cfg.compute_dtype))
   print(f"device: {jax.devices()[0].device_kind} ({platform.machine()}); {cfg.compute_dtype} "
         f"{args.matmul_size}² matmul peak {peak / 1e9:.1f} GFLOP/s")
 
-  compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=args.batch, seq_len=args.seq_len)
+  compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=args.batch, seq_len=args.seq_len,
+                                   step_cfg=ts.StepConfig(micro_batches=args.micro_batches))
+  mem = compiled.memory_analysis()
+  if mem is not None:
+    print(f"compiled step: arguments {mem.argument_size_in_bytes / 2 ** 30:.1f} GiB, temporaries "
+          f"{mem.temp_size_in_bytes / 2 ** 30:.1f} GiB ({args.micro_batches} micro-batch(es) of "
+          f"{args.batch // args.micro_batches} × {args.seq_len})")
+  if args.compile_only:
+    return
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
   toks = np.random.default_rng(0).integers(0, 50257, (args.batch, args.seq_len + 1)).astype(np.int32)
   batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}

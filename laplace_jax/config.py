@@ -15,6 +15,9 @@ GPT2_VOCAB = 50_257
 PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
 
 
+GLA_FORMS = ("auto", "parallel", "scan")
+
+
 @dataclasses.dataclass(frozen=True)
 class LaplaceConfig:
   vocab_size: int = PADDED_VOCAB
@@ -36,7 +39,7 @@ class LaplaceConfig:
   compute_dtype: str = "bfloat16"
   remat: bool = True           # rematerialise each layer in the backward pass
   unroll_chunks: bool = False  # statically unroll the chunk scan (what the Trainium port compiled)
-  gla_form: str = "parallel"   # chunk_simple_gla's form: "parallel" (GPUs) or "scan" (CPUs); same math
+  gla_form: str = "auto"       # chunk_simple_gla's form, same math: see gla_form_for_backend
   mixers: str = "G"            # per-layer mixer, a pattern repeated over the layers: G = GLA, A = attention
   rope_base: float = 10000.0   # RoPE base of the attention layers
 
@@ -62,8 +65,9 @@ class LaplaceConfig:
       v = getattr(self, f)
       if v not in ("float32", "bfloat16", "float16"):
         bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
-    if self.gla_form not in ("parallel", "scan"):
-      bad("gla_form", self.gla_form, "'parallel' or 'scan'", "parallel is faster on GPUs, scan on CPUs.")
+    if self.gla_form not in GLA_FORMS:
+      bad("gla_form", self.gla_form, f"one of {GLA_FORMS}",
+          "auto picks per backend; parallel is faster on GPUs, scan on CPUs.")
     if not self.mixers or set(self.mixers) - set(MIXERS):
       bad("mixers", self.mixers, f"a non-empty pattern of the letters {sorted(MIXERS)} "
           f"({', '.join(f'{k} = {v}' for k, v in MIXERS.items())})", "E.g. 'G' (Laplace), 'A' (attention), "
@@ -110,6 +114,16 @@ class LaplaceConfig:
       raise ValueError(f"unknown config field(s) {sorted(unknown)}; valid fields: "
                        f"{[f.name for f in dataclasses.fields(self)]}")
     return dataclasses.replace(self, **changes)
+
+
+def gla_form_for_backend(cfg: LaplaceConfig, backend: str) -> tuple[str, bool]:
+  """(form, unroll) for chunk_simple_gla. "auto": parallel on GPUs/TPUs (2x scan on an H200), scan on CPUs
+  (constant time per token), and on Neuron the statically unrolled scan the published port compiled."""
+  if cfg.gla_form != "auto":
+    return cfg.gla_form, cfg.unroll_chunks
+  if backend == "neuron":
+    return "scan", True
+  return ("scan" if backend == "cpu" else "parallel"), cfg.unroll_chunks
 
 
 def decay_half_lives(cfg: LaplaceConfig) -> np.ndarray:

@@ -39,6 +39,7 @@ class Collective:
   group_size: int
   count: int         # executions per program run (while-loop trip counts multiplied in)
   op_name: str       # jax metadata op_name: the named scopes that produced it
+  dtype: str = ""    # element type of its largest array (e.g. "u16" for bf16 bits, "f32")
 
   @property
   def sent_bytes(self) -> float:
@@ -61,6 +62,12 @@ def _array_bytes(type_text: str) -> list[int]:
       size *= int(d)
     out.append(size * DTYPE_BYTES.get(dtype, DTYPE_BYTES.get(dtype[:2], 1)))
   return out
+
+
+def _largest_dtype(type_text: str) -> str:
+  arrays = _ARRAY.findall(type_text)
+  sizes = _array_bytes(type_text)
+  return arrays[sizes.index(max(sizes))][0] if arrays else ""
 
 
 def _group_size(attrs: str, n_devices: int) -> int:
@@ -139,7 +146,7 @@ def parse_collectives(hlo_text: str, n_devices: int) -> list[Collective]:
       group = _group_size(rest, n_devices)
       op = re.search(r'op_name="([^"]*)"', rest)
       out.append(Collective(kind, name, _buffer_bytes(kind, start, type_text, group), group, counts[comp],
-                            op.group(1) if op else ""))
+                            op.group(1) if op else "", _largest_dtype(type_text)))
   return out
 
 

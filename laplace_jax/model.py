@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, gla, gla_decode
-from laplace_jax.config import LaplaceConfig, log_decays
+from laplace_jax import attention, fsdp, gla, gla_decode
+from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
 F32 = jnp.float32
@@ -37,8 +37,8 @@ def _batch_sharded(x):
   Without it XLA's partitioner may gather whole activations to form FSDP weight gradients (measured on
   laplace-3b: ≈1.5 TB per device per step) instead of reduce-scattering partial gradients."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
-    return x
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names) or set(BATCH_AXES) & set(mesh.manual_axes):
+    return x  # no mesh, or inside a shard_map (rows are already per device)
   n = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
   if x.shape[0] % n:
     return x
@@ -77,9 +77,10 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
     o_BxTxHxV = o1[:, None]
   else:
     s0 = None if table is None else table[idx]
+    form, unroll = gla_form_for_backend(cfg, jax.default_backend())
     o_BxTxHxV, s_new = gla.chunk_simple_gla(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
-        chunk_size=min(cfg.chunk_size, T), unroll=cfg.unroll_chunks, form=cfg.gla_form)
+        chunk_size=min(cfg.chunk_size, T), unroll=unroll, form=form)
     if table is not None:
       table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
 
@@ -193,13 +194,24 @@ class Block(nn.Module):
     return (x, state), None
 
 
+def _layer(cfg: LaplaceConfig, initializing: bool):
+  """Block as the layer scan runs it: inside the train step's shard_map each layer's weights arrive as FSDP
+  shards and are gathered here in the compute dtype, per layer and inside remat (laplace_jax/fsdp.py);
+  elsewhere they are whole and pass unchanged. Then rematerialised in the backward pass if cfg.remat."""
+  cdt = jnp.dtype(cfg.compute_dtype)
+  full = {n: s for letter in set(cfg.mixers) for n, s in layer_shapes(cfg, letter).items()}
+  block = nn.map_variables(Block, "params", lambda v: {c: fsdp.gather_tree(t, full, cdt) for c, t in v.items()},
+                           init=initializing)
+  return nn.remat(block, prevent_cse=False) if cfg.remat else block
+
+
 class Group(nn.Module):
   """One repeat of a mixer pattern longer than one letter: its blocks in order (scanned over the groups)."""
   cfg: LaplaceConfig
 
   @nn.compact
   def __call__(self, carry, group_idx, mask_BxT):
-    block = nn.remat(Block, prevent_cse=False) if self.cfg.remat else Block
+    block = _layer(self.cfg, self.is_initializing())
     for i, letter in enumerate(self.cfg.mixers):
       carry, _ = block(self.cfg, letter, i, name=f"block{i}")(carry, group_idx, mask_BxT)
     return carry, None
@@ -219,7 +231,7 @@ class LaplaceLM(nn.Module):
     embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
     x = _batch_sharded(embed[tokens_BxT].astype(cdt))
     if len(cfg.mixers) == 1:
-      body, args = (nn.remat(Block, prevent_cse=False) if cfg.remat else Block), (cfg, cfg.mixers, 0)
+      body, args = _layer(cfg, self.is_initializing()), (cfg, cfg.mixers, 0)
     else:
       body, args = Group, (cfg,)
     scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},

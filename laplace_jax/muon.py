@@ -46,18 +46,26 @@ class MuonState(NamedTuple):
 
 # ---- the per-matrix math ----------------------------------------------------------------------------
 
-def newton_schulz(x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7) -> jax.Array:
-  """Approximate U Vᵀ of one matrix: Frobenius-normalise, then `steps` quintic Newton–Schulz iterations."""
+def newton_schulz(x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7,
+                  dtype=None) -> jax.Array:
+  """Approximate U Vᵀ of one matrix: Frobenius-normalise, then `steps` quintic Newton–Schulz iterations.
+
+  `dtype` (e.g. bfloat16, as the reference Muon runs it): the iterations' dtype; the norm is taken in the
+  input's dtype and the result is returned in it. None iterates in the input's dtype."""
   # The barriers stop XLA fusing the norm's reduction (or the result) with whatever produces (consumes) the
   # matrix, which differs on one device and on a mesh and would change the summation order.
   x_MxN = jax.lax.optimization_barrier(x_MxN)
+  out_dtype = x_MxN.dtype
   transpose = x_MxN.shape[0] > x_MxN.shape[1]  # iterate on the wide orientation: A = X Xᵀ is the small side
   x = x_MxN.T if transpose else x_MxN
   x = x / (jnp.linalg.norm(x) + eps)
+  if dtype is not None:
+    x = x.astype(dtype)
   a, b, c = (jnp.asarray(v, x.dtype) for v in coeffs)
   for _ in range(steps):
     gram = x @ x.T
     x = a * x + (b * gram + c * (gram @ gram)) @ x
+  x = x.astype(out_dtype)
   return jax.lax.optimization_barrier(x.T if transpose else x)
 
 
@@ -247,12 +255,12 @@ def _orthogonalize_gather(leaves, mesh: Mesh, ns: Callable):
 
 
 def orthogonalize(tree, *, mesh: Mesh | None = None, distribution: str = "all_to_all", ns_steps: int = 5,
-                  ns_coeffs=NS_COEFFS, eps: float = 1e-7):
+                  ns_coeffs=NS_COEFFS, eps: float = 1e-7, ns_dtype=None):
   """Newton–Schulz of every matrix in a tree of [..., fan_in, fan_out] leaves, on one device or a mesh."""
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
-  ns = lambda x: newton_schulz(x, steps=ns_steps, coeffs=ns_coeffs, eps=eps)
+  ns = lambda x: newton_schulz(x, steps=ns_steps, coeffs=ns_coeffs, eps=eps, dtype=ns_dtype)
   with jax.named_scope("muon_orthogonalize"):
     if mesh is None or mesh.shape[FSDP] == 1:
       out = [_ns_stack(x, ns) for x in leaves]
@@ -308,9 +316,12 @@ def _check_leaves(tree, mesh):
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
          ns_steps: int = 5, ns_coeffs=NS_COEFFS, eps: float = 1e-7, weight_decay: float = 0.0,
          scale_mode: str = "reference", mu_dtype=None, mesh: Mesh | None = None,
-         distribution: str = "all_to_all") -> optax.GradientTransformation:
-  """Muon on every leaf it is given (each a stack of [fan_in, fan_out] matrices); see the module doc."""
+         distribution: str = "all_to_all", ns_dtype=None) -> optax.GradientTransformation:
+  """Muon on every leaf it is given (each a stack of [fan_in, fan_out] matrices); see the module doc.
+  `ns_dtype="bfloat16"` runs the Newton–Schulz iterations in bf16 (the reference Muon's choice)."""
   _check_settings(learning_rate, beta, ns_steps, ns_coeffs, eps, weight_decay, scale_mode, mesh, distribution)
+  if ns_dtype is not None and jnp.dtype(ns_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    _bad("ns_dtype", ns_dtype, "None, float32 or bfloat16")
   ns_coeffs = tuple(float(c) for c in ns_coeffs)
 
   def init_fn(params):
@@ -336,7 +347,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
       mu_hat = jax.tree.map(lambda m: m / c_mu.astype(m.dtype), mu)
     mu, mu_hat = barrier((mu, mu_hat))
     ortho = orthogonalize(mu_hat, mesh=mesh, distribution=distribution, ns_steps=ns_steps,
-                          ns_coeffs=ns_coeffs, eps=eps)
+                          ns_coeffs=ns_coeffs, eps=eps, ns_dtype=ns_dtype)
     ortho, params = barrier((ortho, params if weight_decay else None))
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # One scalar factor per term: no constant chain for XLA to refold differently on each path.

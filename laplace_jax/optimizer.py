@@ -30,7 +30,7 @@ class OptimizerConfig:
   total_steps: int = 190_735       # 100B tokens / 524,288 tokens per step
   warmup_steps: int = 3_815
   end_lr_fraction: float = 0.1     # cosine decays to this fraction of each peak
-  clip_norm: float | None = 1.0    # global gradient norm; None disables clipping
+  clip_norm: float | None = 1.0    # global gradient norm; 0 (TOML and flags have no null) or None: no clipping
   muon_lr: float = 0.02
   muon_beta: float = 0.95
   muon_nesterov: bool = True
@@ -38,6 +38,7 @@ class OptimizerConfig:
   muon_weight_decay: float = 0.0
   muon_scale_mode: str = "reference"   # or "adamw_rms" (then use an AdamW-sized muon_lr)
   muon_distribution: str = "all_to_all"  # with a mesh; "gather" only to compare traffic
+  muon_ns_dtype: str = "float32"   # Newton–Schulz iterations: float32 (the params' dtype), or bfloat16
   adamw_lr: float = 3e-4
   adamw_b1: float = 0.9
   adamw_b2: float = 0.95
@@ -57,8 +58,8 @@ class OptimizerConfig:
       bad("warmup_steps", f"an integer in [0, total_steps={self.total_steps}]")
     if not 0 <= self.end_lr_fraction <= 1:
       bad("end_lr_fraction", "a fraction of the peak in [0, 1]")
-    if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-      bad("clip_norm", "a positive finite norm, or None to disable clipping")
+    if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+      bad("clip_norm", "a positive finite norm, or 0 (or None) to disable clipping")
     for f in ("muon_lr", "adamw_lr", "muon_weight_decay", "adamw_weight_decay"):
       v = getattr(self, f)
       if not (math.isfinite(v) and v >= 0):
@@ -74,6 +75,8 @@ class OptimizerConfig:
       bad("muon_scale_mode", f"one of {SCALE_MODES}")
     if self.muon_distribution not in DISTRIBUTIONS:
       bad("muon_distribution", f"one of {DISTRIBUTIONS}")
+    if self.muon_ns_dtype not in ("float32", "bfloat16"):
+      bad("muon_ns_dtype", "'float32' or 'bfloat16'")
 
   def replace(self, **changes) -> "OptimizerConfig":
     return dataclasses.replace(self, **changes)
@@ -115,7 +118,8 @@ def make_optimizer(ocfg: OptimizerConfig = OptimizerConfig(), *, mesh: Mesh | No
   """Clip by global norm, then Muon on the hidden matrices and AdamW on the rest (see the module doc)."""
   muon_tx = muon(lr_schedule(ocfg.muon_lr, ocfg), beta=ocfg.muon_beta, nesterov=ocfg.muon_nesterov,
                  ns_steps=ocfg.muon_ns_steps, weight_decay=ocfg.muon_weight_decay,
-                 scale_mode=ocfg.muon_scale_mode, mesh=mesh, distribution=ocfg.muon_distribution)
+                 scale_mode=ocfg.muon_scale_mode, mesh=mesh, distribution=ocfg.muon_distribution,
+                 ns_dtype=None if ocfg.muon_ns_dtype == "float32" else jnp.bfloat16)
   adamw_tx = optax.adamw(lr_schedule(ocfg.adamw_lr, ocfg), b1=ocfg.adamw_b1, b2=ocfg.adamw_b2,
                          eps=ocfg.adamw_eps, weight_decay=ocfg.adamw_weight_decay, mask=_adamw_decay_mask)
   parts = optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)

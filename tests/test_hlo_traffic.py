@@ -34,6 +34,7 @@ ENTRY %main (a: bf16[8,16]) -> f32[] {
 def test_counts_each_kind_with_ring_volumes_and_loop_trips():
   by = {c.kind: c for c in hlo_traffic.parse_collectives(HLO, 8)}
   assert by["all-gather"].count == 3 and by["all-gather"].group_size == 4
+  assert (by["all-gather"].dtype, by["all-reduce"].dtype) == ("f32", "bf16")
   assert by["all-gather"].sent_bytes == pytest.approx(3 * 4 * 8 * 4 * 3 / 4)   # R·(G−1)/G per trip
   assert by["all-reduce"].sent_bytes == pytest.approx(2 * 8 * 16 * 2 * 7 / 8)  # bf16, 2·S·(G−1)/G
   assert by["reduce-scatter"].buffer_bytes == 2 * 2 * 16 * 4                   # operand = G·result

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from laplace_jax import model
-from laplace_jax.config import (LaplaceConfig, get_config, param_counts, param_shapes,
+from laplace_jax.config import (LaplaceConfig, get_config, gla_form_for_backend, param_counts, param_shapes,
                                 state_bytes_per_sequence)
 
 CFG = get_config("tiny")
@@ -54,6 +54,14 @@ def test_small_preset_size():
 def test_invalid_configs_rejected(bad, match):
   with pytest.raises(ValueError, match=match):
     LaplaceConfig(**bad)
+
+
+@pytest.mark.parametrize("form, backend, want", [
+    ("auto", "cpu", ("scan", False)), ("auto", "gpu", ("parallel", False)), ("auto", "tpu", ("parallel", False)),
+    ("auto", "neuron", ("scan", True)), ("parallel", "cpu", ("parallel", False)), ("scan", "gpu", ("scan", False)),
+])
+def test_gla_form_default_per_backend(form, backend, want):
+  assert gla_form_for_backend(CFG.replace(gla_form=form), backend) == want
 
 
 def test_forward_shapes_and_causality(params):

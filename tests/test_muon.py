@@ -48,6 +48,23 @@ def test_newton_schulz_matches_optax_and_orthogonalizes():
   np.testing.assert_allclose(newton_schulz(x.T), newton_schulz(x).T, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_newton_schulz_iterates_in_bf16_and_stays_near_fp32():
+  x = _tree(1, {"a": (48, 80)})["a"]
+  jaxpr = jax.make_jaxpr(lambda x: newton_schulz(x, dtype=jnp.bfloat16))(x).jaxpr
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert len(dots) == 15 and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dots)  # 5 steps × 3
+  lo, hi = newton_schulz(x, dtype=jnp.bfloat16), newton_schulz(x)
+  assert lo.dtype == jnp.float32
+  lo, hi = np.asarray(lo), np.asarray(hi)
+  cos = lambda a, b: np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b))
+  assert np.linalg.norm(lo - hi) / np.linalg.norm(hi) > 1e-4  # bf16 rounding shows...
+  assert cos(lo, hi) > 0.99  # ...but the update points the same way
+  u, _, vt = np.linalg.svd(np.asarray(x), full_matrices=False)
+  assert abs(cos(lo, u @ vt) - cos(hi, u @ vt)) < 0.01  # and is as close to the exact U Vᵀ
+  s = np.linalg.svd(lo, compute_uv=False)
+  assert 0.5 < s.min() and s.max() < 1.3
+
+
 @pytest.mark.parametrize("nesterov,scale_mode,weight_decay,schedule", [
     (True, "reference", 0.0, False),
     (False, "adamw_rms", 0.1, True),

@@ -79,6 +79,15 @@ def test_make_optimizer_matches_optax_composition():
   assert not _close(ours[1], unclipped[1])  # the control: clipping changes AdamW's second step
 
 
+def test_clip_norm_zero_means_no_clipping():
+  ocfg = OptimizerConfig(total_steps=20, warmup_steps=2, clip_norm=0.0)
+  params = _params(1)
+  grads = [_params(2, scale=50.0), _params(3, scale=0.01)]
+  ours = _updates(make_optimizer(ocfg), params, grads)
+  for u, r in zip(ours, _updates(_reference(ocfg, clip=False), params, grads)):
+    assert _close(u, r)
+
+
 def _shard(tree, mesh):
   return jax.device_put(tree, sharding.param_shardings(tree, mesh))
 
@@ -110,7 +119,7 @@ def test_distributed_optimizer_matches_gather_bitwise_and_one_device_closely():
     (dict(adamw_b2=-0.5), "adamw_b2=-0.5"),
     (dict(warmup_steps=30, total_steps=20), "warmup_steps=30"),
     (dict(total_steps=0), "total_steps=0"),
-    (dict(clip_norm=0.0), "clip_norm=0.0"),
+    (dict(clip_norm=-1.0), "clip_norm=-1.0"),
     (dict(muon_scale_mode="rms"), "muon_scale_mode='rms'"),
     (dict(muon_ns_steps=0), "muon_ns_steps=0"),
 ])

@@ -26,6 +26,8 @@ HELP = {
     "steps": "total optimizer steps of the run (a resumed run continues to this number)",
     "global_batch": "sequences per optimizer step, over all devices and micro-batches",
     "seq_len": "tokens per sequence (0: the model's max_seq_len)",
+    "tokens_per_step": "sets global_batch to this many tokens / seq_len (0: use global_batch): keeps the tokens "
+                       "per step when the sequence length changes",
     "micro_batches": "split each step into this many accumulated micro-batches (memory)",
     "z_loss": "weight of the z-loss logsumexp² term (0 disables it)",
     "mesh_data": "data-parallel axis size of the device mesh",
@@ -47,6 +49,10 @@ HELP = {
     "sample_tokens": "after training, print this many tokens sampled from the final params (0: none)",
     "sample_prompt": "prompt for the sample",
     "progress": "show a progress bar",
+    "allow_changes": "resume even though these config fields differ from the checkpoint's (comma-separated, "
+                     "e.g. optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)",
+    "profile_steps": "capture a jax.profiler trace of this many steps (after the first, which compiles) into "
+                     "out_dir/profile, viewable in TensorBoard or Perfetto (0: none)",
 }
 
 
@@ -70,15 +76,17 @@ MODEL_HELP = {
     "compute_dtype": "matmul dtype (float32 | bfloat16)",
     "remat": "rematerialise each layer in the backward pass (true/false)",
     "unroll_chunks": "statically unroll the chunk scan (true/false)",
-    "gla_form": "chunked GLA form: parallel (faster on GPUs) | scan (constant time per token on CPUs)",
+    "gla_form": "chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | "
+                "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
     "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention (e.g. GGGA)",
     "rope_base": "RoPE base of the attention layers",
 }
 OPTIMIZER_HELP = {
-    "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b)",
+    "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b; fixed when a run starts "
+                   "and kept when it is resumed or extended)",
     "warmup_steps": "linear warm-up steps",
     "end_lr_fraction": "cosine decays to this fraction of each peak",
-    "clip_norm": "global gradient-norm clip",
+    "clip_norm": "global gradient-norm clip (0: no clipping)",
     "muon_lr": "Muon peak learning rate (2-D hidden matrices)",
     "muon_beta": "Muon Nesterov momentum",
     "muon_nesterov": "Nesterov momentum (true/false)",
@@ -86,6 +94,7 @@ OPTIMIZER_HELP = {
     "muon_weight_decay": "Muon decoupled weight decay",
     "muon_scale_mode": "reference (sqrt(max(1, out/in))) | adamw_rms (0.2*sqrt(max(in, out)))",
     "muon_distribution": "all_to_all (two sharded all_to_alls) | gather (every matrix on every device)",
+    "muon_ns_dtype": "Newton-Schulz iterations in float32 | bfloat16 (the reference Muon's; faster on GPUs)",
     "adamw_lr": "AdamW peak learning rate (embedding, head, norms, conv, aug_balance)",
     "adamw_b1": "AdamW beta1",
     "adamw_b2": "AdamW beta2",
@@ -103,6 +112,7 @@ class TrainConfig:
   steps: int = 200
   global_batch: int = 16
   seq_len: int = 0
+  tokens_per_step: int = 0
   micro_batches: int = 1
   z_loss: float = 1e-4
   mesh_data: int = 1
@@ -123,14 +133,16 @@ class TrainConfig:
   sample_tokens: int = 0
   sample_prompt: str = "In the beginning"
   progress: bool = True
+  allow_changes: str = ""
+  profile_steps: int = 0
 
   def __post_init__(self):
     for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",
               "max_bad_steps", "num_processes", "save_every"):
       if getattr(self, f) < 1:
         raise ValueError(f"--{f}={getattr(self, f)}: expected a positive integer.")
-    for f in ("seq_len", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
-              "process_id"):
+    for f in ("seq_len", "tokens_per_step", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
+              "process_id", "profile_steps"):
       if getattr(self, f) < 0:
         raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
     if self.data_source:
@@ -145,6 +157,7 @@ class RunConfig:
   train: TrainConfig
   model: LaplaceConfig
   optimizer: OptimizerConfig
+  explicit: frozenset = frozenset()  # "section.field" names set by the TOML file or a flag (not defaults)
 
 
 _SECTIONS = {"train": TrainConfig, "model": LaplaceConfig, "optimizer": OptimizerConfig}
@@ -229,4 +242,14 @@ def load_config(argv=None) -> RunConfig:
                  "[model]")
   optimizer = _apply(OptimizerConfig, optimizer_defaults(train.preset, train.steps),
                      {**toml.get("optimizer", {}), **flags["optimizer"]}, "[optimizer]")
-  return RunConfig(train, model, optimizer)
+  if train.tokens_per_step:
+    seq = train.seq_len or model.max_seq_len
+    if train.tokens_per_step % seq:
+      raise ValueError(f"--tokens_per_step={train.tokens_per_step}: expected a multiple of the sequence length "
+                       f"{seq}. Use e.g. {max(1, train.tokens_per_step // seq) * seq}.")
+    if "global_batch" in train_vals and train_vals["global_batch"] * seq != train.tokens_per_step:
+      raise ValueError(f"--global_batch={train.global_batch} and --tokens_per_step={train.tokens_per_step} "
+                       f"disagree at seq_len {seq}; set only one of them.")
+    train = dataclasses.replace(train, global_batch=train.tokens_per_step // seq)
+  explicit = frozenset(f"{sec}.{k}" for sec in _SECTIONS for k in {**toml.get(sec, {}), **flags[sec]})
+  return RunConfig(train, model, optimizer, explicit)

@@ -15,6 +15,7 @@ import numpy as np
 from laplace_jax import checkpoint, data, recall, sharding, timing, train_step as ts
 from laplace_jax import optimizer as optim
 from laplace_jax.config import flops_per_token, param_counts
+from train import resume
 from train.config import RunConfig, TrainConfig
 
 
@@ -113,8 +114,43 @@ def _write_loss_curve(metrics_path: Path, png: Path):
   plt.close(fig)
 
 
+def _open_run(rc: RunConfig):
+  """(rc, checkpointer, latest step): on resume, rc reconciled with the run config saved at that step."""
+  tc = rc.train
+  out = Path(tc.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  ckpt_dir = out / "checkpoints"
+  ckpt = checkpoint.Checkpointer(ckpt_dir, max_to_keep=tc.keep_checkpoints)
+  try:
+    latest = ckpt.latest_step()
+    if latest is not None and not tc.resume:
+      raise ValueError(f"--no-resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
+                       "use another --out_dir or remove that directory to start afresh.")
+    if latest is not None:
+      meta = ckpt.metadata(latest)
+      saved = meta.get("run_config") or {"model": meta.get("config") or {}}
+      rc, notes = resume.reconcile(rc, saved, where=f"{ckpt_dir} at step {latest}")
+      for n in notes:
+        log0(f"resume: {n}")
+  except BaseException:
+    ckpt.close()
+    raise
+  return rc, ckpt, latest
+
+
 def run(rc: RunConfig) -> dict:
   """Train as configured; returns a summary (first/last loss, eval loss, steps, tokens/s)."""
+  ckpt = latest = None
+  if not rc.train.compile_only:
+    rc, ckpt, latest = _open_run(rc)
+  try:
+    return _run(rc, ckpt, latest)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+
+
+def _run(rc: RunConfig, ckpt, latest) -> dict:
   tc, cfg = rc.train, rc.model
   cfg_dict = dataclasses.asdict(cfg)  # saved with every checkpoint and export, and checked on restore
   seq_len = tc.seq_len or cfg.max_seq_len
@@ -146,22 +182,22 @@ def run(rc: RunConfig) -> dict:
   else:
     ensure_data(tc, cfg.vocab_size)
   out = Path(tc.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   ckpt_dir = out / "checkpoints"
-  ckpt = checkpoint.Checkpointer(ckpt_dir, max_to_keep=tc.keep_checkpoints)
   it = make_train_data(tc, seq_len, cfg.vocab_size)
-  latest = ckpt.latest_step()
-  if latest is not None and not tc.resume:
-    raise ValueError(f"--no-resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
-                     "use another --out_dir or remove that directory to start afresh.")
+  metrics_path = out / "metrics.jsonl"
   if latest is not None:
-    restored = ckpt.restore(abstract_state=abstract, config=cfg_dict)
+    restored = ckpt.restore(abstract_state=abstract)  # the config was compared in _open_run
     state, start = restored.train_state, restored.step
     if restored.data_state is not None:
       it.set_state(restored.data_state)
     log0(f"resumed from {ckpt_dir} at step {start}")
+    if jax.process_index() == 0:
+      dropped = resume.drop_rows_after(metrics_path, start)
+      if dropped:
+        log0(f"resume: dropped {dropped} metrics row(s) of steps after {start} (they are redone)")
   else:
     state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed), 0
+  run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc)}
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh,
@@ -180,7 +216,6 @@ def run(rc: RunConfig) -> dict:
 
   peak = host_matmul_peak_flops()
   fpt = flops_per_token(cfg.replace(chunk_size=min(cfg.chunk_size, seq_len)))
-  metrics_path = out / "metrics.jsonl"
   mfile = open(metrics_path, "a") if jax.process_index() == 0 else None
   bar = None
   if tc.progress and jax.process_index() == 0:
@@ -219,11 +254,25 @@ def run(rc: RunConfig) -> dict:
     bar.write(msg) if bar else log0(msg)
 
   since, pending = time.perf_counter(), None
+  # The profile skips the first step (warm-up: first transfers, allocator growth) when the run has more.
+  prof_first = start + 1 + (tc.steps - start > tc.profile_steps)
+  prof_last = min(tc.steps, prof_first + tc.profile_steps - 1) if tc.profile_steps else -1
+  tracing = False
   try:
     for i in range(start + 1, tc.steps + 1):
+      if i == prof_first and tc.profile_steps:
+        jax.profiler.start_trace(str(out / "profile"))
+        tracing = True
       b = next(it)
       wait = it.last_wait_s
-      state, m = compiled(state, to_global(b))
+      with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        state, m = compiled(state, to_global(b))
+      if i == prof_last:
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        tracing = False
+        say(f"profile of steps {prof_first}-{prof_last}: {out / 'profile'} (tensorboard --logdir, or "
+            "ui.perfetto.dev with the .trace.json.gz)")
       if pending:  # read the previous step's metrics while this one runs (one step of lag, no stall)
         since = record(*pending, since)
       pending = (i, m, wait)
@@ -239,11 +288,12 @@ def run(rc: RunConfig) -> dict:
             mfile.flush()
           say(f"step {i}: held-out loss {summary['eval_loss']:.4f}")
         if is_save:
-          ckpt.save(i, state, data_state=it.get_state(), metadata={"config": cfg_dict},
-                    force=i == tc.steps)
+          ckpt.save(i, state, data_state=it.get_state(), metadata=run_meta, force=i == tc.steps)
         since = time.perf_counter()  # eval and save time is not step time
   finally:
-    ckpt.close()
+    if tracing:
+      jax.profiler.stop_trace()
+    ckpt.close()  # waits for the last save before the export below
     it.close()
     if bar:
       bar.close()

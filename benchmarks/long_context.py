@@ -1,0 +1,68 @@
+"""The train step at long sequence lengths, same tokens per step: time and activation memory per token.
+
+    python benchmarks/long_context.py [--preset small] [--lengths 2048 8192 16384 32768]
+        [--tokens-per-step 32768] [--steps 2] [--compute-dtype float32] [--model.FIELD V ...]
+
+For each length T: global batch = tokens-per-step / T; the compiled step's temporaries per token
+(`memory_analysis()`, no run needed) and, with --steps > 0, the median step time per token on one device
+(random tokens, Muon + AdamW). Ratios are against the first length, measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+
+import jax
+import numpy as np
+
+from laplace_jax import sharding, timing, train_step as ts
+from laplace_jax.config import get_config
+from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="small")
+  ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
+  ap.add_argument("--tokens-per-step", type=int, default=32768)
+  ap.add_argument("--steps", type=int, default=2, help="timed steps per length (0: memory only)")
+  ap.add_argument("--compute-dtype", default=None)
+  args, rest = ap.parse_known_args(argv)
+  overrides = {k.split(".", 1)[1]: v for k, v in zip(rest[::2], rest[1::2]) if k.startswith("--model.")}
+  cfg = get_config(args.preset)
+  cfg = cfg.replace(**{k: type(getattr(cfg, k))(v) for k, v in overrides.items()})
+  if args.compute_dtype:
+    cfg = cfg.replace(compute_dtype=args.compute_dtype)
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  opt = make_optimizer(OptimizerConfig(total_steps=1000, warmup_steps=10))
+  print(f"{args.preset} ({cfg.compute_dtype}, remat {cfg.remat}, gla_form {cfg.gla_form}) on "
+        f"{jax.devices()[0].device_kind} ({platform.machine()}); {args.tokens_per_step} tokens per step\n")
+  print("| T | batch | temporaries MiB | bytes/token | × first | step s | µs/token | × first |")
+  print("|---|---|---|---|---|---|---|---|")
+  first = None
+  for T in args.lengths:
+    B = args.tokens_per_step // T
+    if B < 1 or B * T != args.tokens_per_step:
+      raise SystemExit(f"--tokens-per-step {args.tokens_per_step} is not a multiple of length {T}.")
+    compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=B, seq_len=T)
+    per_tok = compiled.memory_analysis().temp_size_in_bytes / args.tokens_per_step
+    step_s = float("nan")
+    if args.steps:
+      state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
+      toks = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 50257), (B, T + 1)).astype(np.int32)
+      batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+      def step():
+        nonlocal state
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+      step_s = timing.median_seconds(step, args.steps, warmup=1)
+      del state
+    us_tok = 1e6 * step_s / args.tokens_per_step
+    first = first or (per_tok, us_tok)
+    print(f"| {T} | {B} | {per_tok * args.tokens_per_step / 2 ** 20:.0f} | {per_tok:.0f} | "
+          f"{per_tok / first[0]:.2f} | {step_s:.2f} | {us_tok:.1f} | {us_tok / first[1]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

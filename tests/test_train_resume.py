@@ -1,0 +1,116 @@
+"""Runs that cannot silently change: the saved run config, resume refusals and overrides, the LR schedule
+kept when a run is extended, metrics rows written once per step across a crash."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from train import prepare, resume
+from train.config import load_config
+from train.loop import run
+
+# One device: what is checked here does not depend on the mesh, and the step compiles faster.
+COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_data", "1", "--mesh_fsdp", "1",
+          "--eval_batches", "0", "--log_every", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("data") / "kjv"
+  prepare.main(["--corpus", "kjv", "-o", str(d), "--max-documents", "40", "--val-fraction", "0.1",
+                "--no-progress"])
+  return d
+
+
+def _rows(out_dir):
+  return [json.loads(l) for l in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(data_dir, out, *extra):
+  return run(load_config(COMMON + ["--data_dir", str(data_dir), "--out_dir", str(out), *extra]))
+
+
+def test_changed_config_is_refused_listing_each_difference_then_allowed(data_dir, tmp_path):
+  out = tmp_path / "run"
+  _train(data_dir, out, "--steps", "2", "--profile_steps", "1")
+  assert list((out / "profile").rglob("*.xplane.pb")), "no jax.profiler trace written"
+  with pytest.raises(ValueError) as e:
+    _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--global_batch", "16",
+           "--model.remat", "true")  # remat is allowed: it does not change the math
+  msg = str(e.value)
+  assert "optimizer.muon_lr: saved 0.02, now 0.5 (--optimizer.muon_lr)" in msg
+  assert "train.global_batch: saved 8, now 16 (--global_batch)" in msg
+  assert "remat" not in msg
+  assert "--allow_changes train.global_batch,optimizer.muon_lr" in msg
+  with pytest.raises(ValueError, match=r"--allow_changes 'optimizer.muon_rate'.*unknown field"):
+    _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--allow_changes", "optimizer.muon_rate")
+  summary = _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5",
+                   "--allow_changes", "optimizer.muon_lr")
+  assert summary["start_step"] == 2 and summary["end_step"] == 3
+
+
+def test_extended_run_keeps_its_schedule(data_dir, tmp_path):
+  # The reference: one uninterrupted 8-step run on the schedule a 4-step run starts with.
+  ref = tmp_path / "ref"
+  _train(data_dir, ref, "--steps", "8", "--optimizer.total_steps", "4", "--optimizer.warmup_steps", "1")
+  out = tmp_path / "extended"
+  _train(data_dir, out, "--steps", "4")
+  _train(data_dir, out, "--steps", "8")
+  want = {r["step"]: (r["loss"], r["lr"]) for r in _rows(ref)}
+  got = {r["step"]: (r["loss"], r["lr"]) for r in _rows(out)}
+  assert got == want  # bit-identical losses and learning rates, steps 1-8
+  assert got[5][1] <= got[4][1]  # the control: no jump back up to the peak at step 5
+  with pytest.raises(ValueError, match=r"optimizer.total_steps: saved 4, now 12"):
+    _train(data_dir, out, "--steps", "12", "--optimizer.total_steps", "12")
+  summary = _train(data_dir, out, "--steps", "9", "--optimizer.total_steps", "12",
+                   "--allow_changes", "optimizer.total_steps")
+  assert summary["start_step"] == 8
+
+
+def test_metrics_hold_each_step_once_after_a_crash_and_resume(data_dir, tmp_path):
+  out = tmp_path / "run"
+  _train(data_dir, out, "--steps", "6", "--save_every", "2")
+  # A crash after step 6's metrics were written but before its checkpoint was: remove that checkpoint,
+  # and leave a row cut short by the kill.
+  shutil.rmtree(out / "checkpoints" / "6")
+  with open(out / "metrics.jsonl", "a") as f:
+    f.write('{"step": 7, "lo')
+  summary = _train(data_dir, out, "--steps", "6", "--save_every", "2")
+  assert summary["start_step"] == 4
+  steps = [r["step"] for r in _rows(out) if "loss" in r]
+  assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_field_newer_than_the_checkpoint_counts_as_its_default():
+  rc = load_config([])
+  saved = resume.run_config_dict(rc)
+  del saved["optimizer"]["muon_ns_dtype"]
+  assert resume.reconcile(rc, saved, where="x")[0] == rc
+  with pytest.raises(ValueError, match=r"optimizer.muon_ns_dtype: saved 'float32', now 'bfloat16'"):
+    resume.reconcile(load_config(["--optimizer.muon_ns_dtype", "bfloat16"]), saved, where="x")
+
+
+def test_drop_rows_after_keeps_earlier_rows_in_order(tmp_path):
+  p = tmp_path / "metrics.jsonl"
+  rows = [{"step": 1, "loss": 3.0}, {"step": 2, "eval_loss": 2.5}, {"step": 3, "loss": 2.0}]
+  p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert resume.drop_rows_after(p, 2) == 1
+  assert [json.loads(l) for l in p.read_text().splitlines()] == rows[:2]
+  assert resume.drop_rows_after(tmp_path / "absent.jsonl", 2) == 0
+
+
+def test_clip_norm_off_from_toml_and_flags(tmp_path):
+  toml = tmp_path / "run.toml"
+  toml.write_text("[optimizer]\nclip_norm = 0.0\n")
+  assert load_config(["--config", str(toml)]).optimizer.clip_norm == 0.0
+  assert load_config(["--optimizer.clip_norm", "0"]).optimizer.clip_norm == 0.0
+
+
+def test_tokens_per_step_sets_the_batch_for_any_length():
+  assert load_config(["--seq_len", "16384", "--tokens_per_step", "32768"]).train.global_batch == 2
+  assert load_config(["--seq_len", "2048", "--tokens_per_step", "32768"]).train.global_batch == 16
+  with pytest.raises(ValueError, match=r"--tokens_per_step=1000: expected a multiple of the sequence length 256"):
+    load_config(["--tokens_per_step", "1000"])
+  with pytest.raises(ValueError, match="disagree"):
+    load_config(["--seq_len", "128", "--tokens_per_step", "1024", "--global_batch", "4"])

@@ -1,0 +1,107 @@
+"""What a resumed run may change: the whole run config is saved with each checkpoint and compared on resume.
+
+Fields that only say how long, how often, where and on what a run executes (ALLOWED) may differ; any other
+difference refuses the resume with a list of the differences and the `--allow_changes` flag that accepts
+them. The LR schedule's length is part of the run: an extended run keeps the saved schedule unless the user
+set `optimizer.total_steps` (or `warmup_steps`) and allows the change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from train.config import RunConfig, _SECTIONS
+
+# How long, how often, where to and on what a run executes. tokens_per_step is only a way to set global_batch,
+# which is compared.
+_TRAIN_ALLOWED = ("out_dir", "steps", "tokens_per_step", "mesh_data", "mesh_fsdp", "simulate_devices",
+                  "log_every", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "resume",
+                  "max_bad_steps", "compile_only", "coordinator", "num_processes", "process_id", "sample_tokens",
+                  "sample_prompt", "progress", "allow_changes", "profile_steps")
+# Execution choices of the model that leave its math unchanged (remat, the GLA form and its unrolling).
+_MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form")
+ALLOWED = frozenset([f"train.{f}" for f in _TRAIN_ALLOWED] + [f"model.{f}" for f in _MODEL_ALLOWED])
+SCHEDULE = ("optimizer.total_steps", "optimizer.warmup_steps")  # derived from --steps unless set
+
+
+def run_config_dict(rc: RunConfig) -> dict:
+  """The run config as saved with each checkpoint: {"train": {...}, "model": {...}, "optimizer": {...}}."""
+  return json.loads(json.dumps({s: dataclasses.asdict(getattr(rc, s)) for s in _SECTIONS}))
+
+
+def _flag(key: str) -> str:
+  section, name = key.split(".", 1)
+  return f"--{name}" if section == "train" else f"--{key}"
+
+
+def _allowed_changes(rc: RunConfig) -> frozenset:
+  names = frozenset(n.strip() for n in rc.train.allow_changes.split(",") if n.strip())
+  valid = {f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+  unknown = sorted(names - valid)
+  if unknown:
+    raise ValueError(f"--allow_changes {rc.train.allow_changes!r}: unknown field(s) {unknown}; expected "
+                     "section.field names such as optimizer.muon_lr or train.global_batch.")
+  return names
+
+
+def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, list[str]]:
+  """The config to resume with, and notes for the log; raises ValueError on a difference not allowed.
+
+  `saved` is `run_config_dict` of the checkpoint's run, or {"model": {...}} for a checkpoint that saved only
+  the model config (then only the model is compared). Schedule fields the user did not set take the saved
+  values, so a run extended with a larger --steps keeps its learning-rate schedule."""
+  allowed = _allowed_changes(rc)
+  notes = []
+  opt_saved = saved.get("optimizer")
+  if opt_saved is not None:
+    keep = {k.split(".", 1)[1]: opt_saved[k.split(".", 1)[1]] for k in SCHEDULE
+            if k not in rc.explicit and k.split(".", 1)[1] in opt_saved}
+    changed = {k: v for k, v in keep.items() if getattr(rc.optimizer, k) != v}
+    if changed:
+      rc = dataclasses.replace(rc, optimizer=rc.optimizer.replace(**changed))
+      notes.append("kept the run's LR schedule (" + ", ".join(f"{k} {v}" for k, v in changed.items()) +
+                   "); a new one needs --optimizer.total_steps N --allow_changes optimizer.total_steps")
+  now = run_config_dict(rc)
+  diffs = []
+  for section, values in saved.items():
+    if section not in now:
+      continue
+    # A field newer than the checkpoint counts as saved with its default (what the run used).
+    defaults = {f.name: f.default for f in dataclasses.fields(_SECTIONS[section])}
+    for name in sorted(set(values) | set(now[section])):
+      key = f"{section}.{name}"
+      old = values.get(name, json.loads(json.dumps(defaults.get(name, "<absent>"))))
+      new = now[section].get(name, "<absent>")
+      if old == new or key in ALLOWED:
+        continue
+      if key in allowed:
+        notes.append(f"{key} changed from {old!r} to {new!r} (allowed by --allow_changes)")
+      else:
+        diffs.append((key, old, new))
+  if diffs:
+    lines = "\n".join(f"  {k}: saved {o!r}, now {n!r} ({_flag(k)})" for k, o, n in diffs)
+    raise ValueError(
+        f"refusing to resume {where}: this run's config differs from the one it was saved with\n{lines}\n"
+        "Resume with the saved values (drop those settings), start a new run in another --out_dir, or accept "
+        f"the changes with --allow_changes {','.join(k for k, _, _ in diffs)}")
+  return rc, notes
+
+
+def drop_rows_after(metrics_path: Path, step: int) -> int:
+  """Removes metrics rows of steps after `step` (written before a crash, about to be redone) and any torn
+  row; returns how many went. The file is replaced atomically."""
+  if not metrics_path.exists():
+    return 0
+  def step_of(line):
+    try:
+      return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:  # a row cut short by the kill
+      return step + 1
+  lines = [l for l in metrics_path.read_text().splitlines() if l.strip()]
+  keep = [l for l in lines if step_of(l) <= step]
+  if len(keep) != len(lines):
+    tmp = metrics_path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    tmp.replace(metrics_path)
+  return len(lines) - len(keep)
