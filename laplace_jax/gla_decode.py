@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from laplace_jax import gla
 
 F32 = jnp.float32
 IMPLS = ("auto", "pallas", "interpret", "xla")
@@ -100,9 +99,26 @@ def _pallas(q, k, v, g_gamma, table, layer, *, scale, block_b, interpret):
 
 
 def _xla(q, k, v, g_gamma, table, layer, *, scale):
-  s = jax.lax.dynamic_index_in_dim(table, layer, 0, keepdims=False)
-  o, s = gla.recurrent_simple_gla_step(q, k, v, g_gamma, s, scale=scale)
-  return o, jax.lax.dynamic_update_index_in_dim(table, s, layer, 0)
+  """The step as XLA:CPU emits it in three passes over the layer's state (two reads, one in-place write).
+
+  o is taken from the old state, o = λ·(q·S) + (q·k)·v, so that S' = λ·S + k vᵀ has one user, the in-place
+  dynamic-update-slice, and fuses into it with its read of the old rows (InstructionFusion::ShouldFuseInPlaceOp
+  allows a dynamic-slice into a DUS fusion at equal indices, only if every op between them is elementwise:
+  no bitcast, so the state keeps its leading layer dim of 1). The readout is one two-input reduce, which XLA
+  fuses with the slice; a dot or a one-input sum would go to a library call that reads a materialised copy
+  of the slice. The write reads o through a select whose predicate is never true, so it runs after the
+  readout and the old rows need no copy (CopyInsertion otherwise copies the table for the unordered reader).
+  """
+  out_dtype, lam_H = v.dtype, jnp.exp(jnp.asarray(g_gamma, F32))
+  q, k, v = q.astype(F32) * scale, k.astype(F32), v.astype(F32)
+  s1 = jax.lax.dynamic_slice_in_dim(table, layer, 1, 0)                       # [1, B, H, K, V]
+  qk = jnp.broadcast_to((q * k)[None, ..., None], s1.shape)
+  qs, qk = jax.lax.reduce((q[None, ..., None] * s1, qk), (F32(0), F32(0)),
+                          lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,))      # sums over K: [1, B, H, V]
+  o = lam_H[:, None] * qs[0] + qk[0] * v                                       # = q·(λS + k vᵀ)
+  k = jnp.where(o[0, 0, 0] > jnp.inf, F32(0), k)                               # never taken: orders the write
+  s1 = lam_H[:, None, None] * s1 + (k[..., None] * v[..., None, :])[None]
+  return o.astype(out_dtype), jax.lax.dynamic_update_slice_in_dim(table, s1, layer, 0)
 
 
 @functools.lru_cache(maxsize=None)

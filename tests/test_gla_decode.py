@@ -110,6 +110,23 @@ def test_compiled_decode_step_keeps_one_state_table_and_copies_none_of_it():
   assert not [o for o in ops if o.opcode == "copy" and o.read_bytes >= layer_state // 4]
 
 
+def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
+  # Per GLA layer of the compiled CPU decode step: the readout reads the old rows, the in-place update reads
+  # and writes them (3 state-sized passes; 5 when S' was a temporary read by a dot and copied into the table).
+  cfg = get_config("tiny")
+  slots = 256
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  state = jax.eval_shape(lambda: model.init_state(cfg, slots))
+  tokens = jax.ShapeDtypeStruct((slots,), jnp.int32)
+  compiled = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(
+      params, state, tokens).compile()
+  L, B, H, K, V = state["gla"].shape
+  layer_state = B * H * K * V * 4
+  per_layer = [o for o in hlo_bytes.memory_traffic(compiled.as_text()) if o.count == L]
+  passes = sum((o.read_bytes >= 0.75 * layer_state) + (o.written_bytes >= 0.75 * layer_state) for o in per_layer)
+  assert passes == 3, [(o.name, o.read_bytes, o.written_bytes) for o in per_layer if o.read_bytes >= layer_state / 2]
+
+
 def test_model_decode_with_the_kernel_equals_the_xla_decode(monkeypatch):
   cfg = get_config("tiny")
   params = model.init_params(cfg, jax.random.key(0))
