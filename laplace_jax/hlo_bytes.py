@@ -18,14 +18,10 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from laplace_jax.hlo_traffic import _array_bytes, _computations
+from laplace_jax.hlo_traffic import _array_bytes, _computations, execution_counts
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRUE_FALSE = re.compile(r"(?:true|false)_computation=%?([\w.\-]+)")
-_WHILE = re.compile(r"(body|condition)=%?([\w.\-]+)")
 _PARAM_INDEX = re.compile(r"^(\d+)\)")
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -155,37 +151,13 @@ def _update_bytes(ins: Instr, by_name: dict[str, Instr]) -> int:
   return _bytes(update.type_text)
 
 
-def _executed(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
-  """Executions per program run of every computation that runs as its own instructions (not fused)."""
-  counts: dict[str, int] = defaultdict(int)
-  stack = [(entry, 1)]
-  while stack:
-    name, n = stack.pop()
-    if name not in comps:
-      continue
-    counts[name] += n
-    for ins in comps[name]:
-      if ins.opcode == "while":
-        trip = _TRIP.search(ins.attrs)
-        k = int(trip.group(1)) if trip else 1
-        for role, callee in _WHILE.findall(ins.attrs):
-          stack.append((callee, n * (k + 1 if role == "condition" else k)))
-      elif ins.opcode == "conditional":
-        for group in _BRANCHES.findall(ins.attrs):
-          stack.extend((c.strip().lstrip("%"), n) for c in group.split(","))
-        stack.extend((c, n) for c in _TRUE_FALSE.findall(ins.attrs))
-      elif ins.opcode in ("call", "async-start"):
-        stack.extend((c, n) for c in _CALLS.findall(ins.attrs))
-  return counts
-
-
 def memory_traffic(hlo_text: str) -> list[OpTraffic]:
   """Every instruction that moves memory in a compiled HLO module, with its bytes and executions per call."""
   raw, entry = _computations(hlo_text)
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text: pass `jitted.lower(...).compile().as_text()`.")
   comps = {name: parse_instructions(lines) for name, lines in raw.items()}
-  counts = _executed(comps, entry)
+  counts = execution_counts(raw, entry, condition_runs_once_more=True, follow_fused=False)
   out = []
   for comp, n in counts.items():
     types = {i.name: i.type_text for i in comps[comp]}

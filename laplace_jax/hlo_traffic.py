@@ -29,6 +29,7 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLEES = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_RUNS_ITS_CALLEE = re.compile(r"\s(?:call|async-start)\(")  # ops whose called computation runs as instructions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +111,13 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
-def _execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-  """How often each computation runs per program run (entry = 1; while bodies × trip count)."""
+def execution_counts(comps: dict[str, list[str]], entry: str, *, condition_runs_once_more: bool = False,
+                     follow_fused: bool = True) -> dict[str, int]:
+  """How often each computation runs per program run: the entry once, a while body k times (XLA's
+  known_trip_count, 1 if unknown), its condition k times (k + 1 with condition_runs_once_more: it also runs
+  to end the loop), conditional branches and called computations as often as their caller. follow_fused=False
+  leaves out the computations a fusion or a reduction applies (they are not run as instructions of their own);
+  `call` and `async-start` targets are followed either way. `comps` as returned by `_computations`."""
   counts: dict[str, int] = defaultdict(int)
   stack = [(entry, 1)]
   while stack:
@@ -121,9 +127,12 @@ def _execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]
     counts[name] += n
     for line in comps[name]:
       trip = _TRIP.search(line)
+      k = int(trip.group(1)) if trip else 1
       for role, callee in _CALLEES.findall(line):
-        mult = int(trip.group(1)) if (role in ("body", "condition") and trip) else 1
-        stack.append((callee, n * mult))
+        if role in ("body", "condition"):
+          stack.append((callee, n * (k + (role == "condition" and condition_runs_once_more))))
+        elif follow_fused or role.endswith("_computation") or _RUNS_ITS_CALLEE.search(line):
+          stack.append((callee, n))
       for group in _BRANCHES.findall(line):
         for callee in group.split(","):
           stack.append((callee.strip().lstrip("%"), n))
@@ -133,7 +142,7 @@ def _execution_counts(comps: dict[str, list[str]], entry: str) -> dict[str, int]
 def parse_collectives(hlo_text: str, n_devices: int) -> list[Collective]:
   """Every collective in a compiled HLO module, with how often it runs per call."""
   comps, entry = _computations(hlo_text)
-  counts = _execution_counts(comps, entry) if entry else defaultdict(lambda: 1)
+  counts = execution_counts(comps, entry) if entry else defaultdict(lambda: 1)
   out = []
   for comp, lines in comps.items():
     for line in lines:

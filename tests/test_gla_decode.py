@@ -93,14 +93,20 @@ def test_bad_inputs_name_the_value():
     gla_decode.gla_decode_layer(q, k, v, g, table, 0, block_b=0)
 
 
-def test_compiled_decode_step_keeps_one_state_table_and_copies_none_of_it():
+@functools.lru_cache(maxsize=None)
+def _compiled_tiny_decode(slots=256):
+  """(cfg, abstract state, compiled decode step with the state donated) for `tiny`, from abstract shapes."""
   cfg = get_config("tiny")
-  slots = 256
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   state = jax.eval_shape(lambda: model.init_state(cfg, slots))
   tokens = jax.ShapeDtypeStruct((slots,), jnp.int32)
   compiled = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(
       params, state, tokens).compile()
+  return cfg, state, compiled
+
+
+def test_compiled_decode_step_keeps_one_state_table_and_copies_none_of_it():
+  cfg, state, compiled = _compiled_tiny_decode()
   state_bytes = sum(x.size * 4 for x in jax.tree.leaves(state))
   mem = compiled.memory_analysis()
   assert mem.alias_size_in_bytes == state_bytes           # the whole state is updated in place
@@ -113,13 +119,7 @@ def test_compiled_decode_step_keeps_one_state_table_and_copies_none_of_it():
 def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
   # Per GLA layer of the compiled CPU decode step: the readout reads the old rows, the in-place update reads
   # and writes them (3 state-sized passes; 5 when S' was a temporary read by a dot and copied into the table).
-  cfg = get_config("tiny")
-  slots = 256
-  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-  state = jax.eval_shape(lambda: model.init_state(cfg, slots))
-  tokens = jax.ShapeDtypeStruct((slots,), jnp.int32)
-  compiled = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(
-      params, state, tokens).compile()
+  _, state, compiled = _compiled_tiny_decode()
   L, B, H, K, V = state["gla"].shape
   layer_state = B * H * K * V * 4
   per_layer = [o for o in hlo_bytes.memory_traffic(compiled.as_text()) if o.count == L]

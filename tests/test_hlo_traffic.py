@@ -58,3 +58,19 @@ def test_compiled_scan_of_gathers_counts_every_iteration():
   gathers = [c for c in hlo_traffic.parse_collectives(text, 8) if c.kind == "all-gather"]
   assert sum(c.count for c in gathers) == 5
   assert hlo_traffic.total_bytes(gathers) == pytest.approx(5 * 2 * 64 * 4 * 7 / 8)
+
+
+def test_execution_counts_with_and_without_fused_computations():
+  # One walker for both counters: hlo_traffic follows every called computation and runs a loop condition
+  # once per trip; hlo_bytes leaves out what a fusion or reduction applies and adds the condition's last run.
+  text = HLO.replace("  ROOT %r = f32[] constant(0)\n",
+                     "  %f = f32[4] fusion(%a), kind=kLoop, calls=%fused\n"
+                     "  %c = f32[4] call(%a), to_apply=%called\n  ROOT %r = f32[] constant(0)\n")
+  text += "\n%fused (x: f32[4]) -> f32[4] {\n  ROOT %x = f32[4] parameter(0)\n}\n"
+  text += "\n%called (x: f32[4]) -> f32[4] {\n  ROOT %x = f32[4] parameter(0)\n}\n"
+  text += "\n%add (x: f32[], y: f32[]) -> f32[] {\n  ROOT %s = f32[] add(%x, %y)\n}\n"
+  comps, entry = hlo_traffic._computations(text)
+  every = hlo_traffic.execution_counts(comps, entry)
+  assert dict(every) == {"main": 1, "body": 3, "cond": 3, "add": 1, "fused": 1, "called": 1}
+  run = hlo_traffic.execution_counts(comps, entry, condition_runs_once_more=True, follow_fused=False)
+  assert dict(run) == {"main": 1, "body": 3, "cond": 4, "called": 1}
