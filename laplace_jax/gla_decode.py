@@ -11,8 +11,9 @@ Two implementations:
             same registers. Triton needs power-of-two tiles, so K and V are walked in power-of-two pieces
             (96 = 64 + 32, 192 = 128 + 64); the slot block is a power of two that divides B and keeps the
             largest tile within MAX_TILE values (registers, not local memory).
-  "xla"     the pure-XLA step (slice, `recurrent_simple_gla_step`, in-place update): the reference and the
-            fallback on every other backend (CPU, Neuron).
+  "xla"     the pure-XLA step, the fallback on every other backend (CPU, Neuron): the readout from the old
+            state, then S' written in place by the fusion that reads the old rows (3 passes over the
+            state on XLA:CPU; see `_xla`).
 impl="auto" picks "pallas" on GPUs and "xla" elsewhere; "interpret" runs the kernel in Pallas interpret
 mode (tests, on the CPU). A kernel asked for where it cannot run (another backend, a compile failure, a
 multi-device mesh set with `jax.set_mesh`) falls back to "xla" with one log line per reason. Callers that
