@@ -31,8 +31,8 @@ def _before(q, k, v, g, T, i):
 
 def _from_old_rows(readout: str, ordered: bool = True, keep_dim: bool = False):
   """o = λ·(q·S) + (q·k)·v from the old rows S, by a batched dot, a one-input sum ("sum"), or a sum whose
-  reducer is a − (−b) ("subneg"); the write ordered after o (a select on o₀ > +∞, never true) or not; the
-  layer's rows as [B, H, K, V] (a bitcast on either side) or with the table's leading dim of 1 kept."""
+  reducer is a − (−b) ("subneg"); the write ordered after o (a select on each row's o > +∞, never true) or
+  not; the layer's rows as [B, H, K, V] (a bitcast on either side) or with the table's leading dim 1 kept."""
   def step(q, k, v, g, T, i):
     lam, q = jnp.exp(g), q * K ** -0.5
     s = jax.lax.dynamic_slice_in_dim(T, i, 1, 0) if keep_dim else jax.lax.dynamic_index_in_dim(T, i, 0, False)
@@ -45,7 +45,7 @@ def _from_old_rows(readout: str, ordered: bool = True, keep_dim: bool = False):
       qs = jax.lax.reduce(qs[..., None] * s, F32(0), lambda a, b: a - (-b), (s.ndim - 2,))
     o = lam[:, None] * qs.reshape(q.shape[:2] + (V,)) + jnp.sum(q * k, -1)[..., None] * v
     if ordered:
-      k = jnp.where(o[0, 0, 0] > jnp.inf, 0.0, k)
+      k = jnp.where(o[:, :1, :1] > jnp.inf, 0.0, k)
     s = lam[:, None, None] * s + (k[..., None] * v[..., None, :]).reshape(s.shape)
     return o, (jax.lax.dynamic_update_slice_in_dim(T, s, i, 0) if keep_dim
                else jax.lax.dynamic_update_index_in_dim(T, s, i, 0))

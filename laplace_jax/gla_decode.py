@@ -107,8 +107,9 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale):
   allows a dynamic-slice into a DUS fusion at equal indices, only if every op between them is elementwise:
   no bitcast, so the state keeps its leading layer dim of 1). The readout is one two-input reduce, which XLA
   fuses with the slice; a dot or a one-input sum would go to a library call that reads a materialised copy
-  of the slice. The write reads o through a select whose predicate is never true, so it runs after the
-  readout and the old rows need no copy (CopyInsertion otherwise copies the table for the unordered reader).
+  of the slice. The write reads o through a select whose predicate is never true (per row, so no value
+  crosses slots, nor devices when they are sharded), so it runs after the readout and the old rows need no
+  copy (CopyInsertion otherwise copies the table for the unordered reader).
   """
   out_dtype, lam_H = v.dtype, jnp.exp(jnp.asarray(g_gamma, F32))
   q, k, v = q.astype(F32) * scale, k.astype(F32), v.astype(F32)
@@ -117,7 +118,7 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale):
   qs, qk = jax.lax.reduce((q[None, ..., None] * s1, qk), (F32(0), F32(0)),
                           lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,))      # sums over K: [1, B, H, V]
   o = lam_H[:, None] * qs[0] + qk[0] * v                                       # = q·(λS + k vᵀ)
-  k = jnp.where(o[0, 0, 0] > jnp.inf, F32(0), k)                               # never taken: orders the write
+  k = jnp.where(o[:, :1, :1] > jnp.inf, F32(0), k)   # never true (nor for NaN): each row's write after its o
   s1 = lam_H[:, None, None] * s1 + (k[..., None] * v[..., None, :])[None]
   return o.astype(out_dtype), jax.lax.dynamic_update_slice_in_dim(table, s1, layer, 0)
 

@@ -127,6 +127,25 @@ def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
   assert passes == 3, [(o.name, o.read_bytes, o.written_bytes) for o in per_layer if o.read_bytes >= layer_state / 2]
 
 
+def test_decode_with_slots_split_over_devices_needs_no_collective():
+  # The serving engine splits the slots over its devices; nothing in a slot's step may read another slot
+  # (the write is ordered after the readout per row: ordering on one element made one all-reduce per layer).
+  from laplace_jax import hlo_traffic, sharding
+  cfg = get_config("tiny")
+  mesh = sharding.make_mesh(data=1, fsdp=8)
+  with_sharding = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                                tree, sh)
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  params = with_sharding(params, jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.P()), params))
+  state = jax.eval_shape(lambda: model.init_state(cfg, 64))
+  state = with_sharding(state, sharding.decode_state_shardings(state, mesh))
+  tokens = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES)))
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(
+        params, state, tokens).compile()
+  assert hlo_traffic.parse_collectives(compiled.as_text(), 8) == []
+
+
 def test_model_decode_with_the_kernel_equals_the_xla_decode(monkeypatch):
   cfg = get_config("tiny")
   params = model.init_params(cfg, jax.random.key(0))
