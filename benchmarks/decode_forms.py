@@ -6,7 +6,8 @@ A toy of the decode step's layer scan (carry: activations and the state table [L
 dot to q, k, v from stacked weights, the state step, a dot back) compiled from abstract shapes for each
 formulation of the step, and counted with `laplace_jax.hlo_bytes`: passes = bytes of the loop-body
 instructions that read or write at least half a layer's state, in units of one layer's state. Also the
-bytes of per-layer weight copies (each layer's slice of the stacked weights written out before its dot).
+bytes of per-layer weight copies (each layer's slice of the stacked weights written out before its dot);
+last, the current step with the layers unrolled and each layer's weights separate arrays.
 docs/BENCHMARKS.md ("Decode at the memory bound") names the XLA rule behind each row.
 """
 from __future__ import annotations
@@ -78,16 +79,33 @@ def toy_decode(step, W, Wo, x, T):
   return x, T
 
 
-def measure(step, L: int, B: int) -> tuple[float, float]:
+def toy_decode_unrolled(step, Ws, Wos, x, T, layer_ids):
+  """The same layers unrolled, each with its own weight arrays; the state's layer index stays a runtime value."""
+  g = jnp.log(jnp.linspace(0.5, 0.99, H)).astype(F32)
+  B = x.shape[0]
+  for w, wo, i in zip(Ws, Wos, layer_ids):
+    q, k, v = jnp.split(x @ w, [H * K, 2 * H * K], -1)
+    o, T = step(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, H, V), g, T, i)
+    x = x + o.reshape(B, H * V) @ wo
+  return x, T
+
+
+def measure(step, L: int, B: int, unrolled: bool = False) -> tuple[float, float]:
   """(state passes per layer, bytes of weight copies per layer) of the compiled toy."""
-  args = (jax.ShapeDtypeStruct((L, D, H * (2 * K + V)), F32), jax.ShapeDtypeStruct((L, H * V, D), F32),
-          jax.ShapeDtypeStruct((B, D), F32), jax.ShapeDtypeStruct((L, B, H, K, V), F32))
-  text = jax.jit(functools.partial(toy_decode, step), donate_argnums=3).lower(*args).compile().as_text()
-  ops = [o for o in hlo_bytes.memory_traffic(text) if o.count == L]
+  w, wo = jax.ShapeDtypeStruct((D, H * (2 * K + V)), F32), jax.ShapeDtypeStruct((H * V, D), F32)
+  x, T = jax.ShapeDtypeStruct((B, D), F32), jax.ShapeDtypeStruct((L, B, H, K, V), F32)
+  if unrolled:
+    fn, args = toy_decode_unrolled, ([w] * L, [wo] * L, x, T, jax.ShapeDtypeStruct((L,), jnp.int32))
+  else:
+    fn, args = toy_decode, (jax.ShapeDtypeStruct((L,) + w.shape, F32), jax.ShapeDtypeStruct((L,) + wo.shape, F32),
+                            x, T)
+  text = jax.jit(functools.partial(fn, step), donate_argnums=3).lower(*args).compile().as_text()
+  ops = [o for o in hlo_bytes.memory_traffic(text) if unrolled or o.count == L]  # the layers' instructions
+  per = L if unrolled else 1
   layer = B * H * K * V * 4
   passes = sum(o.total_bytes for o in ops if max(o.read_bytes, o.written_bytes) >= layer // 2) / (layer * L)
-  weights = {D * H * (2 * K + V) * 4, H * V * D * 4}
-  copies = sum(o.written_bytes for o in ops if o.written_bytes in weights and o.opcode == "fusion")
+  weights = {w.size * 4, wo.size * 4}
+  copies = sum(o.written_bytes for o in ops if o.written_bytes in weights and o.opcode == "fusion") / per
   return passes, copies
 
 
@@ -102,6 +120,8 @@ def main(argv=None):
   for name, step in FORMS.items():
     passes, copies = measure(step, args.layers, args.slots)
     print(f"{name:40s} {passes:18.2f} {copies / 1e6:23.1f}")
+  passes, copies = measure(FORMS["now: gla_decode XLA step"], args.layers, args.slots, unrolled=True)
+  print(f"{'  the same, unrolled, weights per layer':40s} {passes:18.2f} {copies / 1e6:23.1f}")
 
 
 if __name__ == "__main__":
