@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-
 F32 = jnp.float32
 IMPLS = ("auto", "pallas", "interpret", "xla")
 log = logging.getLogger(__name__)
