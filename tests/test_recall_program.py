@@ -46,3 +46,31 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path):
   assert recall_prog.main(["--grid", "smoke", "--sections", "mqar,passkey", "-o", str(out), "--no-progress"]) == 0
   assert len(json.loads((out / "results.json").read_text())["cells"]) == n  # finished cells are skipped
   assert recall_prog.main(["--grid", "quick", "-o", str(out), "--no-progress"]) == 2  # another grid's results
+
+
+def test_seeds_multiply_the_cells_and_keep_seed_0_keys(tmp_path):
+  grid = recall_prog.GRIDS["smoke"]
+  one = recall_prog.cells_of(grid, ["mqar"])
+  two = recall_prog.cells_of(grid, ["mqar"], seeds=(0, 1))
+  assert [c.key for c in two[:len(one)]] == [c.key for c in one]  # results saved before seeds still match
+  assert len(two) == 2 * len(one) and len({c.key for c in two}) == len(two)
+  assert all(c.key.endswith("|s1") for c in two[len(one):])
+  for bad in ("", "x", "-1", "1000"):
+    assert recall_prog.main(["--grid", "smoke", "--seeds", bad, "-o", str(tmp_path / "g"), "--no-progress"]) == 2
+  assert not (tmp_path / "g").exists()  # nothing written for bad input
+
+
+def test_set_and_patterns_shape_the_grid_and_bad_values_are_refused(tmp_path):
+  grid = recall_prog.with_overrides(recall_prog.GRIDS["smoke"], ["width=48", "mqar=mqar:64,4,64;mqar:128,8,64",
+                                                                 "adamw_lr=3e-3", "passkey_contexts=128,256"])
+  assert grid["width"] == 48 and grid["adamw_lr"] == 3e-3 and grid["passkey_contexts"] == (128, 256)
+  cells = recall_prog.cells_of(grid, ["mqar"], patterns=("G",))
+  assert [(c.task, c.pattern, c.width) for c in cells] == [("mqar:64,4,64", "G", 48), ("mqar:128,8,64", "G", 48)]
+  out = tmp_path / "g"
+  for args in (["--set", "widht=48"], ["--set", "width=wide"], ["--set", "width"], ["--patterns", "GX"],
+               ["--patterns", "GGA"]):
+    assert recall_prog.main(["--grid", "smoke", *args, "-o", str(out), "--no-progress"]) == 2, args
+  assert not out.exists()
+  out.mkdir()
+  (out / "results.json").write_text(json.dumps({"grid": "smoke", "sets": ["width=48"], "cells": []}))
+  assert recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2  # other settings' results
