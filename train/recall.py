@@ -68,7 +68,8 @@ class Cell:
 
   @property
   def key(self) -> str:
-    return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}" + (f"|s{self.seed}" if self.seed else "")
+    seed = f"|s{self.seed}" if self.seed else ""  # seed 0's keys are those of results saved before seeds
+    return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}{seed}"
 
 
 def model_config(pattern: str, width: int, task: str):
@@ -241,7 +242,8 @@ def plot(results: list[dict], out: Path):
     g = sorted({r["task"] for r in mq if r["pattern"] == "G"})
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in g:
-      pts = _seed_means((r["gla_state_per_layer"], r["accuracy"]) for r in mq if r["pattern"] == "G" and r["task"] == t)
+      pts = _seed_means((r["gla_state_per_layer"], r["accuracy"]) for r in mq
+                        if r["pattern"] == "G" and r["task"] == t)
       if len(pts) > 1:
         ax.plot(*zip(*pts), "o-", label=t)
     ax.set_xlabel("GLA state per layer (heads × d_k × d_v)")
