@@ -268,7 +268,7 @@ def plot(results: list[dict], out: Path):
       ax.set_yticks(range(len(depths)), [str(d) for d in depths])
       ax.set_xlabel("context (tokens)")
       ax.set_ylabel("depth")
-      ax.set_title(f"passkey, {r['pattern']}")
+      ax.set_title(f"passkey, {r['pattern']}, {r['steps']:,} steps")
       for i in range(m.shape[0]):
         for j in range(m.shape[1]):
           ax.text(j, i, f"{m[i, j]:.0%}", ha="center", va="center", color="w" if m[i, j] < 0.5 else "k")
