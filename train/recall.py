@@ -307,7 +307,7 @@ def main(argv=None) -> int:
   ap.add_argument("--seeds", default="0", help="comma list of seeds: each cell is trained once per seed "
                   "(plots show the mean)")
   ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of mixer patterns for the "
-                  "2-layer models (G = GLA, A = attention; a pattern's length divides 2)")
+                  "2-layer models (G = GLA, A = attention; a pattern's length divides 2: G, A, GA, AG)")
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
                   "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)")
@@ -330,13 +330,13 @@ def main(argv=None) -> int:
           "sets use seeds from 10^9 up, so training seeds stay apart from them)", file=sys.stderr)
     return 2
   patterns = tuple(p for p in args.patterns.split(",") if p)
-  bad = [p for p in patterns if set(p) - {"G", "A"} or 2 % len(p)]
-  if not patterns or bad:
-    print(f"error: --patterns {args.patterns!r}: {bad or 'none given'}; each pattern is made of G (GLA) and A "
-          "(attention) and its length divides the 2 layers (G, A, GA, AG, GG, AA)", file=sys.stderr)
-    return 2
   try:
     grid = with_overrides(GRIDS[grid_name], args.sets)
+    if not patterns:
+      raise ValueError(f"--patterns {args.patterns!r}: no pattern given; e.g. G,GA,A")
+    cells = cells_of(grid, sections, seeds, patterns)
+    for cell in cells:  # the model config checks each pattern, width and task, naming the value and the fix
+      model_config(cell.pattern, cell.width, cell.task)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
     return 2
   out.mkdir(parents=True, exist_ok=True)
   done = {r["key"] for r in saved["cells"]}
-  todo = [c for c in cells_of(grid, sections, seeds, patterns) if c.key not in done]
+  todo = [c for c in cells if c.key not in done]
   import jax
   print(f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True)
   bar = None
