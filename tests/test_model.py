@@ -74,18 +74,24 @@ def test_forward_shapes_and_causality(params):
   assert not np.allclose(logits[:, 30:], logits2[:, 30:])
 
 
-def test_forward_equals_prefill_then_decode(params):
-  """Logits of the full forward == prefill of a prefix then decode_step token by token (fp32)."""
-  B, T, P = 2, 300, 150  # prefix crosses a chunk boundary; decode crosses another
-  toks = jax.random.randint(jax.random.key(2), (B, T), 0, CFG.vocab_size)
-  full = model.forward(params, toks, cfg=CFG)
-  state = model.init_state(CFG, B)
-  logits, state = model.prefill(params, state, toks[:, :P], cfg=CFG)
+def _check_prefill_then_decode(params, cfg, B, T, P, **state_kw):
+  """Logits of the full forward == prefill of P tokens then decode_step token by token to T (fp32); returns
+  the final state."""
+  toks = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
+  full = model.forward(params, toks, cfg=cfg)
+  state = model.init_state(cfg, B, **state_kw)
+  logits, state = model.prefill(params, state, toks[:, :P], cfg=cfg)
   np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-4, rtol=1e-4)
   step = jax.jit(model.decode_step, static_argnames="cfg")
   for t in range(P, T):
-    logits, state = step(params, state, toks[:, t], cfg=CFG)
+    logits, state = step(params, state, toks[:, t], cfg=cfg)
     np.testing.assert_allclose(logits, full[:, t], atol=1e-4, rtol=1e-4)
+  return state
+
+
+def test_forward_equals_prefill_then_decode(params):
+  # the prefix crosses a chunk boundary; decode crosses another
+  _check_prefill_then_decode(params, CFG, B=2, T=300, P=150)
 
 
 def test_prefill_ragged_rows_match_separate_prefills(params):
@@ -161,17 +167,8 @@ ATTN = CFG.replace(mixers="A")
 @pytest.mark.parametrize("cfg", [ATTN, HYBRID], ids=["A", "GA"])
 def test_pattern_forward_equals_prefill_then_decode(cfg):
   params = model.init_params(cfg, jax.random.key(0))
-  B, T, P = 2, 200, 140
-  toks = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
-  full = model.forward(params, toks, cfg=cfg)
-  state = model.init_state(cfg, B, max_len=T)
-  logits, state = model.prefill(params, state, toks[:, :P], cfg=cfg)
-  np.testing.assert_allclose(logits, full[:, P - 1], atol=1e-4, rtol=1e-4)
-  step = jax.jit(model.decode_step, static_argnames="cfg")
-  for t in range(P, T):
-    logits, state = step(params, state, toks[:, t], cfg=cfg)
-    np.testing.assert_allclose(logits, full[:, t], atol=1e-4, rtol=1e-4)
-  assert state["pos"].tolist() == [T, T]
+  state = _check_prefill_then_decode(params, cfg, B=2, T=200, P=140, max_len=200)
+  assert state["pos"].tolist() == [200, 200]
 
 
 def test_hybrid_ragged_prefill_matches_separate_prefills():
