@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from laplace_jax import platform
+
 F32 = jnp.float32
 IMPLS = ("auto", "pallas", "interpret", "xla")
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   """The implementation `impl` means on `backend` (default: JAX's default backend)."""
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}: expected one of {IMPLS} ('auto' picks the Pallas kernel on GPUs).")
-  backend = backend or jax.default_backend()
+  backend = backend or platform.backend()
   if impl == "auto":
     return "pallas" if backend == "gpu" else "xla"
   if impl == "pallas" and backend != "gpu":

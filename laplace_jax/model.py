@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, fsdp, gla, gla_decode
+from laplace_jax import attention, fsdp, gla, gla_decode, platform
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
@@ -77,7 +77,7 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
     o_BxTxHxV = o1[:, None]
   else:
     s0 = None if table is None else table[idx]
-    form, unroll = gla_form_for_backend(cfg, jax.default_backend())
+    form, unroll = gla_form_for_backend(cfg, platform.backend())
     o_BxTxHxV, s_new = gla.chunk_simple_gla(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
         chunk_size=min(cfg.chunk_size, T), unroll=unroll, form=form)
