@@ -14,7 +14,7 @@ Works on any program's text, so users can check their own. Rules (docs/NEURON.md
   collective     all_gather, all_reduce, reduce_scatter, all_to_all, collective_permute move f32 or bf16 only.
                  Integer operands count as violations too: Trn2 reduces in FP32 (integers past 2^24 round),
                  and a 32-bit integer can travel as f32 bits (bitcast_convert) at the same cost.
-  variadic_reduce  no reduce over several operands, except argmax/argmin's (float value, integer index) pair
+  variadic_reduce  no reduce over several operands, except argmax/argmin's (value, iota index) pair
   sort           a sort comparator returns one LT/LE/GT/GE compare (so one key)
   custom_call    only the partitioner's markers (Sharding, SPMDFullToShardShape, SPMDShardToFullShape) and
                  neuronx-cc's AwsNeuron* targets (NCC_EHCA005)
@@ -57,7 +57,7 @@ FIXES = {
             "jnp.argsort) and carry the rest as payload.",
     "custom_call": "neuronx-cc accepts only its own custom calls (NCC_EHCA005): use the pure-XLA path on Neuron "
                    "(Pallas, Triton and CPU/GPU kernels have no Neuron lowering) or an NKI kernel.",
-    "power": "power with a runtime exponent: use a constant exponent, exp(n * log(x)) for x > 0, or carry the "
+    "power": "Use a constant exponent, exp(n * log(x)) for x > 0, or carry the "
              "running product (e.g. beta**t as a state multiplied by beta each step).",
 }
 
@@ -390,11 +390,19 @@ def _variadic_reduce(prog: _Program, i: int) -> str | None:
   start = i + 1 if i + 1 < len(lines) and "reducer(" in lines[i + 1] else i  # pretty form: `reducer(...) {`
   end = _region_end(lines, start) if _brace_delta(lines[start]) > 0 else i
   body = "\n".join(lines[i + 1:end + 1])
-  floats = [t for t in ins[:n] if t.startswith(("f", "bf"))]
-  ints = [t for t in ins[:n] if t.startswith(("i", "ui")) and t != "i1"]
-  if n == 2 and len(floats) == 1 and len(ints) == 1 and "stablehlo.select" in body and "stablehlo.compare" in body:
-    return None  # argmax / argmin: (value, index)
+  if n == 2 and ins[1] in ("i32", "ui32") and _is_iota(prog, line, i) and "stablehlo.select" in body \
+      and "stablehlo.compare" in body:
+    return None  # argmax / argmin: (value, iota index), a compare-and-select reducer
   return f"reduce over {n} operands ({', '.join(ins[:n])})"
+
+
+def _is_iota(prog: _Program, line: str, i: int) -> bool:
+  """Whether the reduce's second operand is an iota (the index of argmax's pair)."""
+  operands = re.findall(r"\(\s*(%[\w$.\-#]+)\s+init:", line)
+  if len(operands) < 2:
+    operands = _NAME.findall(line.split("reduce", 1)[1].split(")", 1)[0])[:2]
+  d = prog.definition(operands[1], i) if len(operands) >= 2 else None
+  return d is not None and "stablehlo.iota" in prog.lines[d]
 
 
 def _sort_comparator(prog: _Program, i: int) -> str | None:
@@ -411,3 +419,21 @@ def _sort_comparator(prog: _Program, i: int) -> str | None:
   if m.group(1) not in SORT_DIRECTIONS:
     return f"its comparator compares {m.group(1)}"
   return None
+
+
+def check_programs(texts: dict, hlo_dir: str | None = None) -> tuple[dict, str]:
+  """Check several programs' StableHLO ({name: text}); with `hlo_dir`, write each to hlo_dir/<name>.mlir.
+  Returns ({name: Report}, the printable report of all of them)."""
+  import pathlib
+  if hlo_dir:
+    pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+  reports, parts = {}, []
+  for name, text in texts.items():
+    if hlo_dir:
+      (pathlib.Path(hlo_dir) / f"{name}.mlir").write_text(text)
+    reports[name] = check(text)
+    parts.append(reports[name].summary(name))
+  total = sum(len(r.violations) for r in reports.values())
+  parts.append(f"neuron conformance: {total} violation(s) in {len(reports)} program(s)"
+               + (f"; StableHLO in {hlo_dir}/" if hlo_dir else ""))
+  return reports, "\n".join(parts)

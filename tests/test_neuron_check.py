@@ -131,3 +131,7 @@ def test_empty_and_unrelated_text():
   assert neuron_check.violations("") == []
   with pytest.raises(AttributeError):
     neuron_check.check(None)
+
+
+def test_argmax_of_booleans_is_argmaxs_pair():
+  assert rules(lambda x: jnp.argmax(x > 0.5, -1), X) == {}
