@@ -12,12 +12,14 @@ from train.loop import run
 
 
 def test_gla_learns_mqar_above_chance():
-  cell = recall_prog.Cell("mqar:64,4,32", "G", 32, 150, 16)
+  # Two pairs per sequence: measured 0.33-0.34 over seeds 0-2 at 150 steps (4 pairs reached only 0.13-0.18,
+  # too close to the bound: one CI machine measured 0.115).
+  cell = recall_prog.Cell("mqar:64,2,32", "G", 32, 150, 16)
   grid = dict(recall_prog.GRIDS["smoke"], adamw_lr=3e-2)
   params, cfg, info = recall_prog.train_cell(cell, grid, progress=False)
   acc = recall_prog.mqar_accuracy(params, cfg, cell.task, 256)
   chance = 1 / 16  # values are drawn from the upper half of a 32-token vocabulary
-  assert acc > 2 * chance, (acc, info["losses"][-3:])
+  assert acc > 3 * chance, (acc, info["losses"][-3:])
 
 
 def test_train_program_takes_a_recall_data_source(tmp_path):

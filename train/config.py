@@ -55,6 +55,9 @@ HELP = {
     "progress": "show a progress bar",
     "allow_changes": "resume even though these config fields differ from the checkpoint's (comma-separated, "
                      "e.g. optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)",
+    "state_passing": "state passing (truncated BPTT): each batch row is one contiguous token stream that "
+                     "continues across steps, and each step starts the row from its recurrent state at the end "
+                     "of the previous step (GLA states and conv windows; no gradient across the boundary)",
     "profile_steps": "capture a jax.profiler trace of this many steps (after the first, which compiles) into "
                      "out_dir/profile, viewable in TensorBoard or Perfetto (0: none)",
 }
@@ -141,6 +144,7 @@ class TrainConfig:
   progress: bool = True
   allow_changes: str = ""
   profile_steps: int = 0
+  state_passing: bool = False
 
   def __post_init__(self):
     for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",

@@ -79,7 +79,7 @@ def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
     return recall.RecallStream(tc.data_source, seq_len=seq_len, global_batch=tc.global_batch, seed=tc.seed,
                                process_index=jax.process_index(), process_count=jax.process_count())
   return data.make_train_iterator(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
-                                  seed=tc.seed, vocab_size=vocab_size)
+                                  seed=tc.seed, vocab_size=vocab_size, contiguous=tc.state_passing)
 
 
 def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
@@ -166,7 +166,8 @@ def _run(rc: RunConfig, ckpt, latest) -> dict:
     log0(f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
          f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
          f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)")
-    abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed)
+    carry_batch = tc.global_batch if tc.state_passing else 0  # state passing: one carried state per row
+    abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch)
     t0 = time.perf_counter()
     lowered = ts.lower_train_step(cfg, opt, mesh, global_batch=tc.global_batch, seq_len=seq_len,
                                   step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract,
@@ -205,7 +206,7 @@ def _run(rc: RunConfig, ckpt, latest) -> dict:
       if dropped:
         log0(f"resume: dropped {dropped} metrics row(s) of steps after {start} (they are redone)")
   else:
-    state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed), 0
+    state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch), 0
   run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc)}
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
