@@ -46,26 +46,59 @@ def serve_lowered(tmp_path_factory):
   return r, d
 
 
-def test_train_target_neuron_lowers_and_reports(train_lowered):
-  r, d = train_lowered
+# laplace-3b as on a trn2.48xlarge: 64 devices (the defaults of --target), the README's compile-proof batch,
+# 1,280 serving slots. Lowering only: ≈5 s per process on a 2-core CPU.
+@pytest.fixture(scope="module")
+def train_3b(tmp_path_factory):
+  d = tmp_path_factory.mktemp("train_3b")
+  r = _run("train", "--preset", "laplace-3b", "--target", "neuron", "--mesh_fsdp", "64", "--global_batch", "256",
+           "--seq_len", "2048", "--micro_batches", "1", "--hlo_dir", str(d))
+  return r, d
+
+
+@pytest.fixture(scope="module")
+def serve_3b(tmp_path_factory):
+  d = tmp_path_factory.mktemp("serve_3b")
+  return _run("serve", "--preset", "laplace-3b", "--target", "neuron", "--hlo-dir", str(d)), d
+
+
+def _check_train(r, d, mesh_line, n_dev):
   assert r.returncode in (0, 1), r.stdout + r.stderr
   summary = json.loads(r.stdout.strip().splitlines()[-1])
   text = (d / "train_step.mlir").read_text()
-  assert 'sdy.mesh @mesh = <["data"=2, "fsdp"=4]>' in text and "mhlo.num_partitions = 8" in text
+  assert mesh_line in text and f"mhlo.num_partitions = {n_dev} " in text
   assert _independent_counts(d) == {"train_step": summary["violations"]}
   assert r.returncode == (1 if summary["violations"] else 0)
   assert "lowered for neuron" in r.stdout and "compiled in" not in r.stdout
+  return text
 
 
-def test_serve_target_neuron_lowers_every_engine_program(serve_lowered):
-  r, d = serve_lowered
+def test_train_target_neuron_lowers_and_reports(train_lowered):
+  _check_train(*train_lowered, 'sdy.mesh @mesh = <["data"=2, "fsdp"=4]>', 8)
+
+
+def test_train_target_neuron_laplace_3b_on_64_devices(train_3b):
+  text = _check_train(*train_3b, 'sdy.mesh @mesh = <["data"=1, "fsdp"=64]>', 64)
+  assert "tensor<256x2048xi32>" in text  # the global batch, as the README's compile proof
+
+
+def _check_serve(r, d, n_dev):
   assert r.returncode in (0, 1), r.stdout + r.stderr
   counts = _independent_counts(d)
   assert set(counts) == SERVE_PROGRAMS
   printed = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+): (\d+) violation", r.stdout, re.M)}
   assert printed == counts
   assert r.returncode == (1 if sum(counts.values()) else 0)
-  assert "mhlo.num_partitions = 8" in (d / "decode.mlir").read_text()
+  assert f"mhlo.num_partitions = {n_dev} " in (d / "decode.mlir").read_text()
+
+
+def test_serve_target_neuron_lowers_every_engine_program(serve_lowered):
+  _check_serve(*serve_lowered, 8)
+
+
+def test_serve_target_neuron_laplace_3b_1280_slots(serve_3b):
+  _check_serve(*serve_3b, 64)
+  assert "tensor<24x1280x16x96x192xf32>" in (serve_3b[1] / "decode.mlir").read_text()  # every slot's GLA state
 
 
 def test_other_targets_are_refused():
