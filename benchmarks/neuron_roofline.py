@@ -8,7 +8,7 @@ its chip's HBM and link bandwidth. Counts (nothing runs):
   training   FLOPs per token from laplace_jax.config.flops_per_token (6·N-style, plus the chunked GLA; remat
              re-runs the forward, so the hardware does 4/3 of it); collective bytes per device per step: the
              FSDP floor 16·P·(N−1)/N (bf16 gathers in forward and remat, fp32 reduce-scatter) plus Muon's two
-             all_to_alls, or with --measure both counted in the compiled step (laplace_jax.hlo_traffic; ≈2 min).
+             all_to_alls, or with --measure both counted in the compiled step (laplace_jax.hlo_traffic; ≈15 s).
   decode     per step and device, in the serving layout (slots split over the 64 devices, weights
              replicated in bf16): every weight read once (embedding: its looked-up rows), the device's slot
              states read and written once, its logits written (benchmarks/decode_bytes.py's minimum);
