@@ -203,6 +203,16 @@ def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batc
   """Lower and compile the step ahead of time for these shapes and shardings; returns the executable.
 
   Raises ValueError before compiling when the batch does not split over the mesh or the micro-batches."""
+  return lower_train_step(cfg, optimizer, mesh, global_batch=global_batch, seq_len=seq_len, step_cfg=step_cfg,
+                          lr_schedule=lr_schedule, abstract_state=abstract_state, weighted=weighted,
+                          state_passing=state_passing).compile()
+
+
+def lower_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
+                     step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None,
+                     weighted: bool = False, state_passing: bool = False) -> Any:
+  """The step lowered (not compiled) from abstract shapes: `.as_text()` is its StableHLO, `.compile()` the
+  executable. Inside `platform.lowering_for(target)` it records the choices made for that target."""
   n_dev = mesh.devices.size
   if global_batch % (step_cfg.micro_batches * n_dev):
     raise ValueError(f"global batch {global_batch} must split into micro_batches={step_cfg.micro_batches} "
@@ -225,4 +235,4 @@ def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batc
   jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
   with jax.set_mesh(mesh):  # lets the model pin its activations' batch sharding
-    return jitted.lower(state, batch).compile()
+    return jitted.lower(state, batch)
