@@ -345,12 +345,8 @@ def load_params(path, abstract_params=None, *, shardings=None, config=None):
                                  f"({type(e).__name__}: {e}). Export the params again.") from e
 
 
-def load_export(path, shardings=None, *, preset: str | None = None):
-  """(params, model config) of an export written by `python -m train` (RUN/export/step_N): the model is
-  built from the config saved beside the params, so any trained config loads, preset or not. `shardings`
-  is one Sharding, or a function from the abstract params to a pytree of shardings (None: host numpy);
-  `preset`, when given, refuses an export of another config. The loader of train.eval and python -m serve."""
-  from laplace_jax import model
+def export_config(path, *, preset: str | None = None):
+  """The model config saved with an export of `python -m train` (checked against `preset` when given)."""
   from laplace_jax.config import LaplaceConfig, get_config
   path = epath.Path(path).absolute()
   if not (path / "params").exists():
@@ -366,6 +362,17 @@ def load_export(path, shardings=None, *, preset: str | None = None):
     raise ValueError(f"checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e}).")
   if preset:
     check_config(saved, get_config(preset), where=f"checkpoint {path} (checked against preset {preset})")
+  return cfg
+
+
+def load_export(path, shardings=None, *, preset: str | None = None):
+  """(params, model config) of an export written by `python -m train` (RUN/export/step_N): the model is
+  built from the config saved beside the params, so any trained config loads, preset or not. `shardings`
+  is one Sharding, or a function from the abstract params to a pytree of shardings (None: host numpy);
+  `preset`, when given, refuses an export of another config. The loader of train.eval and python -m serve."""
+  from laplace_jax import model
+  path = epath.Path(path).absolute()
+  cfg = export_config(path, preset=preset)
   abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   if callable(shardings):
     shardings = shardings(abstract)
