@@ -13,7 +13,9 @@ Two implementations:
             largest tile within MAX_TILE values (registers, not local memory).
   "xla"     the pure-XLA step, the fallback on every other backend (CPU, Neuron): the readout from the old
             state, then S' written in place by the fusion that reads the old rows (3 passes over the
-            state on XLA:CPU; see `_xla`).
+            state on XLA:CPU; see `_xla`). On Neuron (`platform.backend() == "neuron"`) the readout is
+            the reference's einsum over S' instead (`_xla_einsum`): the CPU form's two-operand reduce is a
+            variadic reduction, which jax-neuronx documents as unsupported.
 impl="auto" picks "pallas" on GPUs and "xla" elsewhere; "interpret" runs the kernel in Pallas interpret
 mode (tests, on the CPU). A kernel asked for where it cannot run (another backend, a compile failure, a
 multi-device mesh set with `jax.set_mesh`) falls back to "xla" with one log line per reason. Callers that
@@ -124,6 +126,15 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale):
   return o.astype(out_dtype), jax.lax.dynamic_update_slice_in_dim(table, s1, layer, 0)
 
 
+def _xla_einsum(q, k, v, g_gamma, table, layer, *, scale):
+  """The step with single-operand reductions only (for Neuron): S' = λ·S + k vᵀ, o = scale·qᵀS' (an einsum)."""
+  lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
+  s = jax.lax.dynamic_index_in_dim(table, layer, 0, keepdims=False)            # [B, H, K, V]
+  s = lam_H[None, :, None, None] * s + jnp.einsum("bhk,bhv->bhkv", k.astype(F32), v.astype(F32))
+  o = jnp.einsum("bhk,bhkv->bhv", q.astype(F32) * scale, s)
+  return o.astype(v.dtype), jax.lax.dynamic_update_index_in_dim(table, s, layer, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _pallas_compiles(shapes: tuple, scale: float, block_b: int) -> str | None:
   """None if the kernel compiles for these shapes on this backend, else the reason (cached per shape)."""
@@ -178,5 +189,6 @@ def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = 
                 f"({reason}); using the XLA step.")
       impl = "xla"
   if impl == "xla":
-    return _xla(q, k, v, g_gamma, table, layer, scale=scale)
+    xla_step = _xla_einsum if platform.backend() == "neuron" else _xla
+    return xla_step(q, k, v, g_gamma, table, layer, scale=scale)
   return _pallas(q, k, v, g_gamma, table, layer, scale=scale, block_b=block_b, interpret=impl == "interpret")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax import gla, gla_decode, hlo_bytes, model
+from laplace_jax import gla, gla_decode, hlo_bytes, model, platform
 from laplace_jax.config import get_config
 
 
@@ -21,14 +21,16 @@ def _inputs(B, dtype, L=3, H=4, K=48, V=96, seed=0):
   return q, k, v, g, table
 
 
-@pytest.mark.parametrize("impl", ["interpret", "xla"])
+@pytest.mark.parametrize("impl", ["interpret", "xla", "xla-neuron"])  # xla-neuron: the XLA step as on Neuron
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("B", [8, 6, 5])  # fills the 8-slot block; a 2-slot block; odd: 1-slot blocks
 def test_equals_reference_step_and_leaves_other_layers(impl, dtype, B):
   q, k, v, g, table = _inputs(B, dtype)
   layer = 1
   o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[layer])
-  o, new = gla_decode.gla_decode_layer(q, k, v, g, table, layer, impl=impl, block_b=8)
+  target = "neuron" if impl == "xla-neuron" else platform.backend()
+  with platform.lowering_for(target):
+    o, new = gla_decode.gla_decode_layer(q, k, v, g, table, layer, impl=impl.removesuffix("-neuron"), block_b=8)
   assert o.dtype == v.dtype and new.shape == table.shape
   tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: o is rounded to bf16 on the way out
   np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),
@@ -170,3 +172,23 @@ def test_kernel_under_a_multi_device_mesh_falls_back_with_one_log_line(caplog):
   o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[1])
   np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(new[1], s_ref, rtol=1e-5, atol=1e-5)
+
+
+def _decode_text(target):
+  """StableHLO of `tiny`'s decode step lowered with the choices made on `target` (a fresh function object)."""
+  cfg = get_config("tiny")
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  state = jax.eval_shape(lambda: model.init_state(cfg, 4))
+  with platform.lowering_for(target):
+    step = jax.jit(lambda p, s, t: model.decode_step(p, s, t, cfg=cfg))
+    return step.lower(params, state, jax.ShapeDtypeStruct((4,), jnp.int32)).as_text()
+
+
+def _multi_operand_reduces(text):
+  # A StableHLO reduce of n operands reads `stablehlo.reduce(%a init: %i), (%b init: %j) ...`.
+  return [line for line in text.splitlines() if "stablehlo.reduce(" in line and line.count(" init: ") > 1]
+
+
+def test_neuron_lowered_decode_has_no_variadic_reduce():
+  assert _multi_operand_reduces(_decode_text("cpu"))  # the check sees the CPU form's two-operand readout
+  assert _multi_operand_reduces(_decode_text("neuron")) == []
