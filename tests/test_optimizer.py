@@ -92,7 +92,8 @@ def _shard(tree, mesh):
   return jax.device_put(tree, sharding.param_shardings(tree, mesh))
 
 
-def test_distributed_optimizer_matches_gather_bitwise_and_one_device_closely():
+def test_distributed_optimizer_matches_gather_and_one_device_closely():
+  """Muon's all_to_all slots zero-pad matrices, which changes the matmuls' rounding (tests/test_muon.py)."""
   mesh = sharding.make_mesh(fsdp=8)
   ocfg = OptimizerConfig(total_steps=20, warmup_steps=2)
   params, grads = _params(5), [_params(6 + i) for i in range(2)]
@@ -108,8 +109,7 @@ def test_distributed_optimizer_matches_gather_bitwise_and_one_device_closely():
       p = optax.apply_updates(p, u)
       runs[dist].append(u)
   for a, b, s in zip(runs["all_to_all"], runs["gather"], single):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-    assert _close(a, s)
+    assert _close(a, b) and _close(a, s) and _close(b, s)
 
 
 @pytest.mark.parametrize("change,needle", [
