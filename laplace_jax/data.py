@@ -8,7 +8,8 @@ A prepared data directory holds:
 
 API (the trainer's side):
   make_train_iterator(data_dir, *, seq_len, global_batch_size, seed=0, process_index=None,
-                      process_count=None, split="train", prefetch=2, vocab_size=None) -> TrainIterator
+                      process_count=None, split="train", prefetch=2, vocab_size=None,
+                      contiguous=False) -> TrainIterator
       endless; next() -> {"inputs": int32 [B_local, T], "targets": int32 [B_local, T]} with
       B_local = global_batch_size // process_count. `.get_state()` / `.set_state(state)` take JSON-able
       dicts (it is a grain DatasetIterator, so grain's and Orbax's checkpoint handlers accept it);
@@ -27,6 +28,10 @@ by EOS, and cuts that into consecutive (seq_len+1)-token examples x; inputs = x[
 Process p builds only rows [p·B_local, (p+1)·B_local), so processes read disjoint documents and the global
 batch does not depend on the process count (1 process × 8 devices sees what 2 × 4 see). The iterator
 state is, per row, the index of its current document and the offset inside it.
+
+`contiguous=True` (state passing): consecutive examples of a row overlap by one token, x_n = s[nT : nT+T+1],
+so each step's inputs continue exactly where the row's previous inputs stopped (the last target of one step
+is the first input of the next) and a state carried across steps has read every token before.
 """
 from __future__ import annotations
 
@@ -132,9 +137,11 @@ def _documents(data_dir, manifest, split: str) -> grain.MapDataset:
 class _PackedRows(grain.DatasetIterator):
   """B_local rows, each packing its own document stream into (seq_len+1)-token examples."""
 
-  def __init__(self, rows: list[grain.MapDataset], seq_len: int, eos_id: int, layout: dict):
+  def __init__(self, rows: list[grain.MapDataset], seq_len: int, eos_id: int, layout: dict,
+               contiguous: bool = False):
     super().__init__()
     self._rows, self._width, self._eos, self._layout = rows, seq_len + 1, eos_id, layout
+    self._contiguous = contiguous
     self._pos = [[0, 0] for _ in rows]   # per row: [document index within the row, offset in doc+EOS]
     self._cache: list[tuple[int, np.ndarray] | None] = [None] * len(rows)
 
@@ -159,6 +166,11 @@ class _PackedRows(grain.DatasetIterator):
         pos[1] += take
         if pos[1] == len(doc):
           pos[0], pos[1] = pos[0] + 1, 0
+      if self._contiguous:  # step back one token: this example's last token starts the next one
+        if pos[1] > 0:
+          pos[1] -= 1
+        else:
+          pos[0], pos[1] = pos[0] - 1, len(self._doc(r, pos[0] - 1)) - 1
     return {"inputs": np.ascontiguousarray(x_BxW[:, :-1]),
             "targets": np.ascontiguousarray(x_BxW[:, 1:])}
 
@@ -167,7 +179,8 @@ class _PackedRows(grain.DatasetIterator):
 
   def set_state(self, state: dict[str, Any]) -> None:
     saved = state.get("layout", {})
-    diff = {k: (saved.get(k), v) for k, v in self._layout.items() if saved.get(k) != v}
+    diff = {k: (saved.get(k), self._layout.get(k)) for k in set(saved) | set(self._layout)
+            if saved.get(k) != self._layout.get(k)}
     if diff or len(state.get("rows", ())) != len(self._rows):
       raise ValueError(
           f"data iterator state does not fit this pipeline: (saved, now) differ in {diff}. Restore with "
@@ -230,9 +243,9 @@ class TrainIterator(grain.DatasetIterator):
 def make_train_iterator(data_dir, *, seq_len: int, global_batch_size: int, seed: int = 0,
                         process_index: int | None = None, process_count: int | None = None,
                         split: str = "train", prefetch: int = 2,
-                        vocab_size: int | None = None) -> TrainIterator:
+                        vocab_size: int | None = None, contiguous: bool = False) -> TrainIterator:
   """This process's endless stream of packed batches (see the module docstring); `prefetch` batches
-  are built ahead on a background thread (0: build on demand)."""
+  are built ahead on a background thread (0: build on demand); `contiguous`: rows continue across steps."""
   if seq_len <= 0:
     raise ValueError(f"seq_len={seq_len} must be a positive number of tokens")
   if not 0 <= seed < 2**32:
@@ -249,7 +262,9 @@ def make_train_iterator(data_dir, *, seq_len: int, global_batch_size: int, seed:
   rows = [stream[r::global_batch_size] for r in range(p * b_local, (p + 1) * b_local)]
   layout = {"split": split, "documents": len(docs), "seed": seed, "seq_len": seq_len,
             "global_batch_size": global_batch_size, "process_index": p, "process_count": n}
-  packed = _PackedRows(rows, seq_len, int(manifest["eos_id"]), layout)
+  if contiguous:  # a layout key only when set, so states saved before the option still restore
+    layout["contiguous"] = True
+  packed = _PackedRows(rows, seq_len, int(manifest["eos_id"]), layout, contiguous)
   return TrainIterator(_ThreadPrefetch(packed, prefetch))
 
 

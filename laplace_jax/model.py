@@ -10,6 +10,7 @@ the pattern's repeats, one compiled body holding one block per letter.
 Public, all pure functions of pytrees (`cfg` is static):
   init_params(cfg, rng) -> params            forward(params, tokens_BxT, cfg=) -> logits_BxTxV (fp32)
   init_state(cfg, batch[, max_len]) -> state decode_step(params, state, tokens_B, cfg=) -> (logits_BxV, state)
+  init_carry(cfg, batch) -> carry            forward_carry(params, tokens_BxT, carry, cfg=) -> (logits, carry)
   prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxV, state)
   prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxV, state)   host loop, one compile
 
@@ -175,7 +176,9 @@ class Block(nn.Module):
       if state is not None:
         state = dict(state, gla=table)
     else:
-      cache = None if state is None else (state["k"][mix_idx], state["v"][mix_idx], state["pos"])
+      # A training carry (init_carry) has no KV cache: attention layers then start every segment afresh.
+      cache = None if state is None or "k" not in state else (state["k"][mix_idx], state["v"][mix_idx],
+                                                               state["pos"])
       mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
       if kv is not None:
         state = dict(state, k=put(state["k"], kv[0], mix_idx), v=put(state["v"], kv[1], mix_idx))
@@ -286,15 +289,31 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
   return logits
 
 
+def init_carry(cfg: LaplaceConfig, batch_size: int) -> dict:
+  """Zero training carry for state passing: init_state's GLA states and conv windows, no attention cache
+  (attention layers carry nothing across segments)."""
+  state = {}
+  if "G" in cfg.mixers:
+    state["gla"] = jnp.zeros((cfg.n_mixer_layers("G"), batch_size, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
+  state["conv"] = jnp.zeros((cfg.n_layers, batch_size, cfg.conv_size, cfg.d_model), F32)
+  return state
+
+
+def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig):
+  """Training forward from a carried state (state passing): (logits [B, T, V] fp32, the carry after the
+  last token). `carry` is init_carry's layout; gradients do not flow into it (the segment boundary)."""
+  if jnp.ndim(tokens_BxT) != 2:
+    raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
+  _check_tokens(tokens_BxT, cfg)
+  return LaplaceLM(cfg).apply({"params": params}, tokens_BxT, jax.lax.stop_gradient(carry))
+
+
 def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> dict:
   """Zero decode state for `batch_size` sequences, layer-major, fp32: gla [L_gla,B,H,d_k,d_v] (GLA layers)
   and conv [L,B,conv,D] (every layer). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
   compute dtype and pos [B] int32 (tokens consumed): its length is fixed here, so shapes stay static."""
-  L, B = cfg.n_layers, batch_size
-  state = {}
-  if "G" in cfg.mixers:
-    state["gla"] = jnp.zeros((cfg.n_mixer_layers("G"), B, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
-  state["conv"] = jnp.zeros((L, B, cfg.conv_size, cfg.d_model), F32)
+  B = batch_size
+  state = init_carry(cfg, B)
   if "A" in cfg.mixers:
     if not isinstance(max_len, (int, np.integer)) or max_len < 1:
       raise ValueError(f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "

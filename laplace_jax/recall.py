@@ -11,10 +11,11 @@ Every other position holds a random token of the whole vocabulary. Needs seq_len
 
 Passkey (Mohtashami & Jaggi 2023), in a small word vocabulary (PASSKEY_WORDS): filler sentences repeated
 to the context length, "the pass key is d d d d d . remember it ." inserted once at a depth in [0, 1]
-of the filler, then "what is the pass key ? the pass key is" and the five digits as the answer.
+of the filler (or at a distance: that many filler tokens between it and the question), then "what is the
+pass key ? the pass key is" and the five digits as the answer.
 
   mqar_batch(seed, batch, seq_len, n_pairs, vocab_size=8192) -> batch (deterministic in its arguments)
-  passkey_example(seed, context, depth) -> (prompt ids, answer ids)
+  passkey_example(seed, context, depth=None, distance=None) -> (prompt ids, answer ids)
   passkey_batch(seed, batch, seq_len) -> batch (random depths; the answer's 5 tokens are scored)
   RecallStream(task, seq_len, global_batch, seed, ...) -> endless training iterator, resumable
   parse_task("mqar:64,4" | "passkey:1024") -> (kind, settings)
@@ -79,16 +80,29 @@ def _digits(rng) -> list[str]:
   return [str(d) for d in rng.integers(0, 10, PASSKEY_DIGITS)]
 
 
-def passkey_example(seed: int, context: int, depth: float) -> tuple[np.ndarray, np.ndarray]:
+def max_passkey_distance(context: int) -> int:
+  """The most filler tokens a prompt of `context` tokens can hold between the key sentence and the question."""
+  return context - MIN_PASSKEY_CONTEXT
+
+
+def passkey_example(seed: int, context: int, depth: float | None = None, distance: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
   """(prompt ids, answer ids [5]): a prompt of exactly `context` tokens with the key sentence at `depth`
-  (0: the start of the filler, 1: just before the question)."""
+  (0: the start of the filler, 1: just before the question) or `distance` filler tokens before the
+  question (one of the two)."""
   key = _KEY[:]
   if context < MIN_PASSKEY_CONTEXT:
     raise ValueError(f"passkey context={context}: the key sentence and the question alone take "
                      f"{MIN_PASSKEY_CONTEXT} tokens; use a context of at least that.")
-  if not 0.0 <= depth <= 1.0:
+  if (depth is None) == (distance is None):
+    raise ValueError("passkey_example: give exactly one of depth (a fraction of the filler) or distance (tokens).")
+  if depth is not None and not 0.0 <= depth <= 1.0:
     raise ValueError(f"passkey depth={depth}: expected a fraction in [0, 1] of the filler.")
-  rng = np.random.default_rng([seed, context, int(round(depth * 1000))])
+  if distance is not None and not 0 <= distance <= max_passkey_distance(context):
+    raise ValueError(f"passkey distance={distance}: a {context}-token prompt holds 0 to "
+                     f"{max_passkey_distance(context)} filler tokens after the key; use a longer context.")
+  place = int(round(depth * 1000)) if depth is not None else 10**6 + distance
+  rng = np.random.default_rng([seed, context, place])
   digits = _digits(rng)
   i = key.index("{}")
   key[i:i + 1] = digits
@@ -96,7 +110,7 @@ def passkey_example(seed: int, context: int, depth: float) -> tuple[np.ndarray, 
   key[j:j + 1] = digits
   n_fill = context - len(key) - len(_QUESTION)
   fill = [_FILLER[t % len(_FILLER)] for t in range(n_fill)]
-  at = int(round(depth * n_fill))
+  at = int(round(depth * n_fill)) if depth is not None else n_fill - distance
   words = fill[:at] + key + fill[at:] + _QUESTION
   return (np.array([PASSKEY_ID[w] for w in words], np.int32),
           np.array([PASSKEY_ID[d] for d in digits], np.int32))

@@ -1,7 +1,14 @@
 """The training step: token-weighted loss, micro-batch accumulation, skip on non-finite, AOT compile on a mesh.
 
-    state = {"params", "opt_state", "step": int32, "rng": key data uint32[2], "bad_steps": int32}
+    state = {"params", "opt_state", "step": int32, "rng": key data uint32[2], "bad_steps": int32,
+             with state passing "carry": {"gla": f32 [B, L_gla, H, K, V], "conv": f32 [B, L, conv, D]}}
     batch = {"inputs": int32 [B, T], "targets": int32 [B, T], optional "weights": f32 [B, T]}
+
+State passing (truncated BPTT): row b of every batch continues row b's token stream of the previous step,
+so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
+segment boundary) and stores the state after its last token. The carry is batch-major so that it shards,
+and splits into micro-batches, exactly as the batch's rows do; it is part of the state and so of every
+checkpoint. A non-finite step resets it to zero (its states may hold the NaN).
 
 `compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
 so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.
@@ -36,21 +43,42 @@ class StepConfig:
       raise ValueError(f"z_loss={self.z_loss!r}: expected a weight >= 0 (0 disables it).")
 
 
+def init_carry(cfg: LaplaceConfig, batch: int) -> dict:
+  """The zero carry of `batch` rows, batch-major (model.init_carry's layer-major leaves transposed)."""
+  return _swap_batch(model.init_carry(cfg, batch))
+
+
+def _swap_batch(carry):
+  """Batch-major ⇄ layer-major carry (the model's state is layer-major)."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), carry)
+
+
 def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
-  """(Σ weighted token loss incl. z-loss, {"ce": Σ ce, "z": Σ z, "tokens": Σ weights}), all fp32."""
-  logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg).astype(F32)
+  """(Σ weighted token loss incl. z-loss, {"ce": Σ ce, "z": Σ z, "tokens": Σ weights}), all fp32.
+
+  A batch with a "carry" (state passing) starts from it, and aux["carry"] is the state after the batch."""
+  carry = None
+  if "carry" in batch:
+    logits_BxTxV, carry = model.forward_carry(params, batch["inputs"], _swap_batch(batch["carry"]), cfg=cfg)
+    logits_BxTxV = logits_BxTxV.astype(F32)
+  else:
+    logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg).astype(F32)
   w_BxT = batch.get("weights", jnp.ones(batch["targets"].shape, F32)).astype(F32)
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   target_logit = jnp.take_along_axis(logits_BxTxV, batch["targets"][..., None], axis=-1)[..., 0]
   ce = jnp.sum((lse_BxT - target_logit) * w_BxT)
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
-  return ce + z_loss * z, {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
+  aux = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
+  if carry is not None:
+    aux["carry"] = jax.lax.stop_gradient(_swap_batch(carry))
+  return ce + z_loss * z, aux
 
 
-def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0):
+def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0, carry: bool = False):
   """grad_fn(params, microbatch) -> ((loss_sum, aux sums), grads) with FSDP written out: per device, the
   weights are gathered in the compute dtype where they are used (each layer's inside its remat) and the
-  gradients reduce-scattered in fp32 (laplace_jax/fsdp.py). Same results as the unsharded value_and_grad."""
+  gradients reduce-scattered in fp32 (laplace_jax/fsdp.py). Same results as the unsharded value_and_grad.
+  `carry`: the micro-batch holds a carry and aux returns the new one, per device's rows (not summed)."""
   specs = sharding.param_specs(params, mesh)
   top_shapes = param_shapes(cfg)["model"]
 
@@ -64,25 +92,32 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0)
     # biases: ≈0.02% of laplace-3b) hold this device's partial sum.
     grads = jax.tree.map(lambda g, spec: g if any(spec) else jax.lax.psum(g, sharding.BATCH_AXES), grads, specs,
                          is_leaf=lambda x: isinstance(x, P))
-    return jax.lax.psum((loss, aux), sharding.BATCH_AXES), grads
+    new_carry = aux.pop("carry", None)
+    loss, aux = jax.lax.psum((loss, aux), sharding.BATCH_AXES)
+    return (loss, aux if new_carry is None else {**aux, "carry": new_carry}), grads
 
+  aux_spec = {"ce": P(), "z": P(), "tokens": P(), "carry": P(sharding.BATCH_AXES)} if carry else P()
   # check_vma=False: the model's scans start from zero carries that the per-device type check would need
   # marked as varying; the collectives here are written out, so nothing relies on it.
   return jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(sharding.BATCH_AXES)),
-                       out_specs=(P(), specs), check_vma=False)
+                       out_specs=((P(), aux_spec), specs), check_vma=False)
 
 
 def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTransformation,
                step_cfg: StepConfig = StepConfig(), mesh: Mesh | None = None, lr_schedule=None):
   """One optimizer step over the global batch, accumulated over micro-batches; pure."""
   params = state["params"]
+  if "carry" in state:
+    batch = {**batch, "carry": state["carry"]}
   grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(p, mb, cfg=cfg, z_loss=step_cfg.z_loss), has_aux=True)
   micro = optim.split_microbatches(batch, step_cfg.micro_batches)  # [m, B/m, ...], rows interleaved
   if mesh is not None:  # each micro-batch stays spread over every device
     micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2))))), micro)
-    grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss)
+    grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry="carry" in state)
   _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
+  aux = dict(aux)
+  carry_MxR = aux.pop("carry", None)  # [m, B/m, ...]: back to [B, ...] in split_microbatches' row order
   n_tok = jnp.maximum(aux["tokens"], 1.0)
   loss = aux["ce"] / n_tok
   grad_norm = optax.tree.norm(grads)
@@ -99,6 +134,9 @@ def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTra
       "rng": state["rng"],
       "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
   }
+  if carry_MxR is not None:
+    merge = lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
+    new_state["carry"] = jax.tree.map(lambda c: jnp.where(ok, merge(c), 0.0), carry_MxR)
   metrics = {"loss": loss, "z_loss": aux["z"] / n_tok, "grad_norm": grad_norm, "tokens": aux["tokens"],
              "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
   if lr_schedule is not None:
@@ -108,34 +146,44 @@ def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTra
 
 # ---- state, shardings, compile --------------------------------------------------------------------
 
-def init_train_state(cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int) -> dict:
+def init_train_state(cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int,
+                     carry_batch: int = 0) -> dict:
+  """`carry_batch` > 0: state passing, a zero carry for that many rows (the global batch)."""
   key = jax.random.key(seed)
   params = model.init_params(cfg, key)
-  return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-          "rng": jax.random.key_data(key), "bad_steps": jnp.zeros((), jnp.int32)}
+  state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.key_data(key), "bad_steps": jnp.zeros((), jnp.int32)}
+  if carry_batch:
+    state["carry"] = init_carry(cfg, carry_batch)
+  return state
 
 
 def train_state_shardings(abstract_state, mesh: Mesh):
   """FSDP shardings for params and optimizer state (same rule, so moments sit with their params)."""
   rep = sharding.replicated(mesh)
-  return {"params": sharding.param_shardings(abstract_state["params"], mesh),
-          "opt_state": sharding.param_shardings(abstract_state["opt_state"], mesh),
-          "step": rep, "rng": rep, "bad_steps": rep}
+  shards = {"params": sharding.param_shardings(abstract_state["params"], mesh),
+            "opt_state": sharding.param_shardings(abstract_state["opt_state"], mesh),
+            "step": rep, "rng": rep, "bad_steps": rep}
+  if "carry" in abstract_state:  # sharded with the batch's rows
+    shards["carry"] = jax.tree.map(lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)),
+                                   abstract_state["carry"])
+  return shards
 
 
-def abstract_train_state(cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0):
+def abstract_train_state(cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0,
+                         carry_batch: int = 0):
   """ShapeDtypeStructs of the train state (with shardings when a mesh is given); allocates nothing."""
-  shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed))
+  shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed, carry_batch))
   if mesh is None:
     return shapes
   shards = train_state_shardings(shapes, mesh)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shards)
 
 
-def init_train_state_on_mesh(cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int) -> dict:
+def init_train_state_on_mesh(cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int, carry_batch: int = 0) -> dict:
   """Create the train state directly in its sharded layout (no full copy on one device)."""
-  shards = jax.tree.map(lambda s: s.sharding, abstract_train_state(cfg, optimizer, mesh, seed))
-  return jax.jit(lambda: init_train_state(cfg, optimizer, seed), out_shardings=shards)()
+  shards = jax.tree.map(lambda s: s.sharding, abstract_train_state(cfg, optimizer, mesh, seed, carry_batch))
+  return jax.jit(lambda: init_train_state(cfg, optimizer, seed, carry_batch), out_shardings=shards)()
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None, *, weighted: bool = False
@@ -151,16 +199,31 @@ def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None, *,
 
 def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
                        step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None,
-                       weighted: bool = False) -> Any:
+                       weighted: bool = False, state_passing: bool = False) -> Any:
   """Lower and compile the step ahead of time for these shapes and shardings; returns the executable.
 
   Raises ValueError before compiling when the batch does not split over the mesh or the micro-batches."""
+  return lower_train_step(cfg, optimizer, mesh, global_batch=global_batch, seq_len=seq_len, step_cfg=step_cfg,
+                          lr_schedule=lr_schedule, abstract_state=abstract_state, weighted=weighted,
+                          state_passing=state_passing).compile()
+
+
+def lower_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
+                     step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None,
+                     weighted: bool = False, state_passing: bool = False) -> Any:
+  """The step lowered (not compiled) from abstract shapes: `.as_text()` is its StableHLO, `.compile()` the
+  executable. Inside `platform.lowering_for(target)` it records the choices made for that target."""
   n_dev = mesh.devices.size
   if global_batch % (step_cfg.micro_batches * n_dev):
     raise ValueError(f"global batch {global_batch} must split into micro_batches={step_cfg.micro_batches} "
                      f"× {n_dev} devices (a multiple of {step_cfg.micro_batches * n_dev}); change the batch size "
                      "or the number of micro-batches.")
-  state = abstract_state if abstract_state is not None else abstract_train_state(cfg, optimizer, mesh)
+  if abstract_state is None:
+    abstract_state = abstract_train_state(cfg, optimizer, mesh, carry_batch=global_batch if state_passing else 0)
+  state = abstract_state
+  if "carry" in state and jax.tree.leaves(state["carry"])[0].shape[0] != global_batch:
+    raise ValueError(f"the state's carry holds {jax.tree.leaves(state['carry'])[0].shape[0]} rows but the "
+                     f"global batch has {global_batch}: state passing carries one state per row.")
   batch = abstract_batch(global_batch, seq_len, mesh, weighted=weighted)
   state_sh = jax.tree.map(lambda s: s.sharding, state)
   batch_sh = jax.tree.map(lambda s: s.sharding, batch)
@@ -172,4 +235,4 @@ def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batc
   jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
   with jax.set_mesh(mesh):  # lets the model pin its activations' batch sharding
-    return jitted.lower(state, batch).compile()
+    return jitted.lower(state, batch)

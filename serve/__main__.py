@@ -32,7 +32,8 @@ def parse_args(argv=None):
   e.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
   e.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
   e.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
-  e.add_argument("--mesh-devices", type=int, default=1, help="devices that split the slots (1: no mesh)")
+  e.add_argument("--mesh-devices", type=int, help="devices that split the slots (default 1: no mesh; with "
+                 "--target, 64: a trn2.48xlarge)")
   c = p.add_argument_group("state cache")
   c.add_argument("--state-cache-gb", type=float, default=4.0,
                  help="host memory for cached sequence states (prefix reuse, resumed conversations); 0: off")
@@ -40,6 +41,11 @@ def parse_args(argv=None):
                  "(one directory per model)")
   c.add_argument("--state-snapshot-every", type=int, default=8,
                  help="long prompts leave a cached state every this many 128-token chunks")
+  t = p.add_argument_group("lowering for another platform (no weights needed, nothing is served)")
+  t.add_argument("--target", choices=["neuron"], help="lower (never compile) every program the engine compiles "
+                 "from abstract shapes with the choices made on this platform (neuron: Trainium) on simulated "
+                 "CPU devices, print the conformance report (laplace_jax.neuron_check), exit 1 on a violation")
+  t.add_argument("--hlo-dir", help="with --target: write each program's StableHLO to DIR/<program>.mlir")
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000)
@@ -50,9 +56,38 @@ def parse_args(argv=None):
     p.error(f"--state-cache-gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
   if args.state_cache_dir and args.state_cache_gb == 0:
     p.error("--state-cache-dir needs a state cache: pass --state-cache-gb > 0")
-  if not args.checkpoint and not args.random_init:
+  if args.hlo_dir and not args.target:
+    p.error("--hlo-dir needs --target neuron (it is where the lowered programs go)")
+  if args.mesh_devices is None:
+    args.mesh_devices = 64 if args.target else 1
+  if not args.checkpoint and not args.random_init and not args.target:
     p.error("no weights: pass --checkpoint PATH (an export_params directory) or --random-init")
   return args
+
+
+def lower_target(args) -> int:
+  """--target: lower and check the engine's programs on simulated CPU devices; 1 on any violation."""
+  import inspect
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", args.mesh_devices)
+  from laplace_jax import neuron_check, tokenizer
+  from serve import lowering
+  from serve.engine import Engine
+  cfg = get_config(args.preset)
+  n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
+  from serve import loading
+  mesh = loading.make_serving_mesh(args.mesh_devices)
+  t = time.perf_counter()
+  texts = lowering.lower_for_target(
+      cfg, target=args.target, n_slots=n_slots, prefill_batch=args.prefill_batch,
+      n_stop=inspect.signature(Engine.__init__).parameters["max_stop_ids"].default,
+      valid_vocab=tokenizer.VOCAB_SIZE, mesh=mesh, params_dtype=args.params_dtype)
+  lower_s = time.perf_counter() - t
+  reports, text = neuron_check.check_programs(texts, args.hlo_dir)
+  print(f"{len(texts)} programs of {args.preset} ({n_slots} slots, {args.mesh_devices} devices) lowered for "
+        f"{args.target} in {lower_s:.1f} s (not compiled)\n{text}")
+  return 1 if any(r.violations for r in reports.values()) else 0
 
 
 def build(args):
@@ -100,6 +135,11 @@ async def serve_forever(server, host, port):
 def main(argv=None):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
+  if args.target:
+    try:
+      raise SystemExit(lower_target(args))
+    except ValueError as e:
+      raise SystemExit(f"python -m serve: error: {e}") from None
   try:
     server = build(args)
   except ValueError as e:  # a bad flag found while building (a foreign --state-cache-dir, a mesh too big)

@@ -237,3 +237,23 @@ def test_bad_arguments_and_directories(corpus, tmp_path):
   write_token_dataset(empty, [(np.arange(5), "train")], sources=[])
   with pytest.raises(ValueError, match="no documents.*--val-fraction"):
     data.make_eval_batches(empty, seq_len=4, global_batch_size=1, process_index=0, process_count=1)
+
+
+def test_contiguous_rows_continue_across_steps(corpus):
+  """State passing's stream: each row's inputs over consecutive steps are its packed stream, no token
+  skipped (the numpy reference), each step's last target is the next step's first input; resumable."""
+  path, train_docs, _ = corpus
+  steps, T = 60, 16
+  with _train(path, contiguous=True) as it:
+    got = _take(it, steps)
+  ref = _reference_rows(train_docs, seed=3, batch=4, seq_len=steps * T, rows=range(4), steps=1)[0]
+  np.testing.assert_array_equal(np.concatenate([b["inputs"] for b in got], axis=1), ref[:, :-1])
+  np.testing.assert_array_equal(np.concatenate([b["targets"] for b in got], axis=1), ref[:, 1:])
+  with _train(path, contiguous=True) as it:
+    _take(it, 23)
+    state = json.loads(json.dumps(it.get_state()))
+  with _train(path, contiguous=True) as resumed:
+    resumed.set_state(state)
+    np.testing.assert_array_equal(next(resumed)["inputs"], got[23]["inputs"])
+  with _train(path) as packed, pytest.raises(ValueError, match="contiguous"):
+    packed.set_state(state)

@@ -63,6 +63,22 @@ def test_passkey_prompt_length_depth_and_answer():
   np.testing.assert_array_equal(p1, p2)
 
 
+def test_passkey_at_a_distance_from_the_question():
+  ctx = 300
+  for distance in (0, 64, recall.max_passkey_distance(ctx)):
+    prompt, answer = recall.passkey_example(5, ctx, distance=distance)
+    words = [recall.PASSKEY_WORDS[i] for i in prompt]
+    question = ctx - 10                                  # "what is the pass key ? the pass key is"
+    assert words[question] == "what" and len(prompt) == ctx
+    r = words.index("remember")                          # "remember it . d d d d d is the pass key ."
+    key_end = r + 13
+    assert words[key_end - 4:key_end] == ["the", "pass", "key", "."] and question - key_end == distance
+    assert words[r + 3:r + 8] == [recall.PASSKEY_WORDS[i] for i in answer]
+  for bad in (dict(distance=ctx), dict(), dict(depth=0.5, distance=3)):
+    with pytest.raises(ValueError, match="distance|one of"):
+      recall.passkey_example(5, ctx, **bad)
+
+
 def test_passkey_batch_scores_exactly_the_answer():
   b = recall.passkey_batch(0, 4, 128)
   for r in range(4):

@@ -50,6 +50,18 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path):
   assert recall_prog.main(["--grid", "quick", "-o", str(out), "--no-progress"]) == 2  # another grid's results
 
 
+def test_passkey_with_state_passing_scored_by_distance(tmp_path):
+  out = tmp_path / "sp"
+  assert recall_prog.main(["--grid", "smoke", "--sections", "passkey", "--patterns", "G", "--set",
+                           "state_passing=true", "-o", str(out), "--no-progress"]) == 0
+  (cell,) = json.loads((out / "results.json").read_text())["cells"]
+  assert cell["key"].endswith("|sp") and cell["state_passing"]
+  assert {d: 0 <= a <= 1 for d, a in cell["passkey_distance"]["64"].items()} == {"8": True, "16": True}
+  assert (out / "passkey_distance.png").exists()
+  with pytest.raises(ValueError, match="state_passing takes bool"):
+    recall_prog.with_overrides(recall_prog.GRIDS["smoke"], ["state_passing=maybe"])
+
+
 def test_seeds_multiply_the_cells_and_keep_seed_0_keys(tmp_path):
   grid = recall_prog.GRIDS["smoke"]
   one = recall_prog.cells_of(grid, ["mqar"])

