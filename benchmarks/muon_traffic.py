@@ -62,7 +62,7 @@ def measure(cfg, mesh, distribution):
           "sent": sum(k["sent_bytes"] for k in kinds.values()),
           "received": sum(k["received_bytes"] for k in kinds.values()),
           "temp_bytes": getattr(mem, "temp_size_in_bytes", float("nan")),
-          "flops_max": flops["max"], "flops_mean": flops["mean"]}
+          "flops_max": flops["max"], "flops_mean": flops["mean"], "padding": flops["padding_overhead"]}
 
 
 def main():
@@ -89,10 +89,16 @@ def main():
   ratio = (gather["sent"] + gather["received"]) / (a2a["sent"] + a2a["received"])
   ideal_chunk = muon_bytes / n / n
   print(f"\ngather / all_to_all traffic: {ratio:.1f}×  (N/2 = {n / 2:.0f}× if every owner held exactly 1/N "
-        f"of the matrices; this plan's busiest owner holds {plan.chunk * 4 / ideal_chunk:.3f}× that share, so "
+        f"of the matrices; this plan's per-peer chunk is {plan.chunk * 4 / ideal_chunk:.3f}× that share, so "
         f"{n / 2 / (plan.chunk * 4 / ideal_chunk):.1f}× is this plan's bound)")
-  print(f"Newton–Schulz balance (all_to_all): max/mean FLOPs per device = "
-        f"{a2a['flops_max'] / a2a['flops_mean']:.3f}")
+  slots = ", ".join(f"[{S}, {L}]" for S, L in plan.slots)
+  padded = sum(plan.mats[i].wide_shape != slot for slot, row in zip(plan.slots, plan.slot_mats)
+               for i in row if i >= 0)
+  empty = sum(i < 0 for row in plan.slot_mats for i in row)
+  print(f"Slots on every device: {slots}; {padded} of {len(plan.mats)} matrices zero-padded, {empty} slots empty")
+  print(f"Newton–Schulz balance (all_to_all): busiest device / even split = "
+        f"{a2a['flops_max'] / a2a['flops_mean']:.3f}; slot padding FLOP overhead (FLOPs run on all devices / "
+        f"the matrices' own − 1) = {a2a['padding']:.1%}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ reduce-scatters it over "fsdp" and sums the shard over "data". Per device, a mic
 moves 2 gathers of 2·P bytes and one reduce-scatter of 4·P bytes, each ·(N−1)/N sent and as much received:
 the floor of this design (docs/BENCHMARKS.md).
 
-XLA:CPU turns a 2-byte all-gather into a 4-byte one (it converts bf16 collectives to f32); gathering the
-bits as unsigned integers of the same width keeps the wire at 2 bytes on every backend.
+XLA:CPU turns a 2-byte all-gather into a 4-byte one (it converts bf16 collectives to f32), so on the CPU
+the bits travel as unsigned integers of the same width, keeping the wire at 2 bytes. Every other platform
+(read from laplace_jax.platform.backend(), so `lowering_for("neuron")` chooses as on Trainium) gathers the
+compute dtype directly: Trn2 has no uint16, and collectives there take f32/bf16 operands.
 """
 from __future__ import annotations
 
@@ -18,15 +20,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from laplace_jax import platform
 from laplace_jax.sharding import DATA, FSDP
 
 _BITS = {2: jnp.uint16, 4: jnp.uint32}
 
 
 def _all_gather_bits(x, dim: int):
-  """all_gather over "fsdp" along `dim` (tiled), moving x's bits as same-width unsigned integers."""
+  """all_gather over "fsdp" along `dim` (tiled); on the CPU x's bits move as same-width unsigned integers."""
   as_int = _BITS.get(x.dtype.itemsize)
-  if as_int is None:
+  if as_int is None or platform.backend() != "cpu":
     return jax.lax.all_gather(x, FSDP, axis=dim, tiled=True)
   bits = jax.lax.bitcast_convert_type(x, as_int)
   return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, FSDP, axis=dim, tiled=True), x.dtype)

@@ -9,19 +9,20 @@ scale = √max(1, fan_out/fan_in) ("reference") or 0.2·√max(fan_in, fan_out) 
 Distribution (mesh given, matrices FSDP-sharded as laplace_jax.sharding.matrix_spec says): inside one
 shard_map, every device packs its shards of the matrices that device p owns into row p of an [N, C]
 buffer; an all_to_all hands each owner whole matrices; the owner runs Newton–Schulz on them; a second
-all_to_all returns the shards. Matrices are assigned to owners longest-processing-time first on their
-Newton–Schulz FLOPs, and C (the per-pair chunk) is padded to the busiest owner's share, which is what
-"pad the count to a multiple of the device count" becomes when owners hold different shapes. A device
-runs only its own matrices (a lax.switch on its fsdp index). With fan_in shards (the sharding rule's first
-choice) the result is bit-identical to one device: the stages are fenced so XLA fuses them alike on both
-(optimization barriers, per-matrix lax.map, no transpose next to the norm; the tests fail without
-each). The "gather" variant (all_gather every matrix, orthogonalise all, keep the own shard)
-exists to measure the traffic this saves.
+all_to_all returns the shards. The program is the same on every device (an SPMD target such as Neuron runs
+one program everywhere, and has no lax.switch/cond): every device runs the same fixed-shape slots, slot k
+a [S_k, L_k] matrix. Matrices, largest first, fill slot 0 on every device, then slot 1, ...; each is
+turned wide and zero-padded to its slot's shape, which leaves its Newton–Schulz iterate unchanged (padded
+with zeros; tests/test_muon.py). The only per-device choice left, whether a slot's matrix arrives as row
+or column shards, is an elementwise select. C is the slots' total size over N. A matrix that fills its
+slot as row shards gives bit-identical results to one device: the stages are fenced so XLA fuses them
+alike on both (optimization barriers, per-matrix lax.map); padded ones, or ones turned wide by their
+sender, are equal to rounding. The "gather" variant (all_gather every matrix, orthogonalise all, keep the
+own shard) exists to measure the traffic this saves.
 """
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -31,6 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from laplace_jax.adamw import bias_correction
 from laplace_jax.sharding import FSDP, matrix_shard_dim, matrix_spec
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -90,7 +92,7 @@ def _ns_stack(x: jax.Array, ns: Callable) -> jax.Array:
   return jax.lax.map(ns, flat).reshape(x.shape)
 
 
-# ---- ownership plan --------------------------------------------------------------------------------
+# ---- ownership plan: the same fixed-shape slots on every device -------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class _Mat:
@@ -100,120 +102,174 @@ class _Mat:
   shard_dim: int  # 0: rows over fsdp, 1: columns over fsdp
   shard_size: int  # elements of one device's shard
 
+  @property
+  def tall(self) -> bool:  # Newton–Schulz iterates on the transpose; the sender transposes its shard
+    return self.shape[0] > self.shape[1]
+
+  @property
+  def wide_shape(self) -> tuple[int, int]:
+    return self.shape[::-1] if self.tall else self.shape
+
+  @property
+  def wide_shard_dim(self) -> int:  # the sharded dim once the matrix is turned wide
+    return self.shard_dim ^ int(self.tall)
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Static assignment of whole matrices to owner devices for the two all_to_alls."""
+  """Static assignment of whole matrices to (slot, owner device) for the two all_to_alls.
+
+  Every device runs the same slots: slot k is a [S_k, L_k] matrix (wide orientation) on every device, and
+  device p's slot k holds matrix slot_mats[k][p] zero-padded to that shape (-1: an all-zero slot)."""
   n_devices: int
   mats: tuple[_Mat, ...]
-  owned: tuple[tuple[int, ...], ...]  # per device: indices into mats, in mats order
-  chunk: int                          # elements each device sends to each peer (padded)
-  signatures: tuple[tuple, ...]  # distinct ((m, n), shard_dim) lists owned; one switch branch each
-  branch_of_device: tuple[int, ...]
+  slots: tuple[tuple[int, int], ...]      # per slot: its [S, L] shape, the same on every device
+  slot_mats: tuple[tuple[int, ...], ...]  # [slot][device]: index into mats, or -1 for an empty slot
+  chunk: int                              # elements each device sends to each peer: Σ_k S_k·L_k/N
+
+  @property
+  def owned(self) -> tuple[tuple[int, ...], ...]:
+    """Per device: the indices of the matrices it orthogonalises, ascending."""
+    return tuple(tuple(sorted(s[p] for s in self.slot_mats if s[p] >= 0)) for p in range(self.n_devices))
+
+  def col_assembled(self, k: int) -> tuple[bool, ...]:
+    """Per device: whether its slot-k matrix arrives as column shards (else row shards)."""
+    return tuple(i >= 0 and self.mats[i].wide_shard_dim == 1 for i in self.slot_mats[k])
 
 
-def assign_owners(costs: Sequence[float], n_devices: int) -> list[list[int]]:
-  """Longest-processing-time-first: each item, largest first, to the least-loaded device (lowest id)."""
-  heap = [(0.0, d) for d in range(n_devices)]
-  owned = [[] for _ in range(n_devices)]
-  for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-    load, d = heapq.heappop(heap)
-    owned[d].append(i)
-    heapq.heappush(heap, (load + costs[i], d))
-  return [sorted(o) for o in owned]
+def _round_up(x: int, n: int) -> int:
+  return -(-x // n) * n
 
 
 def make_plan(shapes: Sequence[Sequence[int]], n_devices: int, ns_steps: int = 5) -> Plan:
-  """Plan for Muon leaves of these global shapes ([..., fan_in, fan_out]) over n FSDP devices."""
-  mats = []
+  """Plan for Muon leaves of these global shapes ([..., fan_in, fan_out]) over n FSDP devices.
+
+  Matrices sorted largest first (elements, then wide shape) are cut into tiers of n; tier k becomes slot k,
+  shaped to hold every matrix in it (each side the tier's largest, rounded up to a multiple of n along a
+  side some member is sharded on). `ns_steps` is accepted for the callers' symmetry; slots need no costs."""
+  del ns_steps
+  N, mats = n_devices, []
   for leaf, shape in enumerate(shapes):
-    dim = matrix_shard_dim(shape, n_devices, f"Muon leaf {leaf}")
+    dim = matrix_shard_dim(shape, N, f"Muon leaf {leaf}")
     sd = 0 if dim is None else dim - (len(shape) - 2)
     m, n = shape[-2:]
     for index in range(math.prod(shape[:-2])):
-      mats.append(_Mat(leaf, index, (m, n), sd, m * n // n_devices))
-  owned = assign_owners([ns_flops(m.shape, ns_steps) for m in mats], n_devices)
-  chunk = max((sum(mats[i].shard_size for i in o) for o in owned), default=0)
-  sigs, branch = [], []
-  for o in owned:
-    sig = tuple((mats[i].shape, mats[i].shard_dim) for i in o)
-    if sig not in sigs:
-      sigs.append(sig)
-    branch.append(sigs.index(sig))
-  return Plan(n_devices, tuple(mats), tuple(tuple(o) for o in owned), chunk, tuple(sigs), tuple(branch))
+      mats.append(_Mat(leaf, index, (m, n), sd, m * n // N))
+  order = sorted(range(len(mats)), key=lambda i: (-math.prod(mats[i].shape), tuple(-d for d in mats[i].wide_shape), i))
+  slots, slot_mats = [], []
+  for start in range(0, len(order), N):
+    tier = order[start:start + N]
+    S = max(mats[i].wide_shape[0] for i in tier)
+    L = max(mats[i].wide_shape[1] for i in tier)
+    if any(mats[i].wide_shard_dim == 0 for i in tier):
+      S = _round_up(S, N)
+    if any(mats[i].wide_shard_dim == 1 for i in tier):
+      L = _round_up(L, N)
+    slots.append((S, L))
+    slot_mats.append(tuple(tier) + (-1,) * (N - len(tier)))
+  chunk = sum(S * L // N for S, L in slots)
+  return Plan(N, tuple(mats), tuple(slots), tuple(slot_mats), chunk)
 
 
 def ns_flops_per_device(shapes: Sequence[Sequence[int]], n_devices: int, *, ns_steps: int = 5,
                         distribution: str = "all_to_all") -> dict[str, Any]:
-  """Newton–Schulz FLOPs each device runs per step (padding runs nothing): per_device, max, mean, max/mean."""
+  """Newton–Schulz FLOPs each device runs per step, zero padding included: per_device, max, mean (the even
+  split of the matrices' own FLOPs), max/mean, total (the matrices' own) and padding_overhead (the FLOPs
+  run on all devices over total, minus 1)."""
   plan = make_plan(shapes, n_devices, ns_steps)
   total = sum(ns_flops(m.shape, ns_steps) for m in plan.mats)
   if distribution == "gather":
     per = [total] * n_devices
   else:
-    per = [sum(ns_flops(plan.mats[i].shape, ns_steps) for i in o) for o in plan.owned]
+    per = [sum(ns_flops(s, ns_steps) for s in plan.slots)] * n_devices
   mean = total / n_devices
+  run = per[0] if distribution == "gather" else sum(per)
   return {"per_device": per, "max": max(per), "mean": mean, "max_over_mean": max(per) / mean,
-          "total": total}
+          "total": total, "padding_overhead": run / total - 1 if distribution != "gather" else 0.0}
 
 
-# ---- packing whole matrices to and from the [N, C] all_to_all buffers --------------------------------
+# ---- packing padded shards to and from the [N, C] all_to_all buffers ----------------------------------
+# A device's shard of a matrix, turned wide ([s, l]) and split on its wide_shard_dim, is zero-padded to
+# the slot's shard shape ([S/N, L] for row shards, [S, L/N] for column shards). The owner stacks the N
+# padded shards into an [S, L] matrix: the matrix padded with zeros, its rows (or columns) permuted so that
+# each device's zeros follow its own rows. Newton–Schulz commutes with permutations and keeps zero rows and
+# columns zero, so the owner's result holds the matrix's own iterate at the same places (test_muon).
 
-def _assemble(rows_NxS: jax.Array, shape: tuple[int, int], shard_dim: int) -> jax.Array:
-  """N shards (row j from device j) -> the whole [m, n] matrix."""
-  (m, n), N = shape, rows_NxS.shape[0]
-  if shard_dim == 0:
-    return rows_NxS.reshape(m, n)
-  return rows_NxS.reshape(N, m, n // N).transpose(1, 0, 2).reshape(m, n)
-
-
-def _split(x_MxN: jax.Array, shard_dim: int, N: int) -> jax.Array:
-  """The whole [m, n] matrix -> N flattened shards [N, m·n/N] (inverse of _assemble)."""
-  m, n = x_MxN.shape
-  if shard_dim == 0:
-    return x_MxN.reshape(N, m * n // N)
-  return x_MxN.reshape(m, N, n // N).transpose(1, 0, 2).reshape(N, m * n // N)
+def _slot_piece(x_loc: jax.Array, mat: _Mat, slot: tuple[int, int], N: int) -> jax.Array:
+  """This device's shard of `mat` ([m_loc, n_loc]) -> its flat padded piece of the slot, S·L/N values."""
+  S, L = slot
+  x = x_loc.T if mat.tall else x_loc
+  rows, cols = (S // N, L) if mat.wide_shard_dim == 0 else (S, L // N)
+  return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1]))).reshape(-1)
 
 
-def _pad_cols(x_NxK: jax.Array, width: int) -> jax.Array:
-  return jnp.pad(x_NxK, ((0, 0), (0, width - x_NxK.shape[1])))
+def _from_slot_piece(piece: jax.Array, mat: _Mat, slot: tuple[int, int], N: int) -> jax.Array:
+  """Inverse of _slot_piece: the flat padded piece -> this device's shard of `mat` ([m_loc, n_loc])."""
+  (S, L), (s, l) = slot, mat.wide_shape
+  if mat.wide_shard_dim == 0:
+    x = piece.reshape(S // N, L)[:s // N, :l]
+  else:
+    x = piece.reshape(S, L // N)[:s, :l // N]
+  return x.T if mat.tall else x
 
 
 def _pack_for_owners(locals_: Sequence[jax.Array], plan: Plan) -> jax.Array:
-  """Send buffer [N, C]: row p holds this device's shards of the matrices device p owns."""
-  flat = [x.reshape(-1, x.shape[-2] * x.shape[-1]) for x in locals_]  # [K_leaf, shard elements]
+  """Send buffer [N, C]: row p holds this device's padded pieces of p's slots, slot after slot."""
+  N = plan.n_devices
+  flat = [x.reshape((-1,) + x.shape[-2:]) for x in locals_]  # [K_leaf, m_loc, n_loc]
   rows = []
-  for o in plan.owned:
-    parts = [flat[plan.mats[i].leaf][plan.mats[i].index] for i in o]
-    row = jnp.concatenate(parts) if parts else jnp.zeros((0,), flat[0].dtype)
-    rows.append(jnp.pad(row, (0, plan.chunk - row.shape[0])))
+  for p in range(N):
+    parts = []
+    for k, slot in enumerate(plan.slots):
+      i = plan.slot_mats[k][p]
+      if i < 0:
+        parts.append(jnp.zeros((slot[0] * slot[1] // N,), flat[0].dtype))
+      else:
+        mat = plan.mats[i]
+        parts.append(_slot_piece(flat[mat.leaf][mat.index], mat, slot, N))
+    rows.append(jnp.concatenate(parts))
   return jnp.stack(rows)
 
 
-def _owner_branch(sig, ns: Callable, chunk: int) -> Callable:
-  """Owner's work for one signature: whole matrices from the [N, C] buffer, NS each, back to shards."""
-  def run(recv_NxC):
-    N, outs, off = recv_NxC.shape[0], [], 0
-    for shape, shard_dim in sig:
-      size = shape[0] * shape[1] // N
-      whole = _assemble(recv_NxC[:, off:off + size], shape, shard_dim)
-      outs.append(_split(ns(whole), shard_dim, N))
-      off += size
-    if not outs:
-      return jnp.zeros_like(recv_NxC)
-    return _pad_cols(jnp.concatenate(outs, axis=1), chunk)
-  return run
+def _select_by_device(table: Sequence[bool], if_true: Callable, if_false: Callable) -> jax.Array:
+  """if_true() where table[this device's fsdp index], else if_false(): static when the table is uniform,
+  otherwise both are built and selected elementwise (one program on every device, no lax.switch)."""
+  if all(table):
+    return if_true()
+  if not any(table):
+    return if_false()
+  me = jax.lax.axis_index(FSDP)
+  flag = jax.lax.dynamic_index_in_dim(jnp.asarray(np.asarray(table, np.bool_)), me, keepdims=False)
+  return jnp.where(flag, if_true(), if_false())
+
+
+def _run_slots(recv_NxC: jax.Array, plan: Plan, ns: Callable) -> jax.Array:
+  """Owner's work, the same on every device: each slot's N pieces -> [S, L], Newton–Schulz, -> N pieces."""
+  N, outs, off = plan.n_devices, [], 0
+  for k, (S, L) in enumerate(plan.slots):
+    seg = recv_NxC[:, off:off + S * L // N]
+    col = plan.col_assembled(k)
+    whole = _select_by_device(col, lambda: seg.reshape(N, S, L // N).transpose(1, 0, 2).reshape(S, L),
+                              lambda: seg.reshape(S, L))
+    y = ns(whole)
+    outs.append(_select_by_device(col, lambda: y.reshape(S, N, L // N).transpose(1, 0, 2).reshape(N, -1),
+                                  lambda: y.reshape(N, -1)))
+    off += S * L // N
+  return jnp.concatenate(outs, axis=1)
 
 
 def _unpack_from_owners(back_NxC: jax.Array, locals_: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
-  """Row p of the returned buffer holds this device's shards of p's orthogonalised matrices."""
+  """Row p of the returned buffer holds this device's padded pieces of p's orthogonalised slots."""
+  N = plan.n_devices
   pieces = [[None] * (x.size // (x.shape[-2] * x.shape[-1])) for x in locals_]
-  for p, o in enumerate(plan.owned):
+  for p in range(N):
     off = 0
-    for i in o:
-      mat = plan.mats[i]
-      pieces[mat.leaf][mat.index] = back_NxC[p, off:off + mat.shard_size]
-      off += mat.shard_size
+    for k, slot in enumerate(plan.slots):
+      size, i = slot[0] * slot[1] // N, plan.slot_mats[k][p]
+      if i >= 0:
+        mat = plan.mats[i]
+        pieces[mat.leaf][mat.index] = _from_slot_piece(back_NxC[p, off:off + size], mat, slot, N)
+      off += size
   return [jnp.stack(ps).reshape(x.shape) for ps, x in zip(pieces, locals_)]
 
 
@@ -222,15 +278,11 @@ def _unpack_from_owners(back_NxC: jax.Array, locals_: Sequence[jax.Array], plan:
 def _orthogonalize_all_to_all(leaves, mesh: Mesh, ns: Callable, ns_steps: int):
   plan = make_plan([x.shape for x in leaves], mesh.shape[FSDP], ns_steps)
   specs = tuple(matrix_spec(x.shape, mesh) for x in leaves)
-  branches = [_owner_branch(sig, ns, plan.chunk) for sig in plan.signatures]
-  branch_of_device = np.asarray(plan.branch_of_device, np.int32)
 
   def local(*xs):
     send_NxC = _pack_for_owners(xs, plan)
     recv_NxC = jax.lax.all_to_all(send_NxC, FSDP, 0, 0)
-    me = jax.lax.axis_index(FSDP)
-    done_NxC = jax.lax.switch(jnp.asarray(branch_of_device)[me], branches, recv_NxC)
-    back_NxC = jax.lax.all_to_all(done_NxC, FSDP, 0, 0)
+    back_NxC = jax.lax.all_to_all(_run_slots(recv_NxC, plan, ns), FSDP, 0, 0)
     return tuple(_unpack_from_owners(back_NxC, xs, plan))
 
   return list(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs)(*leaves))
@@ -339,11 +391,11 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
     count = optax.safe_int32_increment(state.count)
     mu = jax.tree.map(lambda g, m: (1 - beta) * g + beta * m, updates, mu_prev)
     if nesterov:  # optax.contrib.muon's form: both terms bias-corrected
-      c_mu, c_g = 1 - beta ** (count + 1), 1 - beta ** count
+      c_mu, c_g = bias_correction(beta, count + 1), bias_correction(beta, count)  # no runtime power
       mu_hat = jax.tree.map(
           lambda m, g: beta * (m / c_mu.astype(m.dtype)) + (1 - beta) * (g / c_g.astype(g.dtype)), mu, updates)
     else:
-      c_mu = 1 - beta ** count
+      c_mu = bias_correction(beta, count)
       mu_hat = jax.tree.map(lambda m: m / c_mu.astype(m.dtype), mu)
     mu, mu_hat = barrier((mu, mu_hat))
     ortho = orthogonalize(mu_hat, mesh=mesh, distribution=distribution, ns_steps=ns_steps,

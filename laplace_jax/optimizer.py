@@ -6,7 +6,7 @@ steps), linear warm-up to the peak (peak·(t+1)/warm-up) then cosine decay to 10
 shape scaling) peaks at 0.02 with no weight decay, as in the public Muon recipes; AdamW peaks at 3e-4
 with β = (0.9, 0.95), eps 1e-8 and decoupled weight decay 0.1 on the embedding and LM head only (norm
 scales, conv, aug_balance are not decayed). Gradients are clipped to a global norm of 1.0 before either
-optimizer sees them.
+optimizer sees them. AdamW is laplace_jax.adamw's (optax's, with bias corrections free of runtime `power`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from laplace_jax.adamw import adamw
 from laplace_jax.muon import DISTRIBUTIONS, SCALE_MODES, muon
 from laplace_jax.sharding import is_muon_leaf, path_names
 
@@ -120,7 +121,7 @@ def make_optimizer(ocfg: OptimizerConfig = OptimizerConfig(), *, mesh: Mesh | No
                  ns_steps=ocfg.muon_ns_steps, weight_decay=ocfg.muon_weight_decay,
                  scale_mode=ocfg.muon_scale_mode, mesh=mesh, distribution=ocfg.muon_distribution,
                  ns_dtype=None if ocfg.muon_ns_dtype == "float32" else jnp.bfloat16)
-  adamw_tx = optax.adamw(lr_schedule(ocfg.adamw_lr, ocfg), b1=ocfg.adamw_b1, b2=ocfg.adamw_b2,
+  adamw_tx = adamw(lr_schedule(ocfg.adamw_lr, ocfg), b1=ocfg.adamw_b1, b2=ocfg.adamw_b2,
                          eps=ocfg.adamw_eps, weight_decay=ocfg.adamw_weight_decay, mask=_adamw_decay_mask)
   parts = optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)
   return optax.chain(optax.clip_by_global_norm(ocfg.clip_norm), parts) if ocfg.clip_norm else parts

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from laplace_jax import fsdp, hlo_traffic, sharding, train_step as ts
+from laplace_jax import fsdp, hlo_traffic, platform, sharding, train_step as ts
 from laplace_jax.config import get_config, param_counts
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
 
@@ -68,3 +68,19 @@ def test_sharded_step_traffic_is_bf16_gathers_and_fp32_reduce_scatters_at_the_fl
   assert all_reduce < 0.01 * total  # scalars and the small replicated leaves only
   assert hlo_traffic.total_bytes(reductions) >= 0.99 * micro * 2 * 4 * P_ * (n - 1) / n
   assert total <= 1.2 * floor, (total, floor)
+
+
+def test_neuron_lowered_step_gathers_bf16_directly_and_cpu_gathers_bits():
+  """On the CPU the bf16 weights travel as u16 bits (XLA:CPU widens bf16 collectives); lowered for Neuron
+  (no uint16 on Trn2) the same step all-gathers bf16 itself."""
+  cfg = get_config("tiny", compute_dtype="bfloat16", remat=True)
+  mesh = sharding.make_mesh(data=1, fsdp=8)
+  opt = make_optimizer(OptimizerConfig(total_steps=10, warmup_steps=1), mesh=mesh)
+  lower = lambda: ts.lower_train_step(cfg, opt, mesh, global_batch=8, seq_len=64).as_text()
+  gathers = lambda text: [l for l in text.splitlines() if "all_gather" in l]
+  cpu = gathers(lower())
+  with platform.lowering_for("neuron"):
+    neuron = gathers(lower())
+  assert any("ui16" in l for l in cpu)  # the control: the CPU path is the bit trick
+  assert neuron and any("bf16" in l for l in neuron)
+  assert not any("ui16" in l or "i16" in l for l in neuron), [l for l in neuron if "i16" in l][:2]
