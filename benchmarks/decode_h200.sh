@@ -16,6 +16,6 @@ timeout 150 python3 benchmarks/gla_decode_speed.py --preset laplace-3b --slots 1
 timeout 120 python3 benchmarks/decode_bytes.py --preset laplace-3b --slots 1280 \
   --json "$OUT/h200_decode_bytes.json" 2>&1 | tee "$OUT/h200_decode_bytes.txt"
 # 3. Engine tokens/s against the bare decode step and the state read+write floor (goal: >= 45,000 at 1,280).
-timeout 330 python3 -m serve.bench --sections overhead --throughput-preset laplace-3b \
+timeout 330 python3 benchmarks/serve_bench.py --sections overhead --throughput-preset laplace-3b \
   --concurrency 64,256,1280 --prompt-tokens 16 --steps 10 --overhead-rounds 3 \
   --json "$OUT/h200_overhead.json" 2>&1 | tee "$OUT/h200_overhead.txt"

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from laplace_jax.config import get_config
-from serve.bench import LaplaceStep, laplace_params
+from serve_bench import LaplaceStep
+from serve_bench_common import laplace_params
 from serve.engine import Engine, Request
 
 

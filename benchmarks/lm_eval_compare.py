@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from laplace_jax import get_config, model
+from laplace_jax import model
 from laplace_jax import tokenizer as gpt2
 from serve import loading
 
@@ -35,8 +35,7 @@ def main():
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--tol", type=float, default=1e-3)
   a = p.parse_args()
-  cfg = get_config(a.preset)
-  params = loading.load_params(cfg, checkpoint=None, seed=a.seed)
+  params, cfg = loading.load_model(preset=a.preset, seed=a.seed)
   encode = loading.gpt2_tokenizer().encode
   worst, n = 0.0, 0
   with open(a.samples) as f:

@@ -345,6 +345,44 @@ def load_params(path, abstract_params=None, *, shardings=None, config=None):
                                  f"({type(e).__name__}: {e}). Export the params again.") from e
 
 
+def export_config(path, *, preset: str | None = None):
+  """The model config saved with an export of `python -m train` (checked against `preset` when given)."""
+  from laplace_jax.config import LaplaceConfig, get_config
+  path = epath.Path(path).absolute()
+  if not (path / "params").exists():
+    raise FileNotFoundError(f"checkpoint {path}: no exported params there (expected {path / 'params'}); "
+                            "pass RUN/export/step_N as written by python -m train.")
+  if not (path / "config").exists():
+    raise ValueError(f"checkpoint {path} has no saved config, so its model is unknown; export it with "
+                     "checkpoint.export_params(params, path, config=cfg).")
+  saved = _read_json(path / "config" / "metadata")
+  try:
+    cfg = LaplaceConfig(**saved)
+  except TypeError as e:
+    raise ValueError(f"checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e}).")
+  if preset:
+    check_config(saved, get_config(preset), where=f"checkpoint {path} (checked against preset {preset})")
+  return cfg
+
+
+def load_export(path, shardings=None, *, preset: str | None = None):
+  """(params, model config) of an export written by `python -m train` (RUN/export/step_N): the model is
+  built from the config saved beside the params, so any trained config loads, preset or not. `shardings`
+  is one Sharding, or a function from the abstract params to a pytree of shardings (None: host numpy);
+  `preset`, when given, refuses an export of another config. The loader of train.eval and python -m serve."""
+  from laplace_jax import model
+  path = epath.Path(path).absolute()
+  cfg = export_config(path, preset=preset)
+  abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  if callable(shardings):
+    shardings = shardings(abstract)
+  if shardings is not None:
+    shardings = (jax.tree.map(lambda _: shardings, abstract) if isinstance(shardings, jax.sharding.Sharding)
+                 else shardings)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  return load_params(path, abstract if shardings is not None else None, config=cfg), cfg
+
+
 # -- helpers shared by both ------------------------------------------------------------------------
 
 def abstract_from_metadata(saved_tree, shardings=None):

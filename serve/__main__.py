@@ -15,14 +15,21 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   w = p.add_argument_group("model")
-  w.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model config preset")
+  w.add_argument("--preset", choices=sorted(PRESETS),
+                 help="with --random-init: the model (default: small); with --checkpoint: only checked against "
+                 "the config saved with the export, which builds the model")
   src = w.add_mutually_exclusive_group()
-  src.add_argument("--checkpoint", help="params directory written by laplace_jax.checkpoint.export_params")
+  src.add_argument("--checkpoint", help="an export of python -m train (RUN/export/step_N): its params and "
+                   "the model config saved beside them")
   src.add_argument("--random-init", action="store_true", help="serve random weights (benchmarks, demos)")
   w.add_argument("--seed", type=int, default=0, help="init seed for --random-init")
   w.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
                  help="serve weights cast to the preset's compute dtype, or as stored")
-  w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>)")
+  w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>, or "
+                 "laplace-<export directory name> with --checkpoint)")
+  w.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for /v1/chat/completions, as "
+                 "Hugging Face tokenizers write them (or a tokenizer_config.json holding one); default: plain "
+                 "'User: ...' / 'Assistant:' text (serve/chat.py)")
   e = p.add_argument_group("engine")
   e.add_argument("--n-slots", type=int, help="concurrent sequences decoded per step "
                  "(default: 1280 for laplace-3b, 64 otherwise)")
@@ -61,7 +68,9 @@ def parse_args(argv=None):
   if args.mesh_devices is None:
     args.mesh_devices = 64 if args.target else 1
   if not args.checkpoint and not args.random_init and not args.target:
-    p.error("no weights: pass --checkpoint PATH (an export_params directory) or --random-init")
+    p.error("no weights: pass --checkpoint RUN/export/step_N (an export of python -m train) or --random-init")
+  if (args.random_init or args.target) and args.preset is None:
+    args.preset = "small"
   return args
 
 
@@ -93,15 +102,18 @@ def lower_target(args) -> int:
 def build(args):
   """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
   from serve import loading, protocol
+  from serve.chat import ChatTemplate
   from serve.engine import Engine
   from serve.server import Server
 
-  cfg = get_config(args.preset)
-  n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
   mesh = loading.make_serving_mesh(args.mesh_devices)
   tok = loading.gpt2_tokenizer()
-  params = loading.load_params(cfg, checkpoint=args.checkpoint, seed=args.seed, mesh=mesh,
-                               dtype=args.params_dtype)
+  template = ChatTemplate.from_file(args.chat_template, tok)  # a bad file fails before the weights load
+  params, cfg = loading.load_model(checkpoint=args.checkpoint, preset=args.preset, seed=args.seed, mesh=mesh,
+                                   dtype=args.params_dtype)
+  n_slots = args.n_slots or (1280 if cfg == get_config("laplace-3b") else 64)
+  name = args.model_name or (f"laplace-{args.preset}" if args.random_init
+                             else f"laplace-{os.path.basename(os.path.normpath(args.checkpoint))}")
   cache = None
   if args.state_cache_gb > 0:
     from serve.state_cache import StateCache, model_identity
@@ -112,12 +124,12 @@ def build(args):
                   snapshot_every=args.state_snapshot_every)
   t = time.perf_counter()
   engine.warmup()
-  logging.info("engine ready: %s, %d slots, compiled in %.1f s", args.preset, n_slots, time.perf_counter() - t)
-  limits = protocol.Limits(model_name=args.model_name or f"laplace-{args.preset}", vocab_size=tok.vocab_size,
+  logging.info("engine ready: %s, %d slots, compiled in %.1f s", name, n_slots, time.perf_counter() - t)
+  limits = protocol.Limits(model_name=name, vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
                            max_prompts=n_slots + args.max_queue)
-  return Server(engine, tok, limits, api_key=args.api_key)
+  return Server(engine, tok, limits, api_key=args.api_key, chat_template=template)
 
 
 async def serve_forever(server, host, port):
@@ -142,7 +154,8 @@ def main(argv=None):
       raise SystemExit(f"python -m serve: error: {e}") from None
   try:
     server = build(args)
-  except ValueError as e:  # a bad flag found while building (a foreign --state-cache-dir, a mesh too big)
+  except (ValueError, FileNotFoundError) as e:  # a bad flag found while building (a foreign
+    # --state-cache-dir, a mesh too big, a --checkpoint that is no export or not --preset's model)
     raise SystemExit(f"python -m serve: error: {e}") from None
   asyncio.run(serve_forever(server, args.host, args.port))
 

@@ -15,7 +15,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -65,7 +65,41 @@ class Request:
     return self is other
 
 
-Delivery = tuple  # (request, new token ids, finish_reason or None)
+class Delivery(NamedTuple):
+  """What `on_deliver` receives per request and step."""
+  request: Request
+  tokens: list            # new token ids (empty when it ended without one)
+  reason: str | None      # finish_reason, or None while it runs
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+  """The prompts being prefilled together, chunk by chunk, between decode steps."""
+  reqs: list              # leader requests, one prefill row each
+  slots: list             # slots reserved for their decoding choices
+  n_chunks: int           # 128-token chunks the longest uncached rest needs
+  state: dict             # the prefill rows' state (serve.slots' prefill batch pytree)
+  scored: bool            # some prompt is echoed: run the scoring prefill
+  next_chunk: int = 0
+  scores: list = dataclasses.field(default_factory=list)  # per chunk, the scoring prefill's arrays
+
+
+class Pending(NamedTuple):
+  """A dispatched insert or generate whose output array is not read back yet."""
+  kind: str               # "insert" or "gen"
+  out: object             # device array [3 + 2N, n] (serve.slots)
+  owners: tuple           # column i's request, or None
+
+
+class StepRow(NamedTuple):
+  """One column of a step's output array, read on the host."""
+  token: int
+  done: bool
+  logprobs: tuple | None  # (chosen logprob, [(id, logprob)] top N) when the request asked for them
+
+
+def step_row(out: np.ndarray, i: int, logprobs: bool) -> StepRow:
+  return StepRow(int(out[0, i]), bool(out[1, i]), unpack_logprobs(out, i) if logprobs else None)
 
 
 class Engine(EngineCacheMixin):
@@ -100,7 +134,7 @@ class Engine(EngineCacheMixin):
     self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
     self.reserved: set[int] = set()                           # held by the prefill in progress
     self.queue: collections.deque[Request] = collections.deque()
-    self.prefill: dict | None = None                          # the prefill batch in progress
+    self.prefill: PrefillBatch | None = None                         # the prefill batch in progress
     self.pending: collections.deque = collections.deque()     # dispatched, not yet read back
     self._lock = threading.Lock()
     self._wake = threading.Event()
@@ -220,7 +254,7 @@ class Engine(EngineCacheMixin):
     dispatched = False
     if self.active_slots:
       self.table, out = self.fns.generate(self.params, self.table)
-      self.pending.append(("gen", out, tuple(self.slot_req)))
+      self.pending.append(Pending("gen", out, tuple(self.slot_req)))
       self.stats["steps"] += 1
       self._gens += 1
       dispatched = True
@@ -243,7 +277,7 @@ class Engine(EngineCacheMixin):
     for r in cancels:
       if r.finish_reason is None:
         self._finish(r, "cancelled")
-        out.append((r, [], "cancelled"))
+        out.append(Delivery(r, [], "cancelled"))
     if out:
       self.on_deliver(out)
 
@@ -261,25 +295,25 @@ class Engine(EngineCacheMixin):
         return
       pf = self.prefill
       C = self.cfg.chunk_size
-      c = pf["next_chunk"]
+      c = pf.next_chunk
       tokens = np.zeros((self.prefill_batch, C), np.int32)
       lengths = np.zeros((self.prefill_batch,), np.int32)
-      for i, r in enumerate(pf["reqs"]):
+      for i, r in enumerate(pf.reqs):
         at = r.cached_tokens + c * C
         piece = r.prompt_ids[at:at + C]
         tokens[i, :len(piece)] = piece
         lengths[i] = len(piece)
-      if pf["scored"]:
-        pf["state"], scores = self.fns.prefill_chunk_scored(self.params, pf["state"], tokens, lengths)
-        pf["scores"].append(scores)
+      if pf.scored:
+        pf.state, scores = self.fns.prefill_chunk_scored(self.params, pf.state, tokens, lengths)
+        pf.scores.append(scores)
       else:
-        pf["state"] = self.fns.prefill_chunk(self.params, pf["state"], tokens, lengths)
+        pf.state = self.fns.prefill_chunk(self.params, pf.state, tokens, lengths)
       self.stats["prefill_tokens"] += int(lengths.sum())
-      pf["next_chunk"] += 1
+      pf.next_chunk += 1
       budget -= 1
-      if self.cache is not None and pf["next_chunk"] % self.snapshot_every == 0:
+      if self.cache is not None and pf.next_chunk % self.snapshot_every == 0:
         self._snapshot(pf)
-      if pf["next_chunk"] == pf["n_chunks"]:
+      if pf.next_chunk == pf.n_chunks:
         self._insert(pf)
 
   def _start_prefill(self) -> bool:
@@ -298,18 +332,18 @@ class Engine(EngineCacheMixin):
     C = self.cfg.chunk_size
     state = self._restore(take) if self.cache is not None else None
     n_chunks = max(-(-(len(r.prompt_ids) - r.cached_tokens) // C) for r in take)
-    self.prefill = {"reqs": take, "slots": slots, "n_chunks": n_chunks, "next_chunk": 0,
-                    "state": self.fns.empty_prefill() if state is None else state,
-                    "scored": any(r.echo for r in take), "scores": []}
+    self.prefill = PrefillBatch(reqs=take, slots=slots, n_chunks=n_chunks,
+                                state=self.fns.empty_prefill() if state is None else state,
+                                scored=any(r.echo for r in take))
     return True
 
   def _insert(self, pf):
     """Write each prefilled row into the slots of its choices (n > 1: one row, several slots), sampling
     each choice's first token; choices with max_tokens 0 (echo scoring) finish here without a slot."""
-    if pf["scored"]:
+    if pf.scored:
       self._score_prompts(pf)
-    entries, free, done = [], iter(pf["slots"]), []  # (row, slot or None, request)
-    for i, r in enumerate(pf["reqs"]):
+    entries, free, done = [], iter(pf.slots), []  # (row, slot or None, request)
+    for i, r in enumerate(pf.reqs):
       for m in self._members(r):
         entries.append((i, next(free) if m.max_tokens > 0 else None, m))
     E = self.prefill_batch
@@ -334,9 +368,9 @@ class Engine(EngineCacheMixin):
           owners.append(None)
           if m.finish_reason is None:
             self._finish(m, "length")
-            done.append((m, [], "length"))
-      self.table, out = self.fns.insert(self.params, self.table, pf["state"], row_idx, slot_idx, settings)
-      self.pending.append(("insert", out, tuple(owners)))
+            done.append(Delivery(m, [], "length"))
+      self.table, out = self.fns.insert(self.params, self.table, pf.state, row_idx, slot_idx, settings)
+      self.pending.append(Pending("insert", out, tuple(owners)))
     self.prefill = None
     if done:
       self.on_deliver(done)
@@ -344,8 +378,8 @@ class Engine(EngineCacheMixin):
   def _score_prompts(self, pf):
     """Echo: each prompt token's logprob given the tokens before it, and the top-n there."""
     C = self.cfg.chunk_size
-    chunks = [tuple(np.asarray(a) for a in sc) for sc in pf["scores"]]  # per chunk: [P, C], [P, C, N] x 2
-    for i, r in enumerate(pf["reqs"]):
+    chunks = [tuple(np.asarray(a) for a in sc) for sc in pf.scores]  # per chunk: [P, C], [P, C, N] x 2
+    for i, r in enumerate(pf.reqs):
       if not r.echo:
         continue
       out = [None]
@@ -356,18 +390,17 @@ class Engine(EngineCacheMixin):
       for m in self._members(r):
         m.prompt_logprobs = out
 
-  def _read_back(self, item):
-    kind, out, owners = item
-    out = np.asarray(out)  # the one device-to-host copy of this step: [3 + 2N, n] (serve.slots)
+  def _read_back(self, item: Pending):
+    out = np.asarray(item.out)  # the one device-to-host copy of this step: [3 + 2N, n] (serve.slots)
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
-    for i, r in enumerate(owners):
+    for i, r in enumerate(item.owners):
       if r is None or r.finish_reason is not None:
         continue
-      tok, done = int(out[0, i]), bool(out[1, i])
+      tok, done, logprobs = step_row(out, i, r.logprobs is not None)
       r.output_ids.append(tok)
-      if r.logprobs is not None:
-        r.token_logprobs.append(unpack_logprobs(out, i))
+      if logprobs is not None:
+        r.token_logprobs.append(logprobs)
       if r.first_token_at is None:
         r.first_token_at = now
       n_tokens += 1
@@ -375,9 +408,9 @@ class Engine(EngineCacheMixin):
         reason = "stop" if tok in r.stop_ids else "length"
         finished.append(r)
         self._finish(r, reason)
-        deliveries.append((r, [tok], reason))
+        deliveries.append(Delivery(r, [tok], reason))
       else:
-        deliveries.append((r, [tok], None))
+        deliveries.append(Delivery(r, [tok], None))
     if finished and self.cache is not None:
       self._copy_out(finished)
     self.stats["tokens"] += n_tokens
@@ -434,12 +467,12 @@ class Engine(EngineCacheMixin):
       waiting = list(self.queue)
       self.queue.clear()
     live = [r for r in self.slot_req if r is not None] + [
-        m for r in (self.prefill or {}).get("reqs", []) + waiting for m in self._members(r)]
+        m for r in (self.prefill.reqs if self.prefill else []) + waiting for m in self._members(r)]
     out = []
     for r in live:
       if r.finish_reason is None:
         self._finish(r, "error")
-        out.append((r, [], "error"))
+        out.append(Delivery(r, [], "error"))
     self.on_deliver(out)
 
   def warmup(self):

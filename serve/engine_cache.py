@@ -70,12 +70,12 @@ class EngineCacheMixin:
     """Mid-prompt snapshots of a long prefill, so later prompts sharing the prefix skip it."""
     C = self.cfg.chunk_size
     rows, ids = [], []
-    for i, r in enumerate(pf["reqs"]):
-      done = r.cached_tokens + pf["next_chunk"] * C
+    for i, r in enumerate(pf.reqs):
+      done = r.cached_tokens + pf.next_chunk * C
       if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
         rows.append(i)
         ids.append(list(r.prompt_ids[:done]))
-    self._gather_async(pf["state"]["model"], rows, ids)
+    self._gather_async(pf.state["model"], rows, ids)
 
   def _gather_async(self, state, rows, ids):
     E = self.prefill_batch  # one compiled gather width; a short group is padded with its first row

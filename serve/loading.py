@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax import model, sharding
+from laplace_jax.config import get_config
 from laplace_jax import tokenizer as gpt2
 
 
@@ -47,17 +48,21 @@ def cast_params(params, cfg, how: str = "compute"):
   return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def load_params(cfg, *, checkpoint: str | None, seed: int = 0, mesh=None, dtype: str = "compute"):
-  """Params from an `export_params` directory (checked against cfg), else random init from `seed`;
-  replicated over `mesh` if given; cast as `cast_params` says."""
+def load_model(*, checkpoint: str | None = None, preset: str | None = None, seed: int = 0, mesh=None,
+               dtype: str = "compute"):
+  """(params, config): an export of `python -m train` built from the config saved with it (`preset`, if
+  given, must match it), else `preset`'s model with random weights from `seed`; replicated over `mesh` if
+  given; cast as `cast_params` says."""
   if mesh is None:
     target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   else:
     target = sharding.replicated(mesh)
   if checkpoint:
     from laplace_jax import checkpoint as ckpt
-    abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target), abstract)
-    return cast_params(ckpt.load_params(checkpoint, abstract, config=cfg), cfg, dtype)
+    params, cfg = ckpt.load_export(checkpoint, target, preset=preset)
+    return cast_params(params, cfg, dtype), cfg
+  if preset is None:
+    raise ValueError("random weights need a model: pass --preset NAME with --random-init.")
+  cfg = get_config(preset)
   init = jax.jit(model.init_params, static_argnums=0, out_shardings=target)
-  return cast_params(init(cfg, jax.random.key(seed)), cfg, dtype)
+  return cast_params(init(cfg, jax.random.key(seed)), cfg, dtype), cfg

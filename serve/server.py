@@ -1,5 +1,6 @@
 """The HTTP front end (aiohttp): OpenAI-style /v1/completions with SSE streaming, /v1/models, /health,
-/metrics. The engine runs in its own thread; its tokens reach each request's asyncio queue through one
+/metrics; /v1/chat/completions (serve.chat) and /tokenize, /detokenize, /tokenizer_info
+(serve.tokenize_api) run over its completion path. The engine runs in its own thread; its tokens reach each request's asyncio queue through one
 call_soon_threadsafe per engine step."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import uuid
 
 from aiohttp import web
 
-from serve import protocol
+from serve import chat, protocol, tokenize_api
 from serve.engine import Engine, QueueFull, Request
 from serve.protocol import ApiError
 from serve.text import TextStream
@@ -22,8 +23,10 @@ from serve.text import TextStream
 class Server:
   """Routes and request handling over one running `Engine`."""
 
-  def __init__(self, engine: Engine, tokenizer, limits: protocol.Limits, *, api_key: str | None = None):
+  def __init__(self, engine: Engine, tokenizer, limits: protocol.Limits, *, api_key: str | None = None,
+               chat_template: chat.ChatTemplate | None = None):
     self.engine, self.tok, self.limits, self.api_key = engine, tokenizer, limits, api_key
+    self.chat_template = chat_template or chat.ChatTemplate(None, tokenizer)
     self.loop: asyncio.AbstractEventLoop | None = None
     self.started = time.time()
     self.responses = collections.Counter()  # HTTP status -> count
@@ -32,6 +35,8 @@ class Server:
   def app(self) -> web.Application:
     app = web.Application(middlewares=[self._errors], client_max_size=4 << 20)
     app.router.add_post("/v1/completions", self.completions)
+    chat.Chat(self, self.chat_template).register(app)
+    tokenize_api.TokenizerRoutes(self, self.chat_template).register(app)
     app.router.add_get("/v1/models", self.models)
     app.router.add_get("/v1/models/{model_id}", self.model_info)
     app.router.add_get("/health", self.health)
@@ -167,6 +172,11 @@ class Server:
     # so every open stream keeps flowing meanwhile.
     c = await asyncio.get_running_loop().run_in_executor(
         None, lambda: protocol.parse_completion(protocol.parse_body(raw), self.limits, self.tok.encode))
+    return await self.run_completion(request, c, self._whole, self._stream, "cmpl-")
+
+  async def run_completion(self, request, c: protocol.Completion, whole, stream, id_prefix: str):
+    """Submit `c`'s choices to the engine and answer with `await whole(choices, c, meta)` or
+    `await stream(request, choices, c, meta)` (the completion and chat formats share everything else)."""
     events: asyncio.Queue = asyncio.Queue()
     choices, leaders = [], []
     for p, ids in enumerate(c.prompts):
@@ -188,11 +198,11 @@ class Server:
       raise ApiError(429, f"server busy: {e}. Retry later.") from None
     except ValueError as e:
       raise ApiError(400, str(e)) from None
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.limits.model_name}
+    meta = {"id": f"{id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.limits.model_name}
     try:
       if c.stream:
-        return await self._stream(request, choices, c, meta)
-      return await self._whole(choices, c, meta)
+        return await stream(request, choices, c, meta)
+      return await whole(choices, c, meta)
     finally:
       for ch in choices:
         if ch.req.finish_reason is None:

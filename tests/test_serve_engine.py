@@ -7,45 +7,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax import get_config, model, sharding
+import serve_fixtures as sf
+from laplace_jax import model, sharding
 from serve import sampling
 from serve.engine import Engine, QueueFull, Request
-
-GPT2_VOCAB = 50_257
+from serve_fixtures import GPT2_VOCAB
 
 
 @pytest.fixture(scope="module")
 def cfg():
-  return get_config("tiny")
+  return sf.tiny(0)[0]
 
 
 @pytest.fixture(scope="module")
-def params(cfg):
-  return model.init_params(cfg, jax.random.key(0))
+def params():
+  return sf.tiny(0)[1]
 
 
 @pytest.fixture(scope="module")
 def engine(cfg, params):
   """8 slots split over the 8 simulated devices, prefill batch 2, warmed up."""
-  eng = Engine(params, cfg, n_slots=8, prefill_batch=2, max_queue=64, valid_vocab=GPT2_VOCAB,
-               mesh=sharding.make_mesh(data=1, fsdp=8))
-  eng.warmup()
-  return eng
+  return sf.engine(params, cfg, n_slots=8, prefill_batch=2, max_queue=64, mesh=sharding.make_mesh(data=1, fsdp=8))
 
 
-class CompileCounter:
-  """Counts XLA backend compiles while active."""
-
-  def __init__(self):
-    self.n, self.on = 0, False
-    jax.monitoring.register_event_duration_secs_listener(self._event)
-
-  def _event(self, event, duration, **kw):
-    if self.on and event == "/jax/core/compile/backend_compile_duration":
-      self.n += 1
-
-
-_COUNTER = CompileCounter()
+_COUNTER = sf.CompileCounter()
 
 
 def _requests(seed, n, **fixed):
@@ -192,12 +177,13 @@ def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
   from serve import loading
   checkpoint.export_params(params, tmp_path / "export", config=cfg)
   mesh = loading.make_serving_mesh(8)
-  got = loading.load_params(cfg, checkpoint=str(tmp_path / "export"), mesh=mesh, dtype="param")
+  got, got_cfg = loading.load_model(checkpoint=str(tmp_path / "export"), mesh=mesh, dtype="param")
+  assert got_cfg == cfg
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert b.sharding.is_fully_replicated and len(b.sharding.device_set) == 8
-  with pytest.raises(ValueError):
-    loading.load_params(cfg.replace(d_model=32, d_k=4, d_v=8), checkpoint=str(tmp_path / "export"))
+  with pytest.raises(ValueError, match="preset small"):  # --preset with --checkpoint only checks the config
+    loading.load_model(checkpoint=str(tmp_path / "export"), preset="small")
 
 
 def test_attention_patterns_are_refused_with_the_reason(cfg, params):

@@ -5,49 +5,28 @@ import json
 import time
 
 import aiohttp
-import jax
 import pytest
 
-from laplace_jax import get_config, model
-from serve import loading, protocol
-from serve.engine import Engine
-from serve.server import InThread, Server
-
-KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+import serve_fixtures as sf
+from laplace_jax import model
+from serve import protocol
+from serve.server import Server
+from serve_fixtures import AUTH, KEY, call
 
 
 @pytest.fixture(scope="module")
 def tok():
-  return loading.gpt2_tokenizer()
+  return sf.gpt2_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def served(tok):
   """A tiny model behind the server: 4 slots, a queue of 2, max_tokens <= 64, an API key."""
-  cfg = get_config("tiny")
-  engine = Engine(model.init_params(cfg, jax.random.key(1)), cfg, n_slots=4, prefill_batch=2, max_queue=2,
-                  valid_vocab=tok.vocab_size)
-  engine.warmup()
-  limits = protocol.Limits(model_name="laplace-tiny", vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                           max_tokens=64, max_prompt_tokens=1000, max_stop_ids=engine.fns.n_stop,
-                           max_prompts=4 + 2)
-  server = Server(engine, tok, limits, api_key=KEY)
-  with InThread(server) as port:
-    yield f"http://127.0.0.1:{port}", server
-
-
-def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, raw=None):
-  """One request: (status, parsed JSON or SSE event list)."""
-  async def go():
-    async with aiohttp.ClientSession() as s:
-      data = raw if raw is not None else (None if body is None else json.dumps(body))
-      async with s.request(method, url + path, data=data, headers=headers) as r:
-        text = await r.text()
-        if r.headers.get("Content-Type", "").startswith("text/event-stream"):
-          return r.status, [e[len("data: "):] for e in text.split("\n\n") if e]
-        return r.status, (json.loads(text) if "json" in r.headers.get("Content-Type", "") else text)
-  return asyncio.run(go())
+  cfg, params = sf.tiny(1)
+  engine = sf.engine(params, cfg, n_slots=4, prefill_batch=2, max_queue=2)
+  with sf.serving(engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000, max_prompts=4 + 2),
+                  api_key=KEY) as served:
+    yield served
 
 
 def test_round_trip_text_and_ids(served, tok):

@@ -9,13 +9,10 @@ import random
 import time
 
 import aiohttp
-import jax
 import pytest
 
-from laplace_jax import get_config, model
-from serve import loading, protocol
-from serve.engine import Engine, Request
-from serve.server import InThread, Server
+import serve_fixtures as sf
+from serve.engine import Request
 
 N_CONCURRENT = 240
 
@@ -27,16 +24,11 @@ def _rss_bytes():
 
 @pytest.fixture(scope="module")
 def served():
-  tok = loading.gpt2_tokenizer()
-  cfg = get_config("tiny")
-  engine = Engine(model.init_params(cfg, jax.random.key(2)), cfg, n_slots=32, prefill_batch=4,
-                  max_queue=N_CONCURRENT, valid_vocab=tok.vocab_size)
-  engine.warmup()
-  limits = protocol.Limits(model_name="laplace-tiny", vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                           max_tokens=64, max_prompt_tokens=2048, max_stop_ids=engine.fns.n_stop)
-  server = Server(engine, tok, limits)
-  with InThread(server) as port:
-    yield f"http://127.0.0.1:{port}", server
+  tok = sf.gpt2_tokenizer()
+  cfg, params = sf.tiny(2)
+  engine = sf.engine(params, cfg, n_slots=32, prefill_batch=4, max_queue=N_CONCURRENT)
+  with sf.serving(engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=2048)) as served:
+    yield served
 
 
 async def _client(session, url, rng, i):

@@ -5,27 +5,25 @@ import jax
 import numpy as np
 import pytest
 
-from laplace_jax import get_config, model
-from serve.engine import Engine, Request
-
-V = 50_257
+import serve_fixtures as sf
+from laplace_jax import model
+from serve.engine import Request
+from serve_fixtures import GPT2_VOCAB as V
 
 
 @pytest.fixture(scope="module")
 def cfg():
-  return get_config("tiny")
+  return sf.tiny(7)[0]
 
 
 @pytest.fixture(scope="module")
-def params(cfg):
-  return model.init_params(cfg, jax.random.key(7))
+def params():
+  return sf.tiny(7)[1]
 
 
 @pytest.fixture(scope="module")
 def engine(cfg, params):
-  eng = Engine(params, cfg, n_slots=4, prefill_batch=2, valid_vocab=V)
-  eng.warmup()
-  return eng
+  return sf.engine(params, cfg, n_slots=4, prefill_batch=2)
 
 
 def _reference(params, cfg, ids):

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from laplace_jax import get_config, model, sharding
+from laplace_jax import model, sharding
 from serve import state_cache
-from serve.engine import Engine, Request
+import serve_fixtures as sf
+from serve.engine import Request
 from serve.state_cache import StateCache
-
-GPT2_VOCAB = 50_257
+from serve_fixtures import GPT2_VOCAB
 
 
 def _state(fill, L=2, n=3):
@@ -115,19 +115,17 @@ def test_bad_directories_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def cfg():
-  return get_config("tiny")
+  return sf.tiny(3)[0]
 
 
 @pytest.fixture(scope="module")
-def params(cfg):
-  return model.init_params(cfg, jax.random.key(3))
+def params():
+  return sf.tiny(3)[1]
 
 
 def _engine(cfg, params, cache):
-  eng = Engine(params, cfg, n_slots=8, prefill_batch=2, valid_vocab=GPT2_VOCAB, state_cache=cache,
-               snapshot_every=2, cache_min_tokens=16, mesh=sharding.make_mesh(data=1, fsdp=8))
-  eng.warmup()
-  return eng
+  return sf.engine(params, cfg, n_slots=8, prefill_batch=2, state_cache=cache, snapshot_every=2,
+                   cache_min_tokens=16, mesh=sharding.make_mesh(data=1, fsdp=8))
 
 
 @pytest.fixture(scope="module")

@@ -81,34 +81,14 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
           for i in range(n_batches)], manifest
 
 
-def _saved_config(checkpoint, preset):
-  """(export path, its LaplaceConfig), checked against `preset` when given."""
-  from laplace_jax import checkpoint as ckpt
-  from laplace_jax.config import LaplaceConfig, get_config
-  path = Path(checkpoint)
-  if not (path / "params").exists():
-    raise FileNotFoundError(f"--checkpoint {path}: no exported params there (expected {path / 'params'}); "
-                            "pass RUN/export/step_N as written by python -m train.")
-  if not (path / "config").exists():
-    raise ValueError(f"--checkpoint {path} has no saved config, so its model is unknown; export it with "
-                     "checkpoint.export_params(params, path, config=cfg).")
-  saved = json.loads((path / "config" / "metadata").read_text())
-  try:
-    cfg = LaplaceConfig(**saved)
-  except TypeError as e:
-    raise ValueError(f"--checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e}).")
-  if preset:
-    ckpt.check_config(saved, get_config(preset), where=f"--checkpoint {path} (checked against --preset {preset})")
-  return path, cfg
-
-
 def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024) -> dict:
   """Loss per position bucket over the split's documents, each one stream (tokens + EOS) from a zero state."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from laplace_jax import checkpoint as ckpt, data, model
-  path, cfg = _saved_config(checkpoint, preset)
+  path = Path(checkpoint)
+  cfg = ckpt.export_config(path, preset=preset)
   if "A" in cfg.mixers:
     raise ValueError(f"--by_position: the model has attention layers (mixers={cfg.mixers!r}); scoring "
                      "book-length streams in constant memory needs a GLA-only model. Use the plain eval.")
@@ -171,23 +151,19 @@ def plot_by_position(res: dict, png) -> None:
 def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, max_batches=0, mesh_data=1,
              mesh_fsdp=0, preset=None) -> dict:
   import jax
-  import numpy as np
   from laplace_jax import checkpoint as ckpt, data, sharding, train_step as ts
 
-  path, cfg = _saved_config(checkpoint, preset)
-  seq_len = seq_len or cfg.max_seq_len
+  path = Path(checkpoint)
   mesh = sharding.make_mesh(data=mesh_data, fsdp=mesh_fsdp or None)
+  params, cfg = ckpt.load_export(path, lambda abstract: sharding.param_shardings(abstract, mesh), preset=preset)
+  seq_len = seq_len or cfg.max_seq_len
   if global_batch % mesh.devices.size:
     raise ValueError(f"--global_batch {global_batch} does not split over the mesh's {mesh.devices.size} "
                      f"devices; use a multiple of {mesh.devices.size}.")
   batches, manifest = split_batches(data_dir, split, seq_len=seq_len, global_batch=global_batch,
                                     max_batches=max_batches)
   data.check_vocab(manifest, cfg.vocab_size)
-  from laplace_jax import model
-  abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-  shards = sharding.param_shardings(abstract, mesh)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shards)
-  params = ckpt.load_params(path, abstract, config=cfg)
+  shards = jax.tree.map(lambda a: a.sharding, params)
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(global_batch, seq_len, mesh, weighted=True))
   fn = jax.jit(lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1], in_shardings=(shards, batch_sh))
   ce = tok = 0.0

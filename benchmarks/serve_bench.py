@@ -1,5 +1,5 @@
-"""`python -m serve.bench`: serving throughput, time per token against context, memory per sequence, and
-decode-step FLOP/s, for Laplace and for a same-size softmax-attention KV-cache baseline (serve/baseline.py).
+"""`python benchmarks/serve_bench.py`: serving throughput, time per token against context, memory per sequence, and
+decode-step FLOP/s, for Laplace and for a same-size softmax-attention KV-cache baseline (benchmarks/serve_baseline.py).
 
 Sections (each prints a table; --json writes all numbers; `overhead` runs only when named):
   throughput  output tokens/s at each concurrency: the engine end to end (prefill, insert, decode+sampling,
@@ -14,7 +14,7 @@ Sections (each prints a table; --json writes all numbers; `overhead` runs only w
   memory      bytes per sequence: Laplace's state (measured array bytes) against the baseline's KV cache.
   flops       Laplace decode_step at --flops-slots slots: model FLOP/s against a matmul peak measured
               in the same run (square matmuls in the compute dtype).
-  agent, prefix, cache_memory, cache_overhead: the state cache (serve/bench_cache.py; not in the default).
+  agent, prefix, cache_memory, cache_overhead: the state cache (benchmarks/serve_bench_cache.py; not in the default).
 Timings are medians over repeated steps; sizes default to what a 2-core CPU finishes in a few minutes.
 """
 from __future__ import annotations
@@ -33,13 +33,15 @@ import numpy as np
 from laplace_jax import model
 from laplace_jax.timing import matmul_peak_flops, median_seconds
 from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
-from serve import baseline, bench_cache
+import serve_baseline as baseline
+import serve_bench_cache as bench_cache
+from serve_bench_common import gb as _gb, laplace_params, table as _table
 from serve.loading import cast_params
 from serve.engine import Engine, Request
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m serve.bench", description=__doc__,
+  p = argparse.ArgumentParser(prog="python benchmarks/serve_bench.py", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ints = lambda s: [int(x) for x in s.split(",") if x]
   p.add_argument("--sections", default="throughput,context,memory,flops",
@@ -79,11 +81,6 @@ def laplace_decode_flops_per_token(cfg) -> float:
   return 2 * (counts["muon"] + cfg.d_model * cfg.vocab_size) + cfg.n_layers * cfg.n_heads * 4 * cfg.d_k * cfg.d_v
 
 
-def laplace_params(cfg, how):
-  init = jax.jit(model.init_params, static_argnums=0)
-  return cast_params(init(cfg, jax.random.key(0)), cfg, how)
-
-
 def baseline_params(cfg, how):
   init = jax.jit(baseline.init_params, static_argnums=0)
   return cast_params(init(cfg, jax.random.key(1)), cfg, how)
@@ -116,18 +113,6 @@ class BaselineStep:
   def __call__(self):
     logits, self.cache = self.fn(self.params, self.cache, self.tokens, self.pos)
     logits.block_until_ready()
-
-
-def _table(title, header, rows):
-  print(f"\n## {title}")
-  print(" | ".join(header))
-  print(" | ".join("---" for _ in header))
-  for r in rows:
-    print(" | ".join(str(x) for x in r))
-
-
-def _gb(b):
-  return f"{b / 1e9:.3g} GB" if b >= 1e9 else f"{b / 1e6:.3g} MB" if b >= 1e6 else f"{b / 1e3:.3g} kB"
 
 
 # ---- sections ----
@@ -326,7 +311,7 @@ def main(argv=None):
     raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {sorted(SECTIONS)}")
   dev = jax.devices()[0]
   machine = f"{platform.processor() or platform.machine()}, {dev.platform}: {dev.device_kind}, jax {jax.__version__}"
-  print(f"# serve.bench on {machine}")
+  print(f"# serve_bench on {machine}")
   out = {"machine": machine, "args": vars(args)}
   for s in sections:
     t = time.perf_counter()

@@ -1,4 +1,4 @@
-"""State-cache sections of `python -m serve.bench` (registered there):
+"""State-cache sections of `python benchmarks/serve_bench.py` (registered there):
 
   agent         --agent-conversations conversations of --agent-turns turns in lock step: each turn resends
                 the whole conversation plus --turn-tokens new tokens and generates --gen-tokens. Per turn:
@@ -6,7 +6,7 @@
   prefix        --prefix-requests requests sharing a --prefix-tokens prefix (+ 64 own tokens), cache off
                 and on: tokens prefilled and wall time.
   cache_memory  bytes per cached conversation (the state the cache really holds) against a same-size
-                KV-cache transformer's keys and values at each --contexts (serve/baseline.py's arithmetic).
+                KV-cache transformer's keys and values at each --contexts (serve_baseline.py's arithmetic).
   cache_overhead  engine output tokens/s at --overhead-slots slots, every request's state copied out when
                 it finishes (cache on) against cache off: the copies must not stall the step.
 Engine model: --cache-preset (default tiny: the cache's effect is in the token counts and in time ratios,
@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 from laplace_jax.config import get_config, state_bytes_per_sequence
-from serve import baseline
+import serve_baseline as baseline
+from serve_bench_common import gb as _gb, laplace_params, table as _table
 from serve.engine import Engine, Request
 from serve.state_cache import StateCache, model_identity
 
@@ -49,12 +50,10 @@ def _engine(params, cfg, n_slots, cache_on, **kw):
 
 
 def _params(cfg):
-  from serve.bench import laplace_params
   return laplace_params(cfg, "compute")
 
 
 def run_agent(args, out):
-  from serve.bench import _table
   cfg = get_config(args.cache_preset)
   params = _params(cfg)
   C, T = args.agent_conversations, args.agent_turns
@@ -94,7 +93,6 @@ def run_agent(args, out):
 
 
 def run_prefix(args, out):
-  from serve.bench import _table
   cfg = get_config(args.cache_preset)
   params = _params(cfg)
   rng = np.random.default_rng(1)
@@ -123,7 +121,6 @@ def run_prefix(args, out):
 def run_cache_memory(args, out):
   """Measured: the bytes of one entry the cache holds for the tiny engine (checked against the config's
   arithmetic), then the same arithmetic for the other presets."""
-  from serve.bench import _gb, _table
   cfg = get_config(args.cache_preset)
   params = _params(cfg)
   eng = _engine(params, cfg, 4, True, cache_min_tokens=1)
@@ -144,7 +141,6 @@ def run_cache_memory(args, out):
 
 
 def run_cache_overhead(args, out):
-  from serve.bench import _table
   cfg = get_config(args.cache_preset)
   params = _params(cfg)
   S = args.overhead_slots

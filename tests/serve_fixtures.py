@@ -1,0 +1,72 @@
+"""What the serving tests share: the tiny model, a warmed-up engine, a server on loopback, one HTTP call
+and a compile counter (imported by tests/test_serve_*.py; fixtures stay in each file, built from these)."""
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import jax
+
+from laplace_jax import get_config, model
+from serve import loading, protocol
+from serve.engine import Engine
+from serve.server import InThread, Server
+
+GPT2_VOCAB = 50_257
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def tiny(seed: int):
+  """(cfg, params) of the tiny preset, weights from `seed`."""
+  cfg = get_config("tiny")
+  return cfg, model.init_params(cfg, jax.random.key(seed))
+
+
+def engine(params, cfg, **kw):
+  """A warmed-up engine (GPT-2 vocabulary) with the Engine's keyword arguments."""
+  eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, **kw)
+  eng.warmup()
+  return eng
+
+
+def limits(tok, eng, **kw):
+  """Request limits for `eng` (model name laplace-tiny), overridden by `kw`."""
+  return protocol.Limits(**{"model_name": "laplace-tiny", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                            "max_stop_ids": eng.fns.n_stop, **kw})
+
+
+@contextlib.contextmanager
+def serving(eng, tok, lim, **server_kw):
+  """A Server over `eng` listening on a free loopback port: yields (url, server)."""
+  server = Server(eng, tok, lim, **server_kw)
+  with InThread(server) as port:
+    yield f"http://127.0.0.1:{port}", server
+
+
+def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, raw=None):
+  """One request: (status, parsed JSON, SSE event list, or text)."""
+  async def go():
+    async with aiohttp.ClientSession() as s:
+      data = raw if raw is not None else (None if body is None else json.dumps(body))
+      async with s.request(method, url + path, data=data, headers=headers) as r:
+        text = await r.text()
+        if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+          return r.status, [e[len("data: "):] for e in text.split("\n\n") if e]
+        return r.status, (json.loads(text) if "json" in r.headers.get("Content-Type", "") else text)
+  return asyncio.run(go())
+
+
+class CompileCounter:
+  """Counts XLA backend compiles while `on`."""
+
+  def __init__(self):
+    self.n, self.on = 0, False
+    jax.monitoring.register_event_duration_secs_listener(self._event)
+
+  def _event(self, event, duration, **kw):
+    if self.on and event == "/jax/core/compile/backend_compile_duration":
+      self.n += 1
+
+
+gpt2_tokenizer = loading.gpt2_tokenizer
