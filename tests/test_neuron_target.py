@@ -108,3 +108,11 @@ def test_other_targets_are_refused():
     load_config(["--hlo_dir", "x"])
   r = _run("serve", "--target", "tpu")
   assert r.returncode == 2 and "invalid choice: 'tpu'" in r.stderr
+
+
+@pytest.mark.parametrize("lowered", ["train_lowered", "train_3b"])
+def test_train_step_conforms(lowered, request):
+  """Issue 15's bar for training: the step breaks no rule (Muon without switch, bf16 gathers, no runtime power)."""
+  r, d = request.getfixturevalue(lowered)
+  counts = _independent_counts(d)
+  assert r.returncode == 0 and counts == {"train_step": 0}, r.stdout[-4000:]
