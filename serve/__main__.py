@@ -16,8 +16,8 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   w = p.add_argument_group("model")
   w.add_argument("--preset", choices=sorted(PRESETS),
-                 help="with --random-init: the model (default: small); with --checkpoint: only checked against "
-                 "the config saved with the export, which builds the model")
+                 help="the model of --random-init and --target (unset: small); with --checkpoint only checked "
+                 "against the config saved with the export, which builds the model")
   src = w.add_mutually_exclusive_group()
   src.add_argument("--checkpoint", help="an export of python -m train (RUN/export/step_N): its params and "
                    "the model config saved beside them")
