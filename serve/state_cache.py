@@ -23,6 +23,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from laplace_jax.config import LAYOUT_NEUTRAL
+
 log = logging.getLogger(__name__)
 
 BLOCK = 64          # tokens per hash-chain block
@@ -36,7 +38,11 @@ def model_identity(cfg, params, extra: str = "") -> str:
 
   Reading a few thousand values per leaf (not all 3B) tells models apart in practice: two checkpoints that
   agree there agree everywhere only if they are the same checkpoint."""
-  h = hashlib.sha256(repr(cfg).encode() + extra.encode())
+  # The config's repr without its layout-neutral fields (scan_layers): the same states under either value,
+  # and the identities of directories written before the field existed are kept.
+  fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                     if f.name not in LAYOUT_NEUTRAL)
+  h = hashlib.sha256(f"{type(cfg).__qualname__}({fields})".encode() + extra.encode())
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
     flat = leaf.reshape(-1)

@@ -90,6 +90,8 @@ MODEL_HELP = {
                 "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
     "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention (e.g. GGGA)",
     "rope_base": "RoPE base of the attention layers",
+    "scan_layers": "layer stack as one scanned body (true) or unrolled (false), same parameters and outputs: "
+                   "auto (unrolled on Neuron, as AXLearn runs trn2; scanned elsewhere, which compiles faster)",
 }
 OPTIMIZER_HELP = {
     "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b; fixed when a run starts "
