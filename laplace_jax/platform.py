@@ -62,6 +62,17 @@ def use_prng(choice: str = "auto") -> str:
   return impl
 
 
+@contextlib.contextmanager
+def using_prng(choice: str = "auto"):
+  """`use_prng(choice)` for the block, JAX's previous default restored after it (for callers in a process
+  that runs more than one program, such as tests); yields the implementation's name."""
+  before = jax.config.jax_default_prng_impl
+  try:
+    yield use_prng(choice)
+  finally:
+    jax.config.update("jax_default_prng_impl", before)
+
+
 def current_prng() -> str:
   """The name (as `prng_impl` spells it) of JAX's default PRNG implementation now."""
   name = jax.config.jax_default_prng_impl
