@@ -278,3 +278,12 @@ def test_forward_at_positions_equals_full_logits_gathered(params):
   full = model.forward(params, toks, cfg=CFG)
   np.testing.assert_allclose(model.forward(params, toks, cfg=CFG, positions_BxK=pos),
                              np.take_along_axis(np.asarray(full), np.asarray(pos)[..., None], 1), atol=1e-5)
+
+
+def test_laplace_3b_window_rings_cost_what_a_kv_cache_of_w_tokens_does():
+  """GGGS at W = 2,048 holds, at every context, what GGGA holds at 2,048 tokens (init_state's own shapes)."""
+  gggs = get_config("laplace-3b", mixers="GGGS", window=2048)
+  gggs_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+      lambda: model.init_state(gggs, 1))))
+  assert gggs_bytes == state_bytes_per_sequence(gggs) == state_bytes_per_sequence(gggs.replace(mixers="GGGA"), 2048)
+  assert state_bytes_per_sequence(gggs.replace(window=512)) < gggs_bytes
