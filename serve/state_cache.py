@@ -65,7 +65,7 @@ def layout_for(cfg, model=None) -> dict:
   if model is None:
     from laplace_jax import model
   shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
-  return {k: (str(a.dtype), (a.shape[0], *a.shape[2:])) for k, a in shapes.items()}
+  return {k: (str(a.dtype), (a.shape[0], *a.shape[2:]) if a.ndim > 1 else ()) for k, a in shapes.items()}
 
 
 def scope_of(tenant: str = "", salt: str | None = None) -> str:
