@@ -88,3 +88,16 @@ def test_bad_window_is_a_clear_error():
   x = jnp.zeros((1, 4, 1, 2))
   with pytest.raises(ValueError, match="window"):
     wa.window_attention(x, x, x, 0)
+
+
+def test_window_attention_gradients_match_masked_reference():
+  """The banded form's gradients equal those of one [T, T]-masked softmax (no NaN from the padded blocks)."""
+  T, W = 21, 8
+  q, k, v = jax.random.normal(jax.random.key(5), (3, 1, T, 2, 4))
+  r = jax.random.normal(jax.random.key(6), (1, T, 2, 4))
+  t = jnp.arange(T)
+  mask = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < W)
+  naive = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+  loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * r), argnums=(0, 1, 2))(q, k, v)
+  for got, want in zip(loss(lambda q, k, v: wa.window_attention(q, k, v, W)), loss(naive)):
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -88,8 +88,11 @@ MODEL_HELP = {
     "unroll_chunks": "statically unroll the chunk scan (true/false)",
     "gla_form": "chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | "
                 "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
-    "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention (e.g. GGGA)",
+    "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention, S = sliding-"
+              "window softmax attention (e.g. GGGA, GGGS)",
     "rope_base": "RoPE base of the attention layers",
+    "window": "tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring "
+              "of this many keys and values",
     "scan_layers": "layer stack as one scanned body (true) or unrolled (false), same parameters and outputs: "
                    "auto (unrolled on Neuron, as AXLearn runs trn2; scanned elsewhere, which compiles faster)",
 }
