@@ -23,6 +23,10 @@ def parse_args(argv=None):
                    "the model config saved beside them")
   src.add_argument("--random-init", action="store_true", help="serve random weights (benchmarks, demos)")
   w.add_argument("--seed", type=int, default=0, help="init seed for --random-init")
+  w.add_argument("--prng", default="auto", choices=["auto", "threefry", "rbg", "unsafe_rbg"],
+                 help="JAX's PRNG implementation (--random-init weights, seeded sampling): auto is rbg on Neuron "
+                 "and with --target neuron, threefry elsewhere; a request's seed samples different tokens under "
+                 "each")
   w.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
                  help="serve weights cast to the preset's compute dtype, or as stored")
   w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>, or "
@@ -97,7 +101,9 @@ def lower_target(args) -> int:
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.mesh_devices)
-  from laplace_jax import neuron_check, tokenizer
+  from laplace_jax import neuron_check, platform, tokenizer
+  with platform.lowering_for(args.target):
+    platform.use_prng(args.prng)  # the target's PRNG, before any key is made
   from serve import lowering
   from serve.engine import Engine
   cfg = get_config(args.preset)
@@ -118,11 +124,13 @@ def lower_target(args) -> int:
 
 def build(args):
   """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
+  from laplace_jax import platform
   from serve import loading, protocol
   from serve.chat import ChatTemplate
   from serve.engine import Engine
   from serve.server import Server
 
+  logging.info("PRNG: %s", platform.use_prng(args.prng))  # before any key is made
   mesh = loading.make_serving_mesh(args.mesh_devices)
   tok = loading.gpt2_tokenizer()
   template = ChatTemplate.from_file(args.chat_template, tok)  # a bad file fails before the weights load
