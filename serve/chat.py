@@ -198,9 +198,9 @@ class Chat:
 
   async def completions(self, request):
     s = self.server
-    s._check_key(request)
+    tenant = s._check_key(request)
     obj = await s.read_json(request)
-    s.admit(protocol.count_choices({"n": obj.get("n")}))
+    s.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
     c = await asyncio.get_running_loop().run_in_executor(None, lambda: parse_chat(obj, s.limits, self.template))
     return await s.run_completion(request, c, self._whole, self._stream, "chatcmpl-")
 

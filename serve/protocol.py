@@ -19,6 +19,9 @@ class ApiError(Exception):
     return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+
+
 @dataclasses.dataclass
 class Limits:
   model_name: str
@@ -53,6 +56,7 @@ class Completion:
   n: int = 1            # choices per prompt
   logprobs: int | None = None
   echo: bool = False
+  cache_salt: str | None = None  # a state-cache scope within the tenant (vLLM's cache_salt)
   prompts: list = dataclasses.field(default_factory=list)  # one list of token ids per prompt
   texts: list = dataclasses.field(default_factory=list)    # the prompts as text (echo): the string sent, or None
 
@@ -238,6 +242,8 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
   opts = _get(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
   include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
   return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
+  cache_salt = _get(obj, "cache_salt", None, lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
+                    f"a non-empty string of at most {MAX_CACHE_SALT} characters")
   for name, off in (*_OFF.items(), ("best_of", n)):
     v = obj.get(name)
     if v is not None and not (v == {} if isinstance(off, dict) else _is_num(v) and v == off):
@@ -246,7 +252,7 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
   return Completion(n=n, logprobs=logprobs, echo=echo, max_tokens=max_tokens, temperature=temperature,
                     top_k=0 if top_k >= limits.vocab_size else max(top_k, 0), top_p=top_p, seed=seed,
                     stop=stop, stop_ids=list(stop_ids), stream=stream, include_usage=include_usage,
-                    return_token_ids=return_ids)
+                    return_token_ids=return_ids, cache_salt=cache_salt)
 
 
 def _stop_ok(s) -> bool:

@@ -293,15 +293,6 @@ def test_a_non_utf8_authorization_header_gets_401(served):
   assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
 
 
-def test_help_does_not_print_the_api_key(monkeypatch, capsys):
-  from serve.__main__ import parse_args
-  monkeypatch.setenv("LAPLACE_API_KEY", "sk-very-secret")
-  with pytest.raises(SystemExit):
-    parse_args(["--help"])
-  assert "sk-very-secret" not in capsys.readouterr().out
-  assert parse_args(["--random-init"]).api_key == "sk-very-secret"
-
-
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "application/jsonx"])
 def test_json_posts_need_a_json_content_type(served, content_type):
   url, _ = served
