@@ -195,19 +195,27 @@ def test_the_incremental_stop_matcher_agrees_with_a_plain_search(seed):
   assert (sent, ts.stopped) == ((text, False) if cut is None else (text[:cut], True)), (text, stops, pieces)
 
 
-def test_stop_matching_costs_linear_time():
-  """Stop strings of 20,000 characters (past what the server accepts, to show the cost does not grow with
-  their length) and tokens that each extend a partial match: the old matcher sliced the text for every
-  possible overlap on every token (about 4 x 20,000² / 2 character copies per token: seconds each)."""
-  stops = ["\u2603" * 19_999 + c for c in "abcd"]
-  token = "\u2603" * 50 + "x"  # a partial match of every stop, broken by its last character
+def _feed(stops, token: str, n: int):
+  """(seconds, text sent, stream) after feeding `n` tokens that each decode to `token`."""
   ts = TextStream(lambda ids: token.encode() * len(ids), stops)
   t = time.perf_counter()
-  sent = "".join(ts.feed([0]) for _ in range(300))
-  assert time.perf_counter() - t < 1.0
+  sent = "".join(ts.feed([0]) for _ in range(n))
+  return time.perf_counter() - t, sent, ts
+
+
+def test_stop_matching_costs_linear_time():
+  """Stop strings of 20,000 characters (past what the server accepts, to show the cost does not grow with
+  their length) cost what stop strings of 5 do, on tokens that each extend and then break a partial match.
+  The old matcher sliced the text for every possible overlap on every token: about 20,000² / 2 character
+  copies per token, seconds for these 300 tokens. Times are compared within the run (the machine is shared)."""
+  token = "\u2603" * 50 + "x"
+  long, short = (["\u2603" * (k - 1) + c for c in "abcd"] for k in (20_000, 5))
+  t_long = min(_feed(long, token, 300)[0] for _ in range(2))
+  t_short = min(_feed(short, token, 300)[0] for _ in range(2))
+  assert t_long < 3 * t_short + 0.05, (t_long, t_short)
+  _, sent, ts = _feed(long, token, 300)
   assert sent == token * 300 and ts.held == "" and not ts.stopped
-  ts = TextStream(lambda ids: "\u2603".encode() * 100 * len(ids), stops)  # a partial match held back
-  sent = "".join(ts.feed([0]) for _ in range(300))
+  _, sent, ts = _feed(long, "\u2603" * 100, 300)  # a partial match is held back
   assert sent == "\u2603" * (30_000 - 19_999) and len(ts.held) == 19_999
   assert sent + ts.close() == "\u2603" * 30_000 and ts.held == "" and not ts.stopped
 
