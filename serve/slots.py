@@ -44,10 +44,12 @@ class SlotFunctions:
   """Jitted prefill / insert / generate for one model, slot count, prefill batch and mesh."""
 
   def __init__(self, model, cfg, *, n_slots: int, prefill_batch: int, n_stop: int, valid_vocab: int,
-               mesh=None):
+               mesh=None, branch_free: bool | None = None):
     self.model, self.cfg = model, cfg
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
-    self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab)
+    # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
+    self.branch_free = branch_free
+    self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab, branch_free=branch_free)
     self.valid_vocab = valid_vocab
     self.mesh = mesh
     table_shape = jax.eval_shape(self._empty_table)
@@ -121,10 +123,11 @@ class SlotFunctions:
   def _pack(self, logits_SxV, tok_S, done_S, want_S):
     """One int32 output array (see the module docstring)."""
     S = tok_S.shape[0]
-    chosen, vals, ids = jax.lax.cond(
-        (want_S >= 0).any(), lambda: sampling.logprobs(logits_SxV, tok_S, valid_vocab=self.valid_vocab),
+    branch_free = sampling.branch_free_default() if self.branch_free is None else self.branch_free
+    chosen, vals, ids = sampling.when_any(
+        want_S >= 0, lambda: sampling.logprobs(logits_SxV, tok_S, valid_vocab=self.valid_vocab),
         lambda: (jnp.zeros((S,), jnp.float32), jnp.zeros((S, N_TOP), jnp.float32),
-                 jnp.zeros((S, N_TOP), jnp.int32)))
+                 jnp.zeros((S, N_TOP), jnp.int32)), branch_free)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     return jnp.concatenate([tok_S[None], done_S.astype(jnp.int32)[None], bits(chosen)[None], ids.T,
                             bits(vals).T])
