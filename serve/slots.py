@@ -134,7 +134,7 @@ class SlotFunctions:
 
   def _insert(self, params, table, pf, row_E, slot_E, settings):
     """Sample a first token for each entry from prefill row row_E[i] and write that row into slot
-    slot_E[i] (slot_E >= S: padding, dropped). Several entries may share a row (n choices of one prompt).
+    slot_E[i] (slot_E >= S: padding, not written). Several entries may share a row (n choices of one prompt).
     Returns (table, out [3 + 2N, E] int32)."""
     del params
     zero = jnp.zeros_like(slot_E)
@@ -142,13 +142,18 @@ class SlotFunctions:
     tok = self.sample(logits, settings["temperature"], settings["top_k"], settings["top_p"],
                       settings["seed"], zero, seed_hi_S=settings["seed_hi"])
     done = _done(tok, zero, settings["max_tokens"], settings["stop_ids"])
-    put = lambda big, small, axis: (big.at[:, slot_E].set(small, mode="drop") if axis == 1
-                                    else big.at[slot_E].set(small, mode="drop"))
-    rows = jax.tree.map(lambda x: x[:, row_E], pf["model"])
+    src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
+
+    def put(big, small, axis):  # small: the values of the writes, already indexed by src
+      if axis == 1:
+        return big.at[:, slot_w].set(jnp.where(any_real, small, big[:, :1]), mode="promise_in_bounds")
+      return big.at[slot_w].set(jnp.where(any_real, small, big[:1]), mode="promise_in_bounds")
+
+    rows = jax.tree.map(lambda x: x[:, row_E[src]], pf["model"])
     new = {"model": jax.tree.map(lambda b, s: put(b, s, 1), table["model"], rows),
-           "tokens": put(table["tokens"], tok, 0), "pos": put(table["pos"], zero, 0)}
+           "tokens": put(table["tokens"], tok[src], 0), "pos": put(table["pos"], zero, 0)}
     for name in SAMPLING_FIELDS:
-      new[name] = put(table[name], settings[name].astype(table[name].dtype), 0)
+      new[name] = put(table[name], settings[name][src].astype(table[name].dtype), 0)
     return new, self._pack(logits, tok, done, settings["logprobs"])
 
   @staticmethod
@@ -182,6 +187,17 @@ class SlotFunctions:
                       seed_hi_S=table["seed_hi"])
     done = _done(tok, pos, table["max_tokens"], table["stop_ids"])
     return dict(table, tokens=tok, pos=pos), self._pack(logits, tok, done, table["logprobs"])
+
+
+def entry_writes(slot_E, n_slots: int):
+  """Insert's writes with every index in range (Neuron fails out-of-range scatters at run time; XLA drops
+  them): (src_E, slot_w_E, any_real). Write i stores entry src_E[i]'s values into slot slot_w_E[i]: a real entry
+  (slot_E < n_slots) its own, a padding entry repeats the first real entry's write (same slot, same values).
+  With no real entry (any_real false) every write goes to slot 0 and must store slot 0's own values."""
+  real = slot_E < n_slots
+  src = jnp.where(real, jnp.arange(slot_E.shape[0]), jnp.argmax(real))
+  any_real = real.any()
+  return src, jnp.where(any_real, slot_E[src], 0), any_real
 
 
 def _jit(f, donate=(), out=None):
