@@ -34,6 +34,9 @@ HELP = {
     "mesh_fsdp": "FSDP axis size (0: all devices left after mesh_data)",
     "simulate_devices": "CPU only: simulate this many devices (XLA host device count); 0 keeps the real ones",
     "seed": "seed of the initialisation and of the data order",
+    "prng": "JAX's PRNG implementation: auto (rbg on Neuron and with --target neuron, threefry elsewhere) | "
+            "threefry | rbg | unsafe_rbg; the same seed initialises differently under each, and a resumed run "
+            "must use its checkpoint's",
     "log_every": "write metrics every N steps",
     "eval_every": "held-out eval loss every N steps (0: only at the end)",
     "eval_batches": "held-out batches per eval",
@@ -85,8 +88,11 @@ MODEL_HELP = {
     "unroll_chunks": "statically unroll the chunk scan (true/false)",
     "gla_form": "chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | "
                 "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
-    "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention (e.g. GGGA)",
+    "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention, S = sliding-"
+              "window softmax attention (e.g. GGGA, GGGS)",
     "rope_base": "RoPE base of the attention layers",
+    "window": "tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring "
+              "of this many keys and values",
 }
 OPTIMIZER_HELP = {
     "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b; fixed when a run starts "
@@ -126,6 +132,7 @@ class TrainConfig:
   mesh_fsdp: int = 0
   simulate_devices: int = 0
   seed: int = 0
+  prng: str = "auto"
   log_every: int = 10
   eval_every: int = 50
   eval_batches: int = 4
@@ -158,6 +165,10 @@ class TrainConfig:
     if self.data_source:
       from laplace_jax.recall import parse_task
       parse_task(self.data_source)
+    from laplace_jax.platform import PRNG_CHOICES
+    if self.prng not in PRNG_CHOICES:
+      raise ValueError(f"--prng={self.prng!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry "
+                       "elsewhere).")
     if self.target not in ("", "neuron"):
       raise ValueError(f"--target={self.target!r}: the only lowering target is 'neuron' (Trainium); on a CPU or "
                        "GPU host run without --target (--compile_only compiles for the host).")
