@@ -360,10 +360,11 @@ def with_overrides(grid: dict, sets: list[str]) -> dict:
   return grid
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m train.recall", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
+def build_parser() -> argparse.ArgumentParser:
+  from laplace_jax import cli
+  ap = cli.FlagParser(prog="python -m train.recall", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="the named grid of cells (GRIDS above)")
   ap.add_argument("--quick", action="store_true", help="the quick grid (same as --grid quick)")
   ap.add_argument("--sections", default="mqar,state,passkey", help="comma list of mqar, state, passkey")
   ap.add_argument("--seeds", default="0", help="comma list of seeds: each cell is trained once per seed "
@@ -374,8 +375,12 @@ def main(argv=None) -> int:
                   help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
                   "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)")
   ap.add_argument("-o", "--out", default="runs/recall", help="output directory (results.json, *.png)")
-  ap.add_argument("--no-progress", dest="progress", action="store_false")
-  args = ap.parse_args(argv)
+  ap.add_argument("--progress", action=cli.Toggle, default=True, help="progress bars (default: on)")
+  return ap
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
   grid_name = "quick" if args.quick else args.grid
   sections = [s for s in args.sections.split(",") if s]
   bad = set(sections) - {"mqar", "state", "passkey"}
