@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 
-MIXERS = {"G": "simple GLA (the Laplace layer)", "A": "causal softmax attention with RoPE"}
+MIXERS = {"G": "simple GLA (the Laplace layer)", "A": "causal softmax attention with RoPE",
+          "S": "causal sliding-window softmax attention with RoPE over the last `window` tokens"}
 GPT2_VOCAB = 50_257
 PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
 
@@ -62,16 +63,20 @@ class LaplaceConfig:
   """chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | parallel (faster on
   GPUs) | scan (constant time per token on CPUs)"""
   mixers: str = "G"
-  """per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention (e.g. GGGA)"""
+  """per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention, S = sliding-window
+  softmax attention (e.g. GGGA, GGGS)"""
   rope_base: float = 10000.0
   """RoPE base of the attention layers"""
+  window: int = 2048
+  """tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring of this many
+  keys and values"""
 
   def __post_init__(self):
     def bad(field, value, expect, fix):
       raise ValueError(f"LaplaceConfig.{field}={value!r}: expected {expect}. {fix}")
 
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_k", "d_v", "d_ff", "conv_size",
-              "n_decay_tiers", "chunk_size", "max_seq_len"):
+              "n_decay_tiers", "chunk_size", "max_seq_len", "window"):
       v = getattr(self, f)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
         bad(f, v, "a positive integer", "Set it to a positive integer.")
@@ -94,11 +99,11 @@ class LaplaceConfig:
     if not self.mixers or set(self.mixers) - set(MIXERS):
       bad("mixers", self.mixers, f"a non-empty pattern of the letters {sorted(MIXERS)} "
           f"({', '.join(f'{k} = {v}' for k, v in MIXERS.items())})", "E.g. 'G' (Laplace), 'A' (attention), "
-          "'GGGA' (three GLA layers, then attention, repeated).")
+          "'GGGA' (three GLA layers, then attention, repeated), 'GGGS' (the same with windowed attention).")
     if self.n_layers % len(self.mixers):
       bad("mixers", self.mixers, f"a pattern whose length {len(self.mixers)} divides n_layers={self.n_layers}",
           "Layers are scanned in repeating groups: choose a pattern length that divides n_layers.")
-    if "A" in self.mixers and self.attn_head_dim % 2:
+    if set("AS") & set(self.mixers) and self.attn_head_dim % 2:
       bad("mixers", self.mixers, f"an even attention head width for RoPE (got {self.attn_head_dim})",
           "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width.")
     if self.max_seq_len % self.chunk_size:
@@ -185,12 +190,13 @@ ATTENTION_MUON_NAMES = ("w_qkv", "w_o")                    # an attention layer'
 
 
 def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
-  """One layer's parameter shapes (unstacked) for mixer 'G' (GLA) or 'A' (attention), keyed by leaf name."""
+  """One layer's parameter shapes (unstacked) for mixer 'G' (GLA), 'A' or 'S' (attention, full or windowed: the
+  same weights), keyed by leaf name."""
   D, H = cfg.d_model, cfg.n_heads
   if mixer == "G":
     mix = {"w_qkvg": (D, cfg.qkvg_width), "aug_balance": (H, cfg.d_k),
            "head_norm_scale": (cfg.n_decay_tiers, cfg.d_v), "w_out": (cfg.v_width, D)}
-  elif mixer == "A":
+  elif mixer in ("A", "S"):
     mix = {"w_qkv": (D, 3 * H * cfg.attn_head_dim), "w_o": (H * cfg.attn_head_dim, D)}
   else:
     raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
@@ -217,23 +223,33 @@ def param_counts(cfg: LaplaceConfig) -> dict[str, int]:
   return {"total": muon + adamw, "muon": muon, "adamw": adamw}
 
 
+def _compute_itemsize(cfg: LaplaceConfig) -> int:
+  return 2 if cfg.compute_dtype == "bfloat16" else np.dtype(cfg.compute_dtype).itemsize
+
+
 def kv_cache_bytes_per_token(cfg: LaplaceConfig) -> int:
   """Keys and values that the attention layers keep per token of context, in the compute dtype."""
-  itemsize = np.dtype(cfg.compute_dtype).itemsize if cfg.compute_dtype != "bfloat16" else 2
-  return cfg.n_mixer_layers("A") * 2 * cfg.n_heads * cfg.attn_head_dim * itemsize
+  return cfg.n_mixer_layers("A") * 2 * cfg.n_heads * cfg.attn_head_dim * _compute_itemsize(cfg)
+
+
+def window_ring_bytes(cfg: LaplaceConfig) -> int:
+  """Keys and values that the sliding-window layers keep per sequence: a ring of `window` tokens each."""
+  return cfg.n_mixer_layers("S") * cfg.window * 2 * cfg.n_heads * cfg.attn_head_dim * _compute_itemsize(cfg)
 
 
 def state_bytes_per_sequence(cfg: LaplaceConfig, context: int | None = None) -> int:
   """Decode state per sequence: fp32 GLA matrices [H, d_k, d_v] per GLA layer, an fp32 conv window
-  [conv, D] per layer, and for attention layers a KV cache of `context` tokens (+ a 4-byte position)."""
+  [conv, D] per layer, for sliding-window layers a ring of `window` keys and values, and for attention
+  layers a KV cache of `context` tokens; + a 4-byte position when there is any attention."""
   gla = cfg.n_mixer_layers("G") * cfg.n_heads * cfg.d_k * cfg.d_v * 4
   conv = cfg.n_layers * cfg.conv_size * cfg.d_model * 4
+  fixed = gla + conv + window_ring_bytes(cfg) + (4 if set("AS") & set(cfg.mixers) else 0)
   if "A" not in cfg.mixers:
-    return gla + conv
+    return fixed
   if context is None:
     raise ValueError(f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: "
                      "pass context=N tokens.")
-  return gla + conv + context * kv_cache_bytes_per_token(cfg) + 4
+  return fixed + context * kv_cache_bytes_per_token(cfg)
 
 
 def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
@@ -244,5 +260,8 @@ def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
   gla = cfg.n_mixer_layers("G") * cfg.n_heads * (2 * C * (K + V) + 4 * K * V)
   # causal attention over a training sequence of max_seq_len: QKᵀ and PV, half of them masked on average
   attn = cfg.n_mixer_layers("A") * cfg.n_heads * 2 * cfg.max_seq_len * cfg.attn_head_dim
+  # windowed attention: QKᵀ and PV over the keys each query sees, min(t + 1, window), averaged over the sequence
+  seen = np.minimum(np.arange(1, cfg.max_seq_len + 1), cfg.window).mean()
+  attn += cfg.n_mixer_layers("S") * cfg.n_heads * 4 * seen * cfg.attn_head_dim
   fwd = 2 * matmul_params + gla + attn
   return 3 * fwd if training else fwd

@@ -4,8 +4,9 @@ One layer (REFERENCE.md): x → LayerNorm → causal depth-wise conv (k=4) + SiL
 simple GLA with a fixed geometric decay → + σ(q·(a⊙k))·v → Head RMSNorm per decay tier → ⊙ SiLU(g) → W_out
 → + x; then LayerNorm → GLU(SiLU) FFN → + x. Layers run under `nn.scan` (one compiled body).
 `cfg.mixers` may swap the mixer (W_qkvg … W_out) for causal softmax attention with RoPE ('A', same heads,
-W_qkv and W_o of the same parameter budget) in a pattern repeated over the layers; the scan then runs over
-the pattern's repeats, one compiled body holding one block per letter.
+W_qkv and W_o of the same parameter budget) or sliding-window attention over the last cfg.window tokens ('S',
+the same weights; laplace_jax/window_attention.py) in a pattern repeated over the layers; the scan then runs
+over the pattern's repeats, one compiled body holding one block per letter.
 
 Public, all pure functions of pytrees (`cfg` is static):
   init_params(cfg, rng) -> params            forward(params, tokens_BxT, cfg=) -> logits_BxTxV (fp32)
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, fsdp, gla, gla_decode, platform
+from laplace_jax import attention, fsdp, gla, gla_decode, platform, window_attention
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
@@ -96,28 +97,42 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
   return mm(o, w["w_out"]), table
 
 
-def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT):
-  """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o. `cache` is None (a sequence from
-  position 0) or (k_cache, v_cache, pos_B). Returns (output [B, T, D], (k_cache, v_cache) or None)."""
+def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, windowed: bool = False):
+  """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o, over every earlier position or, if
+  `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_cache, v_cache, pos_B):
+  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, W, H, hd] and this
+  layer's index (k_rings, v_rings, idx, pos_B). Returns (output [B, T, D], the updated pair or None)."""
   B, T, _ = u_BxTxD.shape
   H, hd = cfg.n_heads, cfg.attn_head_dim
   cdt = jnp.dtype(cfg.compute_dtype)
   mm = lambda a, m: _batch_sharded(jnp.dot(a.astype(cdt), m.astype(cdt)))
   q, k, v = jnp.split(mm(u_BxTxD, w["w_qkv"]).reshape(B, T, 3 * H, hd), 3, axis=2)
-  pos_B = jnp.zeros((B,), jnp.int32) if cache is None else cache[2]
+  pos_B = jnp.zeros((B,), jnp.int32) if cache is None else cache[-1]
   pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
   q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
+  n_B = jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
   if cache is None:
-    o, new_cache = attention.causal_attention(q, k, v), None
+    whole = attention.causal_attention if not windowed else (
+        lambda q, k, v: window_attention.window_attention(q, k, v, cfg.window))
+    o, new_cache = whole(q, k, v), None
+  elif windowed:
+    k_rings, v_rings, idx = cache[:3]
+    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the rings in place
+      o, k_rings, v_rings = window_attention.ring_decode_attention(q, k, v, k_rings, v_rings, idx, pos_B)
+    else:
+      o, k_ring, v_ring = window_attention.ring_chunk_attention(q, k, v, k_rings[idx], v_rings[idx], pos_B, n_B)
+      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
+      k_rings, v_rings = put(k_rings, k_ring), put(v_rings, v_ring)
+    new_cache = (k_rings, v_rings)
   else:
-    n_B = jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
     o, k_cache, v_cache = attention.cached_attention(q, k, v, cache[0], cache[1], pos_B, n_B)
     new_cache = (k_cache, v_cache)
   return mm(o.reshape(B, T, H * hd), w["w_o"]), new_cache
 
 
 class Block(nn.Module):
-  """One decoder layer whose mixer is GLA ('G') or attention ('A'), at position `slot` of the pattern.
+  """One decoder layer whose mixer is GLA ('G'), attention ('A') or windowed attention ('S'), at position
+  `slot` of the pattern.
 
   Sequence mode (T tokens, state optional) and, for T == 1 with a state, the single-token recurrent step.
   The decode state of every layer rides in the carry and this layer updates its slices in place: returning
@@ -175,6 +190,12 @@ class Block(nn.Module):
       mixed, table = _gla_mixer(cfg, mix_w, u, None if state is None else state["gla"], mix_idx, mask_BxT)
       if state is not None:
         state = dict(state, gla=table)
+    elif self.mixer == "S":  # a training carry has no rings either: every segment starts afresh
+      rings = None if state is None or "ring_k" not in state else (state["ring_k"], state["ring_v"], mix_idx,
+                                                                    state["pos"])
+      mixed, kv = _attention_mixer(cfg, mix_w, u, rings, mask_BxT, windowed=True)
+      if kv is not None:
+        state = dict(state, ring_k=kv[0], ring_v=kv[1])
     else:
       # A training carry (init_carry) has no KV cache: attention layers then start every segment afresh.
       cache = None if state is None or "k" not in state else (state["k"][mix_idx], state["v"][mix_idx],
@@ -244,7 +265,8 @@ class LaplaceLM(nn.Module):
     if new_state is not None and "pos" in new_state:
       n_B = jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)
       new_state = {**new_state, "pos": new_state["pos"] + n_B.astype(jnp.int32)}
-      over_B = new_state["pos"] > new_state["k"].shape[2]  # the cache dropped some of this row's keys
+      if "k" in new_state:  # full attention: the cache dropped some of this row's keys
+        over_B = new_state["pos"] > new_state["k"].shape[2]
     x = _layer_norm(x, self.param("final_norm_scale", nn.initializers.ones, (cfg.d_model,), pdt),
                     cfg.norm_eps)
     if last_only:  # logits of each row's last real token only: [B, D]
@@ -311,7 +333,8 @@ def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig):
 def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> dict:
   """Zero decode state for `batch_size` sequences, layer-major, fp32: gla [L_gla,B,H,d_k,d_v] (GLA layers)
   and conv [L,B,conv,D] (every layer). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
-  compute dtype and pos [B] int32 (tokens consumed): its length is fixed here, so shapes stay static."""
+  compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
+  cfg.window keys and values ring_k, ring_v [L_S,B,window,H,hd], and either adds pos [B] int32 (tokens consumed)."""
   B = batch_size
   state = init_carry(cfg, B)
   if "A" in cfg.mixers:
@@ -322,6 +345,11 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
     kv = (cfg.n_mixer_layers("A"), B, int(max_len), cfg.n_heads, cfg.attn_head_dim)
     state["k"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
     state["v"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
+  if "S" in cfg.mixers:
+    ring = (cfg.n_mixer_layers("S"), B, cfg.window, cfg.n_heads, cfg.attn_head_dim)
+    state["ring_k"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
+    state["ring_v"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
+  if set("AS") & set(cfg.mixers):
     state["pos"] = jnp.zeros((B,), jnp.int32)
   return state
 
@@ -349,7 +377,7 @@ def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int
 def _check_capacity(state, new_tokens_B) -> None:
   """Attention layers only: raise if a row's context would outgrow the KV cache (host values only;
   under jit such rows get NaN logits instead, see LaplaceLM)."""
-  if "pos" not in state or isinstance(state["pos"], jax.core.Tracer) or isinstance(new_tokens_B,
+  if "k" not in state or isinstance(state["pos"], jax.core.Tracer) or isinstance(new_tokens_B,
                                                                                     jax.core.Tracer):
     return
   need = np.asarray(state["pos"]) + np.asarray(new_tokens_B)

@@ -16,6 +16,9 @@ import contextvars
 import jax
 
 TARGETS = ("cpu", "gpu", "neuron")
+PRNG_IMPLS = ("threefry", "rbg", "unsafe_rbg")
+PRNG_CHOICES = ("auto",) + PRNG_IMPLS
+_JAX_PRNG_NAMES = {"threefry": "threefry2x32", "rbg": "rbg", "unsafe_rbg": "unsafe_rbg"}
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("laplace_jax_target", default=None)
 
 
@@ -35,3 +38,42 @@ def lowering_for(target: str):
     yield target
   finally:
     _TARGET.reset(token)
+
+
+def prng_impl(choice: str = "auto") -> str:
+  """The PRNG implementation for `choice` ("auto", "threefry", "rbg", "unsafe_rbg"). "auto": "rbg" on Neuron
+  (jax-neuronx documents Threefry as not fully supported and recommends rbg), "threefry" (JAX's default)
+  elsewhere. rbg draws bits with `rng_bit_generator` but still splits and folds keys with Threefry;
+  unsafe_rbg does neither (see docs/NEURON.md)."""
+  if choice not in PRNG_CHOICES:
+    raise ValueError(f"PRNG {choice!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry "
+                     "elsewhere).")
+  if choice != "auto":
+    return choice
+  return "rbg" if backend() == "neuron" else "threefry"
+
+
+def use_prng(choice: str = "auto") -> str:
+  """Make `prng_impl(choice)` JAX's default PRNG (`jax_default_prng_impl`) and return its name. Call it once
+  at program start, before any key is made: a key keeps the implementation it was made with, and the same
+  seed draws different numbers under different implementations."""
+  impl = prng_impl(choice)
+  jax.config.update("jax_default_prng_impl", _JAX_PRNG_NAMES[impl])
+  return impl
+
+
+@contextlib.contextmanager
+def using_prng(choice: str = "auto"):
+  """`use_prng(choice)` for the block, JAX's previous default restored after it (for callers in a process
+  that runs more than one program, such as tests); yields the implementation's name."""
+  before = jax.config.jax_default_prng_impl
+  try:
+    yield use_prng(choice)
+  finally:
+    jax.config.update("jax_default_prng_impl", before)
+
+
+def current_prng() -> str:
+  """The name (as `prng_impl` spells it) of JAX's default PRNG implementation now."""
+  name = jax.config.jax_default_prng_impl
+  return {v: k for k, v in _JAX_PRNG_NAMES.items()}.get(name, name)

@@ -23,6 +23,10 @@ def parse_args(argv=None):
                    "the model config saved beside them")
   src.add_argument("--random-init", action="store_true", help="serve random weights (benchmarks, demos)")
   w.add_argument("--seed", type=int, default=0, help="init seed for --random-init")
+  w.add_argument("--prng", default="auto", choices=["auto", "threefry", "rbg", "unsafe_rbg"],
+                 help="JAX's PRNG implementation (--random-init weights, seeded sampling): auto is rbg on Neuron "
+                 "and with --target neuron, threefry elsewhere; a request's seed samples different tokens under "
+                 "each")
   w.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
                  help="serve weights cast to the preset's compute dtype, or as stored")
   w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>, or "
@@ -56,8 +60,11 @@ def parse_args(argv=None):
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000)
-  h.add_argument("--api-key", default=os.environ.get("LAPLACE_API_KEY"),
-                 help="require 'Authorization: Bearer KEY' on /v1/* (default: $LAPLACE_API_KEY)")
+  h.add_argument("--api-key", action="append", metavar="KEY",
+                 help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /metrics; repeat for several "
+                 "keys, each its own tenant (unset: $LAPLACE_API_KEY if that is set)")
+  h.add_argument("--api-keys-file", metavar="FILE", help="more keys, one 'tenant:key' a line; each tenant "
+                 "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)")
   args = p.parse_args(argv)
   if args.state_cache_gb < 0:
     p.error(f"--state-cache-gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
@@ -71,7 +78,18 @@ def parse_args(argv=None):
     p.error("no weights: pass --checkpoint RUN/export/step_N (an export of python -m train) or --random-init")
   if (args.random_init or args.target) and args.preset is None:
     args.preset = "small"
+  if args.api_key is None and os.environ.get("LAPLACE_API_KEY"):
+    args.api_key = [os.environ["LAPLACE_API_KEY"]]
   return args
+
+
+def tenant_keys(args):
+  """serve.tenants.Tenants from --api-key and --api-keys-file (ValueError naming the problem)."""
+  from serve.tenants import Tenants, name_of_key, read_keys_file
+  keys = [(name_of_key(k), k) for k in args.api_key or []]
+  if args.api_keys_file:
+    keys += read_keys_file(args.api_keys_file)
+  return Tenants(keys)
 
 
 def lower_target(args) -> int:
@@ -80,7 +98,9 @@ def lower_target(args) -> int:
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.mesh_devices)
-  from laplace_jax import neuron_check, tokenizer
+  from laplace_jax import neuron_check, platform, tokenizer
+  with platform.lowering_for(args.target):
+    platform.use_prng(args.prng)  # the target's PRNG, before any key is made
   from serve import lowering
   from serve.engine import Engine
   cfg = get_config(args.preset)
@@ -101,11 +121,14 @@ def lower_target(args) -> int:
 
 def build(args):
   """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
+  from laplace_jax import platform
   from serve import loading, protocol
   from serve.chat import ChatTemplate
   from serve.engine import Engine
   from serve.server import Server
 
+  tenants = tenant_keys(args)  # a bad keys file fails before the weights load
+  logging.info("PRNG: %s", platform.use_prng(args.prng))  # before any key is made
   mesh = loading.make_serving_mesh(args.mesh_devices)
   tok = loading.gpt2_tokenizer()
   template = ChatTemplate.from_file(args.chat_template, tok)  # a bad file fails before the weights load
@@ -116,10 +139,16 @@ def build(args):
                              else f"laplace-{os.path.basename(os.path.normpath(args.checkpoint))}")
   cache = None
   if args.state_cache_gb > 0:
-    from serve.state_cache import StateCache, model_identity
-    cache = StateCache(model_identity(cfg, params), int(args.state_cache_gb * 1e9), args.state_cache_dir)
+    from serve.state_cache import StateCache, layout_for, model_identity
+    t = time.perf_counter()
+    ident = model_identity(cfg, params)
+    logging.info("model fingerprint %s (every parameter byte) in %.1f s", ident, time.perf_counter() - t)
+    cache = StateCache(ident, int(args.state_cache_gb * 1e9), args.state_cache_dir, layout=layout_for(cfg))
+  # Several tenants: each may fill only its share of the queue, so one tenant's burst leaves room to wait.
+  share = -(-args.max_queue // max(1, len(tenants.names)))
   engine = Engine(params, cfg, n_slots=n_slots, prefill_batch=args.prefill_batch,
                   prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
+                  max_queue_per_tenant=share,
                   valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache,
                   snapshot_every=args.state_snapshot_every)
   t = time.perf_counter()
@@ -128,8 +157,8 @@ def build(args):
   limits = protocol.Limits(model_name=name, vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
-                           max_prompts=n_slots + args.max_queue)
-  return Server(engine, tok, limits, api_key=args.api_key, chat_template=template)
+                           max_prompts=n_slots + share)
+  return Server(engine, tok, limits, tenants=tenants, chat_template=template)
 
 
 async def serve_forever(server, host, port):

@@ -19,6 +19,9 @@ class ApiError(Exception):
     return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+
+
 @dataclasses.dataclass
 class Limits:
   model_name: str
@@ -47,6 +50,7 @@ class Completion:
   n: int = 1            # choices per prompt
   logprobs: int | None = None
   echo: bool = False
+  cache_salt: str | None = None  # a state-cache scope within the tenant (vLLM's cache_salt)
 
   @property
   def prompt_ids(self) -> list:
@@ -155,6 +159,8 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
   opts = _get(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
   include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
   return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
+  cache_salt = _get(obj, "cache_salt", None, lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
+                    f"a non-empty string of at most {MAX_CACHE_SALT} characters")
   # Accepted only at the values that mean "off": anything else would be silently ignored otherwise.
   for name, off, ok in (("best_of", n, lambda v: v == n), ("suffix", None, lambda v: v is None), ("presence_penalty", 0, lambda v: v == 0),
                         ("frequency_penalty", 0, lambda v: v == 0), ("logit_bias", {}, lambda v: v == {})):
@@ -164,4 +170,4 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
                      f"{json.dumps(off)}.", name)
   return Completion(prompts=prompts, texts=texts, n=n, logprobs=logprobs, echo=echo, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0),
                     top_p=top_p, seed=seed, stop=stop, stop_ids=list(stop_ids), stream=stream,
-                    include_usage=include_usage, return_token_ids=return_ids)
+                    include_usage=include_usage, return_token_ids=return_ids, cache_salt=cache_salt)

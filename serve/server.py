@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import json
 import threading
 import time
@@ -15,17 +14,23 @@ import uuid
 from aiohttp import web
 
 from serve import chat, protocol, tokenize_api
+from serve.tenants import Tenants, name_of_key
 from serve.engine import Engine, QueueFull, Request
 from serve.protocol import ApiError
 from serve.text import TextStream
+
+TENANT = web.RequestKey("tenant", str)  # set by Server._check_key
 
 
 class Server:
   """Routes and request handling over one running `Engine`."""
 
   def __init__(self, engine: Engine, tokenizer, limits: protocol.Limits, *, api_key: str | None = None,
-               chat_template: chat.ChatTemplate | None = None):
-    self.engine, self.tok, self.limits, self.api_key = engine, tokenizer, limits, api_key
+               tenants: Tenants | None = None, chat_template: chat.ChatTemplate | None = None):
+    """tenants: the API keys (serve.tenants); api_key: one key, its own tenant. Neither: no keys."""
+    if tenants is None:
+      tenants = Tenants([] if api_key is None else [(name_of_key(api_key), api_key)])
+    self.engine, self.tok, self.limits, self.tenants = engine, tokenizer, limits, tenants
     self.chat_template = chat_template or chat.ChatTemplate(None, tokenizer)
     self.loop: asyncio.AbstractEventLoop | None = None
     self.started = time.time()
@@ -93,12 +98,13 @@ class Server:
     self.responses[resp.status] += 1
     return resp
 
-  def _check_key(self, request):
-    if self.api_key is None:
-      return
-    got = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+  def _check_key(self, request) -> str:
+    """The request's tenant ('' without keys; also kept as request["tenant"]); 401 for a missing or wrong key."""
+    tenant = self.tenants.authenticate(request.headers.get("Authorization"))
+    if tenant is None:
       raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'.")
+    request[TENANT] = tenant
+    return tenant
 
   # ---- routes ----
 
@@ -125,6 +131,9 @@ class Server:
     return web.json_response(self._model_card())
 
   async def metrics(self, request):
+    """Prometheus text. With keys it needs one, and the state cache's hit counters are the caller's
+    tenant's only (labelled tenant="..."); the rest are server-wide load figures."""
+    tenant = self._check_key(request)
     e, s = self.engine, self.engine.stats
     rows = [
         ("tokens_per_second", "gauge", "Output tokens per second over the last 10 s.",
@@ -139,9 +148,7 @@ class Server:
         ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
         ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
         ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
-        ("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache, not prefilled.",
-         [("", s["cached_prompt_tokens"])]),
-        *self._cache_rows(),
+        *self._cache_rows(tenant),
         ("http_responses_total", "counter", "HTTP responses by status code.",
          [(f'{{code="{c}"}}', n) for c, n in sorted(self.responses.items())]),
     ]
@@ -152,12 +159,19 @@ class Server:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
-  def _cache_rows(self):
+  def _cache_rows(self, tenant: str):
     c = self.engine.cache
     if c is None:
-      return []
-    return [("state_cache_hits_total", "counter", "Requests that restored a cached state.", [("", c.stats["hits"])]),
-            ("state_cache_misses_total", "counter", "Requests with no cached prefix.", [("", c.stats["misses"])]),
+      return [("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache.", [("", 0)])]
+    if self.tenants.enabled:  # the caller's own counters: another tenant's hits are not its business
+      label, counts = f'{{tenant="{tenant}"}}', c.tenant_stats.get(tenant, {})
+    else:
+      label, counts = "", c.stats
+    return [("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache, not prefilled.",
+             [(label, counts.get("tokens_reused", 0))]),
+            ("state_cache_hits_total", "counter", "Requests that restored a cached state.",
+             [(label, counts.get("hits", 0))]),
+            ("state_cache_misses_total", "counter", "Requests with no cached prefix.", [(label, counts.get("misses", 0))]),
             ("state_cache_evictions_total", "counter", "States evicted for the byte budget.",
              [("", c.stats["evictions"])]),
             ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
@@ -179,6 +193,7 @@ class Server:
     `await stream(request, choices, c, meta)` (the completion and chat formats share everything else)."""
     events: asyncio.Queue = asyncio.Queue()
     choices, leaders = [], []
+    tenant = request.get(TENANT, "")
     for p, ids in enumerate(c.prompts):
       members = []
       for j in range(c.n):
@@ -186,7 +201,8 @@ class Server:
         # Choice j follows seed + j: a prompt sent in a list, or with n, gets what it gets alone.
         ch.req = Request(prompt_ids=ids, max_tokens=c.max_tokens, temperature=c.temperature, top_k=c.top_k,
                          top_p=c.top_p, seed=None if c.seed is None else (c.seed + j) % 2**64,
-                         stop_ids=c.stop_ids, logprobs=c.logprobs, echo=c.echo, context=ch)
+                         stop_ids=c.stop_ids, logprobs=c.logprobs, echo=c.echo, context=ch,
+                         tenant=tenant, cache_salt=c.cache_salt)
         ch.text = TextStream(self.tok.token_bytes, c.stop)
         members.append(ch.req)
         choices.append(ch)
@@ -269,9 +285,13 @@ class Server:
     return out
 
   def _usage(self, c, choices):
+    """OpenAI's usage: each prompt counted once (its choices share one prefill), and of those tokens the
+    ones restored from the state cache (prompt_tokens_details.cached_tokens)."""
     prompt = sum(len(p) for p in c.prompts)
     done = sum(len(ch.out_ids) for ch in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    cached = sum(ch.req.cached_tokens for ch in choices if ch.index % c.n == 0)  # the first choice of each prompt
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
   async def _whole(self, choices, c, meta):
     parts = collections.defaultdict(list)

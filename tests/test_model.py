@@ -162,13 +162,43 @@ def test_bf16_compute_close_to_fp32(params):
 
 HYBRID = CFG.replace(n_layers=4, mixers="GA")
 ATTN = CFG.replace(mixers="A")
+WINDOWED = CFG.replace(n_layers=4, mixers="GGGS", window=16)
 
 
-@pytest.mark.parametrize("cfg", [ATTN, HYBRID], ids=["A", "GA"])
+@pytest.mark.parametrize("cfg", [ATTN, HYBRID, WINDOWED, CFG.replace(mixers="S", window=16),
+                                 CFG.replace(mixers="GS", window=160)],
+                         ids=["A", "GA", "GGGS", "S", "GS-prompt-shorter-than-window"])
 def test_pattern_forward_equals_prefill_then_decode(cfg):
+  """The prompt (140 tokens: two prefill chunks with the state carried) then 60 decode steps; windowed
+  layers with W = 16 (the window wraps many times) and W = 160 (the prompt fills part of the ring)."""
   params = model.init_params(cfg, jax.random.key(0))
   state = _check_prefill_then_decode(params, cfg, B=2, T=200, P=140, max_len=200)
   assert state["pos"].tolist() == [200, 200]
+
+
+def test_windowed_prefill_in_pieces_equals_one_prefill():
+  """Chunked prefill with an explicit carried state (split at 70, off the chunk grid; ragged rows) equals one
+  prefill of the whole prompt: logits and every state entry, the rings included."""
+  params = model.init_params(WINDOWED, jax.random.key(1))
+  toks = jax.random.randint(jax.random.key(3), (2, 150), 0, WINDOWED.vocab_size)
+  lengths = np.array([150, 90])
+  want_logits, want = model.prefill(params, model.init_state(WINDOWED, 2), toks, lengths, cfg=WINDOWED)
+  _, state = model.prefill(params, model.init_state(WINDOWED, 2), toks[:, :70], cfg=WINDOWED)
+  logits, state = model.prefill(params, state, toks[:, 70:], lengths - 70, cfg=WINDOWED)
+  np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=1e-4)
+  assert sorted(state) == ["conv", "gla", "pos", "ring_k", "ring_v"]
+  for k in state:
+    np.testing.assert_allclose(state[k], want[k], atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_state_bytes_independent_of_context():
+  params = model.init_params(WINDOWED, jax.random.key(0))
+  sizes = []
+  for T in (1, 129, 300):
+    _, s = model.prefill(params, model.init_state(WINDOWED, 1), jnp.ones((1, T), jnp.int32), cfg=WINDOWED)
+    sizes.append(sum(x.nbytes for x in jax.tree.leaves(s)))
+  assert sizes[0] == sizes[1] == sizes[2] == state_bytes_per_sequence(WINDOWED)
+  assert state_bytes_per_sequence(WINDOWED.replace(window=32)) > sizes[0]
 
 
 def test_hybrid_ragged_prefill_matches_separate_prefills():
@@ -196,7 +226,7 @@ def test_hybrid_param_tree_one_block_per_pattern_letter():
 
 
 @pytest.mark.parametrize("preset", ["laplace-3b", "small", "tiny"])
-@pytest.mark.parametrize("mixers", ["A", "GGGA", "GA"])
+@pytest.mark.parametrize("mixers", ["A", "GGGA", "GA", "GGGS"])
 def test_attention_patterns_spend_the_same_parameter_budget(preset, mixers):
   base = get_config(preset)
   if base.n_layers % len(mixers):
@@ -220,6 +250,7 @@ def test_attention_state_bytes_grow_with_context():
     (dict(mixers="GX"), "letters"),
     (dict(mixers=""), "letters"),
     (dict(mixers="GGG"), "divides n_layers"),
+    (dict(mixers="GS", window=0), "window"),
 ])
 def test_invalid_mixer_patterns_rejected(bad, match):
   with pytest.raises(ValueError, match=match):
@@ -247,3 +278,12 @@ def test_forward_at_positions_equals_full_logits_gathered(params):
   full = model.forward(params, toks, cfg=CFG)
   np.testing.assert_allclose(model.forward(params, toks, cfg=CFG, positions_BxK=pos),
                              np.take_along_axis(np.asarray(full), np.asarray(pos)[..., None], 1), atol=1e-5)
+
+
+def test_laplace_3b_window_rings_cost_what_a_kv_cache_of_w_tokens_does():
+  """GGGS at W = 2,048 holds, at every context, what GGGA holds at 2,048 tokens (init_state's own shapes)."""
+  gggs = get_config("laplace-3b", mixers="GGGS", window=2048)
+  gggs_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+      lambda: model.init_state(gggs, 1))))
+  assert gggs_bytes == state_bytes_per_sequence(gggs) == state_bytes_per_sequence(gggs.replace(mixers="GGGA"), 2048)
+  assert state_bytes_per_sequence(gggs.replace(window=512)) < gggs_bytes

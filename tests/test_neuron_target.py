@@ -94,6 +94,8 @@ def _check_serve(r, d, n_dev):
 
 def test_serve_target_neuron_lowers_every_engine_program(serve_lowered):
   _check_serve(*serve_lowered, 8)
+  # --prng auto under --target neuron: rbg, whose bits come from rng_bit_generator (Threefry draws none)
+  assert "rng_bit_generator" in (serve_lowered[1] / "sample.mlir").read_text()
 
 
 def test_serve_target_neuron_laplace_3b_1280_slots(serve_3b):

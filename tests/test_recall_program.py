@@ -74,7 +74,7 @@ def test_seeds_multiply_the_cells_and_keep_seed_0_keys(tmp_path):
   assert not (tmp_path / "g").exists()  # nothing written for bad input
 
 
-def test_set_and_patterns_shape_the_grid_and_bad_values_are_refused(tmp_path):
+def test_set_and_patterns_shape_the_grid_and_bad_values_are_refused(tmp_path, capsys):
   grid = recall_prog.with_overrides(recall_prog.GRIDS["smoke"], ["width=48", "mqar=mqar:64,4,64;mqar:128,8,64",
                                                                  "adamw_lr=3e-3", "passkey_contexts=128,256"])
   assert grid["width"] == 48 and grid["adamw_lr"] == 3e-3 and grid["passkey_contexts"] == (128, 256)
@@ -88,3 +88,6 @@ def test_set_and_patterns_shape_the_grid_and_bad_values_are_refused(tmp_path):
   out.mkdir()
   (out / "results.json").write_text(json.dumps({"grid": "smoke", "sets": ["width=48"], "cells": []}))
   assert recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2  # other settings' results
+  (out / "results.json").write_text(json.dumps({"grid": "smoke", "sets": [], "prng": "rbg", "cells": []}))
+  assert recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2  # another PRNG's results
+  assert "initialised with the 'rbg' PRNG, not 'threefry'; pass --prng rbg" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from laplace_jax import checkpoint
 from train import prepare, resume
 from train.config import load_config
 from train.loop import run
@@ -66,6 +67,31 @@ def test_extended_run_keeps_its_schedule(data_dir, tmp_path):
   summary = _train(data_dir, out, "--steps", "9", "--optimizer.total_steps", "12",
                    "--allow_changes", "optimizer.total_steps")
   assert summary["start_step"] == 8
+
+
+def test_rbg_run_resumes_bit_identically_and_refuses_another_prng(data_dir, tmp_path):
+  ref, out = tmp_path / "ref", tmp_path / "resumed"
+  schedule = ["--prng", "rbg", "--optimizer.total_steps", "4"]
+  _train(data_dir, ref, "--steps", "4", *schedule)
+  _train(data_dir, out, "--steps", "2", *schedule)
+  summary = _train(data_dir, out, "--steps", "4", *schedule)
+  assert summary["start_step"] == 2
+  assert [r["loss"] for r in _rows(out)] == [r["loss"] for r in _rows(ref)]  # bit-identical, steps 1-4
+  with checkpoint.Checkpointer(out / "checkpoints") as ckpt:
+    assert ckpt.metadata()["prng_impl"] == "rbg"
+    assert ckpt.restore(restore_data=False).train_state["rng"].shape == (4,)  # an rbg key (threefry's: 2)
+  for prng in ("auto", "threefry"):  # auto is threefry on this CPU
+    with pytest.raises(ValueError, match=r"used the 'rbg' PRNG, this one would use 'threefry'.*--prng rbg"):
+      _train(data_dir, out, "--steps", "5", "--prng", prng)
+  with pytest.raises(ValueError, match=r"--prng='philox'"):
+    _train(data_dir, out, "--prng", "philox")
+
+
+def test_checkpoint_without_a_prng_counts_as_threefry():
+  resume.check_prng("threefry", {}, where="old")
+  with pytest.raises(ValueError, match=r"refusing to resume old: that run used the 'threefry' PRNG, this one "
+                                       r"would use 'rbg'\. Resume with --prng threefry"):
+    resume.check_prng("rbg", {}, where="old")
 
 
 def test_metrics_hold_each_step_once_after_a_crash_and_resume(data_dir, tmp_path):

@@ -1,6 +1,7 @@
 """`python -m train`: see `python -m train --help` (and train/config.py for the config system)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +23,9 @@ def _setup_jax(tc):
     if jax.config.jax_platforms in ("cpu",) or tc.simulate_devices:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=n_proc, process_id=proc_id)
+  from laplace_jax import platform  # the PRNG, before any key is made (--target: the target's choice)
+  with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
+    platform.use_prng(tc.prng)
 
 
 def main(argv=None) -> int:

@@ -53,6 +53,10 @@ class TrainConfig:
   """CPU only: simulate this many devices (XLA host device count); 0 keeps the real ones"""
   seed: int = 0
   """seed of the initialisation and of the data order"""
+  prng: str = "auto"
+  """JAX's PRNG implementation: auto (rbg on Neuron and with --target neuron, threefry elsewhere) | threefry |
+  rbg | unsafe_rbg; the same seed initialises differently under each, and a resumed run must use its
+  checkpoint's"""
   log_every: int = 10
   """write metrics every N steps"""
   eval_every: int = 50
@@ -111,6 +115,10 @@ class TrainConfig:
     if self.data_source:
       from laplace_jax.recall import parse_task
       parse_task(self.data_source)
+    from laplace_jax.platform import PRNG_CHOICES
+    if self.prng not in PRNG_CHOICES:
+      raise ValueError(f"--prng={self.prng!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry "
+                       "elsewhere).")
     if self.target not in ("", "neuron"):
       raise ValueError(f"--target={self.target!r}: the only lowering target is 'neuron' (Trainium); on a CPU or "
                        "GPU host run without --target (--compile_only compiles for the host).")

@@ -90,7 +90,7 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
   from laplace_jax import checkpoint as ckpt, data, model
   path = Path(checkpoint)
   cfg = ckpt.export_config(path, preset=preset)
-  if "A" in cfg.mixers:
+  if set("AS") & set(cfg.mixers):  # the training carry holds no KV cache or window rings
     raise ValueError(f"--by_position: the model has attention layers (mixers={cfg.mixers!r}); scoring "
                      "book-length streams in constant memory needs a GLA-only model. Use the plain eval.")
   if segment < 1 or segment % min(cfg.chunk_size, segment):

@@ -115,7 +115,7 @@ def _write_loss_curve(metrics_path: Path, png: Path):
   plt.close(fig)
 
 
-def _open_run(rc: RunConfig):
+def _open_run(rc: RunConfig, prng_impl: str):
   """(rc, checkpointer, latest step): on resume, rc reconciled with the run config saved at that step."""
   tc = rc.train
   out = Path(tc.out_dir)
@@ -130,6 +130,7 @@ def _open_run(rc: RunConfig):
     if latest is not None:
       meta = ckpt.metadata(latest)
       saved = meta.get("run_config") or {"model": meta.get("config") or {}}
+      resume.check_prng(prng_impl, meta, where=f"{ckpt_dir} at step {latest}")
       rc, notes = resume.reconcile(rc, saved, where=f"{ckpt_dir} at step {latest}")
       for n in notes:
         log0(f"resume: {n}")
@@ -142,16 +143,20 @@ def _open_run(rc: RunConfig):
 def run(rc: RunConfig) -> dict:
   """Train as configured; returns a summary (first/last loss, eval loss, steps, tokens/s)."""
   ckpt = latest = None
-  if not (rc.train.compile_only or rc.train.target):
-    rc, ckpt, latest = _open_run(rc)
-  try:
-    return _run(rc, ckpt, latest)
-  finally:
-    if ckpt is not None:
-      ckpt.close()
+  tc = rc.train
+  with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
+    prng_impl = platform.prng_impl(tc.prng)  # python -m train has set it already; callers in-process have not
+  with platform.using_prng(prng_impl):
+    if not (tc.compile_only or tc.target):
+      rc, ckpt, latest = _open_run(rc, prng_impl)
+    try:
+      return _run(rc, ckpt, latest, prng_impl)
+    finally:
+      if ckpt is not None:
+        ckpt.close()
 
 
-def _run(rc: RunConfig, ckpt, latest) -> dict:
+def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   tc, cfg = rc.train, rc.model
   cfg_dict = dataclasses.asdict(cfg)  # saved with every checkpoint and export, and checked on restore
   seq_len = tc.seq_len or cfg.max_seq_len
@@ -207,7 +212,7 @@ def _run(rc: RunConfig, ckpt, latest) -> dict:
         log0(f"resume: dropped {dropped} metrics row(s) of steps after {start} (they are redone)")
   else:
     state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch), 0
-  run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc)}
+  run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc), "prng_impl": prng_impl}
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh,

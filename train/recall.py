@@ -362,6 +362,7 @@ def with_overrides(grid: dict, sets: list[str]) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
   from laplace_jax import cli
+  from laplace_jax.platform import PRNG_CHOICES
   ap = cli.FlagParser(prog="python -m train.recall", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="the named grid of cells (GRIDS above)")
@@ -374,12 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
                   "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)")
+  ap.add_argument("--prng", default="auto", choices=PRNG_CHOICES, help="JAX's PRNG implementation for the "
+                  "models' initialisation: auto (rbg on Neuron, threefry elsewhere) | threefry | rbg | unsafe_rbg "
+                  "(a results directory keeps to one)")
   ap.add_argument("-o", "--out", default="runs/recall", help="output directory (results.json, *.png)")
   ap.add_argument("--progress", action=cli.Toggle, default=True, help="progress bars (default: on)")
   return ap
 
 
 def main(argv=None) -> int:
+  from laplace_jax import platform
   args = build_parser().parse_args(argv)
   grid_name = "quick" if args.quick else args.grid
   sections = [s for s in args.sections.split(",") if s]
@@ -409,15 +414,21 @@ def main(argv=None) -> int:
     return 2
   out = Path(args.out)
   path = out / "results.json"
-  saved = json.loads(path.read_text()) if path.exists() else {"grid": grid_name, "sets": args.sets, "cells": []}
+  import jax
+  prng = platform.use_prng(args.prng)  # before any key is made
+  saved = json.loads(path.read_text()) if path.exists() else {"grid": grid_name, "sets": args.sets, "prng": prng,
+                                                              "cells": []}
   if saved.get("grid") != grid_name or saved.get("sets", []) != args.sets:
     print(f"error: {path} holds the {saved.get('grid')!r} grid with --set {saved.get('sets', [])}, not "
           f"{grid_name!r} with --set {args.sets}; use another --out.", file=sys.stderr)
     return 2
+  if saved.get("prng", "threefry") != prng:  # results from before --prng: JAX's default, threefry
+    print(f"error: {path} holds cells initialised with the {saved.get('prng', 'threefry')!r} PRNG, not {prng!r}; "
+          f"pass --prng {saved.get('prng', 'threefry')} or use another --out.", file=sys.stderr)
+    return 2
   out.mkdir(parents=True, exist_ok=True)
   done = {r["key"] for r in saved["cells"]}
   todo = [c for c in cells if c.key not in done]
-  import jax
   print(f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True)
   bar = None
   if args.progress:

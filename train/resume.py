@@ -18,7 +18,8 @@ from train.config import RunConfig, _SECTIONS
 _TRAIN_ALLOWED = ("out_dir", "steps", "tokens_per_step", "mesh_data", "mesh_fsdp", "simulate_devices",
                   "log_every", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "resume",
                   "max_bad_steps", "compile_only", "coordinator", "num_processes", "process_id", "sample_tokens",
-                  "sample_prompt", "progress", "allow_changes", "profile_steps")
+                  "sample_prompt", "progress", "allow_changes", "profile_steps",
+                  "prng")  # the flag's spelling may change ("auto" → "rbg"); check_prng compares the impl used
 # Execution choices of the model that leave its math unchanged (remat, the GLA form and its unrolling).
 _MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form")
 ALLOWED = frozenset([f"train.{f}" for f in _TRAIN_ALLOWED] + [f"model.{f}" for f in _MODEL_ALLOWED])
@@ -86,6 +87,17 @@ def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, lis
         "Resume with the saved values (drop those settings), start a new run in another --out_dir, or accept "
         f"the changes with --allow_changes {','.join(k for k, _, _ in diffs)}")
   return rc, notes
+
+
+def check_prng(impl: str, meta: dict, *, where: str) -> None:
+  """Refuse to resume a run whose checkpoint was made under another PRNG implementation: its initialisation
+  and its saved key (2 words under threefry, 4 under rbg) belong to that implementation. Checkpoints from
+  before the choice existed were made under JAX's default, threefry."""
+  saved = meta.get("prng_impl", "threefry")
+  if saved != impl:
+    raise ValueError(f"refusing to resume {where}: that run used the {saved!r} PRNG, this one would use "
+                     f"{impl!r}. Resume with --prng {saved} (the choice cannot be changed mid-run), or start a new "
+                     "run in another --out_dir.")
 
 
 def drop_rows_after(metrics_path: Path, step: int) -> int:

@@ -1,0 +1,87 @@
+"""Causal sliding-window softmax attention (mixer 'S'): each query sees the `window` most recent keys, itself
+included — positions t−W+1 … t. Its decode state is a ring of the last W keys and values, constant in size.
+
+Layout as in attention.py: q, k, v, o [B, T, H, hd], RoPE applied by the caller; scores and softmax in fp32.
+  window_attention(q, k, v, window)                       a whole sequence from position 0 (training, eval).
+      T is cut into blocks of min(W, T) queries; each block attends to its own keys and the previous block's,
+      masked causal and to the window: O(T·W) work and memory, never a [T, T] mask.
+  ring_chunk_attention(q, k, v, k_ring, v_ring, pos_B, n_B) -> (o, k_ring, v_ring)
+      T new tokens per row at positions pos_B … pos_B+T−1, of which the first n_B are real (a prefill chunk):
+      queries attend to [ring | the chunk's own keys]; the returned ring holds the last W real keys.
+  ring_decode_attention(q, k, v, k_table, v_table, layer, pos_B) -> (o, k_table, v_table)
+      one token per row: its key and value are written into slot pos mod W of this layer's ring in the
+      layer-stacked tables [L_S, B, W, H, hd] (an in-range scatter of one row, in place), then read back.
+
+Ring layout: slot s holds the newest consumed position p ≡ s (mod W); a slot whose p would be negative (a
+context shorter than W) is empty and masked. Every index is in range: no scatter relies on dropping.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from laplace_jax.attention import _attend
+
+
+def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int):
+  """Each position attends to positions max(0, t−W+1) … t; returns o [B, T, H, hd] fp32. Banded by blocks."""
+  B, T, H, d = q_BxTxHxd.shape
+  if not isinstance(window, int) or window < 1:
+    raise ValueError(f"window={window!r}: expected a positive integer number of tokens.")
+  C = min(window, T)                        # block length: a block's queries reach back at most one block
+  N = -(-T // C)
+  blocks = lambda x: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, 0)]).reshape(B, N, C, *x.shape[2:])
+  q, k, v = blocks(q_BxTxHxd), blocks(k_BxTxHxd), blocks(v_BxTxHxd)         # [B, N, C, H, d]
+  with_prev = lambda x: jnp.concatenate([jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * 3)[:, :-1], x], axis=2)
+  k2, v2 = with_prev(k), with_prev(v)                                         # [B, N, 2C, H, d]
+  q_pos = jnp.arange(C)[:, None]            # positions relative to the block's start
+  k_pos = jnp.arange(2 * C)[None, :] - C    # the previous block's keys at −C … −1
+  near = (k_pos <= q_pos) & (q_pos - k_pos < window)
+  first = jnp.arange(N)[:, None, None] == 0
+  visible_NxCx2C = near[None] & ~(first & (k_pos < 0)[None])                 # block 0 has no previous block
+  visible = jnp.broadcast_to(visible_NxCx2C, (B, N, C, 2 * C)).reshape(B * N, C, 2 * C)
+  flat = lambda x: x.reshape(B * N, *x.shape[2:])
+  o = _attend(flat(q), flat(k2), flat(v2), visible)                          # [B·N, C, H, d]
+  return o.reshape(B, N * C, H, -1)[:, :T]
+
+
+def _slot_positions(pos_B, W):
+  """[B, W]: the position each ring slot holds when pos_B tokens have been consumed (negative: empty)."""
+  s = jnp.arange(W)[None, :]
+  last = pos_B[:, None] - 1
+  return last - jnp.mod(last - s, W)
+
+
+def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxWxHxd, v_ring_BxWxHxd, pos_B, n_B):
+  """A chunk of T tokens (first n_B real) after pos_B consumed ones; see the module doc. Returns (o fp32,
+  k_ring, v_ring) with the rings holding the last W real keys/values; a row with n_B = 0 keeps its rings."""
+  T = q_BxTxHxd.shape[1]
+  W = k_ring_BxWxHxd.shape[1]
+  dt = k_ring_BxWxHxd.dtype
+  t_T = jnp.arange(T)
+  q_pos_BxT = pos_B[:, None] + t_T[None]
+  ring_pos_BxW = _slot_positions(pos_B, W)
+  ring_vis = (ring_pos_BxW[:, None, :] >= 0) & (q_pos_BxT[:, :, None] - ring_pos_BxW[:, None, :] < W)
+  own_vis = (t_T[None, :] <= t_T[:, None]) & (t_T[:, None] - t_T[None, :] < W)   # padding keys sit after
+  visible_BxTx_WT = jnp.concatenate([ring_vis, jnp.broadcast_to(own_vis, ring_vis.shape[:2] + (T,))], -1)
+  keys = jnp.concatenate([k_ring_BxWxHxd, k_BxTxHxd.astype(dt)], axis=1)
+  values = jnp.concatenate([v_ring_BxWxHxd, v_BxTxHxd.astype(dt)], axis=1)
+  o = _attend(q_BxTxHxd.astype(dt), keys, values, visible_BxTx_WT)
+  # New rings by gather: slot s takes the chunk's token j = p'_s − pos if its newest position p'_s is new.
+  j_BxW = _slot_positions(pos_B + n_B, W) - pos_B[:, None]
+  fresh = (j_BxW >= 0)[:, :, None, None]
+  take = lambda x: jnp.take_along_axis(x, jnp.clip(j_BxW, 0, T - 1)[:, :, None, None], axis=1).astype(dt)
+  k_ring = jnp.where(fresh, take(k_BxTxHxd), k_ring_BxWxHxd)
+  v_ring = jnp.where(fresh, take(v_BxTxHxd), v_ring_BxWxHxd)
+  return o, k_ring, v_ring
+
+
+def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
+  """One token at position pos_B per row: write it into slot pos_B mod W of ring `layer` of the tables
+  [L, B, W, H, hd], then attend over that ring. Returns (o [B, 1, H, hd] fp32, k_table, v_table)."""
+  B, W = k_table.shape[1], k_table.shape[2]
+  rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
+  k_table = k_table.at[layer, rows, slots].set(k_Bx1xHxd[:, 0].astype(k_table.dtype))
+  v_table = v_table.at[layer, rows, slots].set(v_Bx1xHxd[:, 0].astype(v_table.dtype))
+  visible_Bx1xW = (_slot_positions(pos_B + 1, W) >= 0)[:, None, :]
+  o = _attend(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xW)
+  return o, k_table, v_table
