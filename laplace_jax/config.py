@@ -22,28 +22,54 @@ GLA_FORMS = ("auto", "parallel", "scan")
 @dataclasses.dataclass(frozen=True)
 class LaplaceConfig:
   vocab_size: int = PADDED_VOCAB
+  """vocabulary rows (GPT-2's 50,257 padded to 50,304)"""
   d_model: int = 3072
+  """hidden width D"""
   n_layers: int = 24
+  """decoder layers"""
   n_heads: int = 16
-  d_k: int = 96          # per-head query/key width (half of d_model / n_heads)
-  d_v: int = 192         # per-head value width (full d_model / n_heads)
-  d_ff: int = 8192       # GLU inner width
-  conv_size: int = 4     # depth-wise causal conv kernel; the decode state keeps this many inputs
-  decay_t_min: float = 1.0     # shortest head half-life, tokens
-  decay_t_max: float = 2048.0  # longest head half-life, tokens
-  n_decay_tiers: int = 4       # heads are grouped into tiers; each tier shares one Head RMSNorm weight
-  chunk_size: int = 128        # GLA chunk (training and prefill)
-  max_seq_len: int = 2048      # training sequence length
+  """GLA heads H"""
+  d_k: int = 96
+  """query/key width per head (published ratio: half of d_model / n_heads)"""
+  d_v: int = 192
+  """value width per head (published ratio: d_model / n_heads)"""
+  d_ff: int = 8192
+  """GLU inner width"""
+  conv_size: int = 4
+  """causal depth-wise conv kernel; the decode state keeps this many inputs"""
+  decay_t_min: float = 1.0
+  """shortest head half-life in tokens"""
+  decay_t_max: float = 2048.0
+  """longest head half-life in tokens"""
+  n_decay_tiers: int = 4
+  """heads are grouped into this many tiers; each tier shares one Head RMSNorm weight"""
+  chunk_size: int = 128
+  """GLA chunk length (training and prefill)"""
+  max_seq_len: int = 2048
+  """training sequence length (the default --seq_len)"""
   norm_eps: float = 1e-5
+  """LayerNorm / RMSNorm epsilon"""
   init_std: float = 0.02
+  """std of the normal initialisation of matrices"""
   param_dtype: str = "float32"
+  """parameter dtype (float32 | bfloat16)"""
   compute_dtype: str = "bfloat16"
-  remat: bool = True           # rematerialise each layer in the backward pass
-  unroll_chunks: bool = False  # statically unroll the chunk scan (what the Trainium port compiled)
-  gla_form: str = "auto"       # chunk_simple_gla's form, same math: see gla_form_for_backend
-  mixers: str = "G"            # per-layer mixer, a pattern repeated over the layers: G = GLA, A = attention
-  rope_base: float = 10000.0   # RoPE base of the attention layers
-  window: int = 2048           # tokens a sliding-window attention layer ('S') sees, itself included
+  """matmul dtype (float32 | bfloat16)"""
+  remat: bool = True
+  """rematerialise each layer in the backward pass (true/false)"""
+  unroll_chunks: bool = False
+  """statically unroll the chunk scan, as the Trainium port compiled it (true/false)"""
+  gla_form: str = "auto"
+  """chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | parallel (faster on
+  GPUs) | scan (constant time per token on CPUs)"""
+  mixers: str = "G"
+  """per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention, S = sliding-window
+  softmax attention (e.g. GGGA, GGGS)"""
+  rope_base: float = 10000.0
+  """RoPE base of the attention layers"""
+  window: int = 2048
+  """tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring of this many
+  keys and values"""
 
   def __post_init__(self):
     def bad(field, value, expect, fix):

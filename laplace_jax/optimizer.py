@@ -28,23 +28,43 @@ ADAMW_DECAYED = ("embed", "lm_head")  # AdamW leaves that get weight decay
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  total_steps: int = 190_735       # 100B tokens / 524,288 tokens per step
+  total_steps: int = 190_735
+  """length of the LR schedule (190,735 = 100B tokens / 524,288 tokens per step; defaults to --steps below
+  laplace-3b; fixed when a run starts and kept when it is resumed or extended)"""
   warmup_steps: int = 3_815
-  end_lr_fraction: float = 0.1     # cosine decays to this fraction of each peak
-  clip_norm: float | None = 1.0    # global gradient norm; 0 (TOML and flags have no null) or None: no clipping
+  """linear warm-up steps"""
+  end_lr_fraction: float = 0.1
+  """cosine decays to this fraction of each peak"""
+  clip_norm: float | None = 1.0
+  """global gradient-norm clip (0, or None in code: no clipping; TOML and flags have no null)"""
   muon_lr: float = 0.02
+  """Muon peak learning rate (2-D hidden matrices)"""
   muon_beta: float = 0.95
+  """Muon Nesterov momentum"""
   muon_nesterov: bool = True
+  """Nesterov momentum (true/false)"""
   muon_ns_steps: int = 5
+  """Newton-Schulz iterations"""
   muon_weight_decay: float = 0.0
-  muon_scale_mode: str = "reference"   # or "adamw_rms" (then use an AdamW-sized muon_lr)
-  muon_distribution: str = "all_to_all"  # with a mesh; "gather" only to compare traffic
-  muon_ns_dtype: str = "float32"   # Newton–Schulz iterations: float32 (the params' dtype), or bfloat16
+  """Muon decoupled weight decay"""
+  muon_scale_mode: str = "reference"
+  """reference (sqrt(max(1, out/in))) | adamw_rms (0.2*sqrt(max(in, out)); then use an AdamW-sized
+  muon_lr)"""
+  muon_distribution: str = "all_to_all"
+  """with a mesh: all_to_all (two sharded all_to_alls) | gather (every matrix on every device; only to
+  compare traffic)"""
+  muon_ns_dtype: str = "float32"
+  """Newton-Schulz iterations in float32 | bfloat16 (the reference Muon's; faster on GPUs)"""
   adamw_lr: float = 3e-4
+  """AdamW peak learning rate (embedding, head, norms, conv, aug_balance)"""
   adamw_b1: float = 0.9
+  """AdamW beta1"""
   adamw_b2: float = 0.95
+  """AdamW beta2"""
   adamw_eps: float = 1e-8
+  """AdamW epsilon"""
   adamw_weight_decay: float = 0.1
+  """AdamW decoupled weight decay (embedding and head only)"""
 
   def __post_init__(self):
     def bad(field, expect, fix=""):

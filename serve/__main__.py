@@ -43,6 +43,11 @@ def parse_args(argv=None):
   e.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
   e.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
   e.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
+  e.add_argument("--max-choices", type=int, default=16, help="most choices (prompts x n) one request may ask "
+                 "for, so that one request cannot hold every slot and the queue")
+  e.add_argument("--max-reply-entries", type=int, default=1 << 19, help="most token entries one reply may "
+                 "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
+                 "that could exceed it gets 400 before it runs")
   e.add_argument("--mesh-devices", type=int, help="devices that split the slots (default 1: no mesh; with "
                  "--target, 64: a trn2.48xlarge)")
   c = p.add_argument_group("state cache")
@@ -60,9 +65,22 @@ def parse_args(argv=None):
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000)
-  h.add_argument("--api-key", default=os.environ.get("LAPLACE_API_KEY"),
-                 help="require 'Authorization: Bearer KEY' on /v1/* (default: $LAPLACE_API_KEY)")
+  h.add_argument("--api-key", action="append", metavar="KEY",
+                 help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /metrics; repeat for several "
+                 "keys, each its own tenant (unset: $LAPLACE_API_KEY if that is set)")
+  h.add_argument("--api-keys-file", metavar="FILE", help="more keys, one 'tenant:key' a line; each tenant "
+                 "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)")
+  h.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                 help="a host name clients may call this server by (repeatable); requests naming another one "
+                 "in Host get 421 and browser pages of other origins 403 (DNS rebinding, CSRF). Bound to a "
+                 "loopback address, localhost, 127.0.0.1 and ::1 are allowed; bound to 0.0.0.0 with no "
+                 "--allowed-host, Host is not checked")
   args = p.parse_args(argv)
+  for name, lo, hi in (("max_tokens", 1, 1 << 30), ("max_prompt_tokens", 1, 1 << 30), ("max_choices", 1, 1 << 20),
+                       ("max_reply_entries", 1, 1 << 40), ("max_queue", 0, 1 << 20)):
+    v = getattr(args, name)
+    if not lo <= v <= hi:
+      p.error(f"--{name.replace('_', '-')}={v}: expected an integer in [{lo}, {hi}]")
   if args.state_cache_gb < 0:
     p.error(f"--state-cache-gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
   if args.state_cache_dir and args.state_cache_gb == 0:
@@ -75,7 +93,18 @@ def parse_args(argv=None):
     p.error("no weights: pass --checkpoint RUN/export/step_N (an export of python -m train) or --random-init")
   if (args.random_init or args.target) and args.preset is None:
     args.preset = "small"
+  if args.api_key is None and os.environ.get("LAPLACE_API_KEY"):
+    args.api_key = [os.environ["LAPLACE_API_KEY"]]
   return args
+
+
+def tenant_keys(args):
+  """serve.tenants.Tenants from --api-key and --api-keys-file (ValueError naming the problem)."""
+  from serve.tenants import Tenants, name_of_key, read_keys_file
+  keys = [(name_of_key(k), k) for k in args.api_key or []]
+  if args.api_keys_file:
+    keys += read_keys_file(args.api_keys_file)
+  return Tenants(keys)
 
 
 def lower_target(args) -> int:
@@ -113,6 +142,7 @@ def build(args):
   from serve.engine import Engine
   from serve.server import Server
 
+  tenants = tenant_keys(args)  # a bad keys file fails before the weights load
   logging.info("PRNG: %s", platform.use_prng(args.prng))  # before any key is made
   mesh = loading.make_serving_mesh(args.mesh_devices)
   tok = loading.gpt2_tokenizer()
@@ -124,10 +154,16 @@ def build(args):
                              else f"laplace-{os.path.basename(os.path.normpath(args.checkpoint))}")
   cache = None
   if args.state_cache_gb > 0:
-    from serve.state_cache import StateCache, model_identity
-    cache = StateCache(model_identity(cfg, params), int(args.state_cache_gb * 1e9), args.state_cache_dir)
+    from serve.state_cache import StateCache, layout_for, model_identity
+    t = time.perf_counter()
+    ident = model_identity(cfg, params)
+    logging.info("model fingerprint %s (every parameter byte) in %.1f s", ident, time.perf_counter() - t)
+    cache = StateCache(ident, int(args.state_cache_gb * 1e9), args.state_cache_dir, layout=layout_for(cfg))
+  # Several tenants: each may fill only its share of the queue, so one tenant's burst leaves room to wait.
+  share = -(-args.max_queue // max(1, len(tenants.names)))
   engine = Engine(params, cfg, n_slots=n_slots, prefill_batch=args.prefill_batch,
                   prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
+                  max_queue_per_tenant=share,
                   valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache,
                   snapshot_every=args.state_snapshot_every)
   t = time.perf_counter()
@@ -136,8 +172,9 @@ def build(args):
   limits = protocol.Limits(model_name=name, vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
-                           max_prompts=n_slots + args.max_queue)
-  return Server(engine, tok, limits, api_key=args.api_key, chat_template=template)
+                           max_prompts=n_slots + share, max_choices=args.max_choices,
+                           max_reply_entries=args.max_reply_entries)
+  return Server(engine, tok, limits, tenants=tenants, chat_template=template, allowed_hosts=args.allowed_host)
 
 
 async def serve_forever(server, host, port):

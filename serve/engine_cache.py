@@ -21,16 +21,18 @@ class EngineCacheMixin:
     token's logits); a prefill batch starting from those states, or None when nothing was cached."""
     if self._copies:
       self._collect_copies(block=False)
-    if any(self._is_prefix(seq, r.prompt_ids) for ids, _ in self._copies for seq in ids for r in reqs):
-      # A state still on its way to the host is this prompt's prefix (an agent's next turn arriving just
-      # after the last one finished): wait for it rather than prefill it again.
+    if any(scope == (r.tenant, r.cache_salt) and self._is_prefix(seq, r.prompt_ids)
+           for rows, _ in self._copies for scope, seq in rows for r in reqs):
+      # A state of this prompt's scope still on its way to the host is its prefix (an agent's next turn
+      # arriving just after the last one finished): wait for it rather than prefill it again. Another
+      # scope's copies never make a request wait (its time to first token would tell them apart).
       self._collect_copies(block=True)
     found = []
     for r in reqs:
       if r.echo:  # every prompt token is scored
         found.append(None)
         continue
-      n, state = self.cache.lookup(r.prompt_ids, len(r.prompt_ids) - 1)
+      n, state = self.cache.lookup(r.prompt_ids, len(r.prompt_ids) - 1, tenant=r.tenant, salt=r.cache_salt)
       r.cached_tokens = n
       found.append(state)
     if all(f is None for f in found):
@@ -63,7 +65,7 @@ class EngineCacheMixin:
       if fed > len(r.output_ids) or len(r.prompt_ids) + fed < self.cache_min_tokens:
         continue
       rows.append(r.slot)
-      ids.append(list(r.prompt_ids) + r.output_ids[:fed])
+      ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.output_ids[:fed]))
     self._gather_async(self.table["model"], rows, ids)
 
   def _snapshot(self, pf):
@@ -74,10 +76,11 @@ class EngineCacheMixin:
       done = r.cached_tokens + pf.next_chunk * C
       if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
         rows.append(i)
-        ids.append(list(r.prompt_ids[:done]))
+        ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids[:done])))
     self._gather_async(pf.state["model"], rows, ids)
 
   def _gather_async(self, state, rows, ids):
+    """ids: per row, ((tenant, cache_salt), token ids): the scope the state is cached in."""
     E = self.prefill_batch  # one compiled gather width; a short group is padded with its first row
     for g in range(0, len(rows), E):
       part = rows[g:g + E]
@@ -95,8 +98,16 @@ class EngineCacheMixin:
         return
       self._copies.popleft()
       host = {k: np.asarray(v) for k, v in out.items()}
-      for i, seq in enumerate(ids):
-        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()})
+      for i, ((tenant, salt), seq) in enumerate(ids):
+        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()}, tenant=tenant, salt=salt)
+
+  def flush_cache(self, timeout: float = 30.0) -> bool:
+    """Land every state still being copied and wait for the cache's file writes (shutdown): a finished
+    conversation reaches --state-cache-dir. False if the writes did not finish within `timeout`."""
+    if self.cache is None:
+      return True
+    self._collect_copies(block=True)
+    return self.cache.flush(timeout)
 
   def _warm_cache(self):
     """Compile the gathers (from the slot table and from a prefill batch) and the restore."""

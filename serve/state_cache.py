@@ -1,23 +1,32 @@
-"""A host-memory cache of whole-context model states, keyed by exact token ids and the model.
+"""A host-memory cache of whole-context model states, keyed by tenant, cache salt, exact token ids and model.
 
 A Laplace sequence's context is its fixed-size state, so a cached state of tokens[:n] lets a new request
-whose prompt starts with those n tokens skip prefilling them. Entries are found through a hash chain over
-BLOCK-token blocks of the ids (seeded with the model's identity), then confirmed against the stored ids
-themselves: a hash collision can never select a state. Eviction is LRU by bytes. With a directory, every
-entry is also a file (header + arrays + SHA-256), written by a background thread to a temporary name and
-renamed into place; at start the files of this model are loaded (newest first, up to the byte budget) and a
-damaged one is skipped with a warning.
+whose prompt starts with those n tokens skip prefilling them. Every entry belongs to one scope: the
+tenant (API key) that produced it and the request's optional `cache_salt` (vLLM's answer to
+CVE-2025-46570). Entries are found through a hash chain over BLOCK-token blocks of the ids, seeded with the
+model's identity and the scope, then confirmed against the stored scope and ids themselves: a state is
+only ever restored for the scope that produced it, and a hash collision can never select one. Eviction is
+LRU by bytes.
+
+With a directory, every entry is also a file (header + arrays + SHA-256), written 0600 in a 0700 directory
+by a background thread to a temporary name and renamed into place. The directory is not trusted: at start
+only regular files are opened (never through a symlink, never a FIFO), each is checked against the model,
+the state layout the engine expects and its checksum, and a bad one is skipped with a log line; files past
+the byte budget and temporaries left by a crash are removed.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import queue
+import stat
 import threading
+import time
 from typing import Sequence
 
 import jax
@@ -29,20 +38,42 @@ BLOCK = 64          # tokens per hash-chain block
 MAX_PENDING_WRITES = 64  # files queued for the writer; past it new entries stay in memory only
 MAGIC = b"LPLSTATE1\n"
 MARKER = "laplace-state-cache.json"
+TMP = ".tmp-"       # in the name of every temporary file this module writes (removed at start)
+MAX_HEADER = 1 << 16
 
 
 def model_identity(cfg, params, extra: str = "") -> str:
-  """A digest of the config and of every parameter leaf's shape, dtype and leading values.
+  """A SHA-256 over the config and every byte of every parameter leaf (with its path, shape and dtype).
 
-  Reading a few thousand values per leaf (not all 3B) tells models apart in practice: two checkpoints that
-  agree there agree everywhere only if they are the same checkpoint."""
+  Leaves are copied to the host and hashed by a few threads (hashlib releases the GIL), one at a time
+  per thread, so host memory holds a few leaves, never the whole model."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+
+  def digest(leaf):
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(leaf)).view(np.uint8).reshape(-1)).digest()
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    digests = list(pool.map(digest, [leaf for _, leaf in leaves]))
   h = hashlib.sha256(repr(cfg).encode() + extra.encode())
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
-    flat = leaf.reshape(-1)
-    h.update(np.asarray(flat[:4096]).tobytes())
-    h.update(np.asarray(flat[-4096:]).tobytes())
+  for (path, leaf), d in zip(leaves, digests):
+    h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode() + d)
   return h.hexdigest()[:32]
+
+
+def layout_for(cfg, model=None) -> dict:
+  """{name: (dtype, shape)} of one sequence's decode state (init_state's, without the batch axis)."""
+  if model is None:
+    from laplace_jax import model
+  shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
+  return {k: (str(a.dtype), (a.shape[0], *a.shape[2:]) if a.ndim > 1 else ()) for k, a in shapes.items()}
+
+
+def scope_of(tenant: str = "", salt: str | None = None) -> str:
+  """The cache scope of a request: '' for the anonymous tenant without a salt, else a digest of both (the
+  salt itself is never stored)."""
+  if not tenant and salt is None:
+    return ""
+  return hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()[:32]
 
 
 def _ids_bytes(ids) -> bytes:
@@ -53,7 +84,8 @@ def _ids_bytes(ids) -> bytes:
 class Entry:
   ids: np.ndarray    # int32 [n]: exactly the tokens the state has consumed
   state: dict        # {"gla": [L, ...], "conv": [L, ...]} numpy, one sequence (no slot axis)
-  key: str           # hash of (model, ids): the file name on disk
+  key: str           # hash of (model, scope, ids): the file name on disk
+  scope: str = ""    # scope_of(tenant, salt) of the requests that may restore it
 
   @property
   def nbytes(self) -> int:
@@ -61,17 +93,22 @@ class Entry:
 
 
 class StateCache:
-  """LRU by bytes of `Entry`s, looked up by longest cached prefix. Thread-safe."""
+  """LRU by bytes of `Entry`s, looked up by longest cached prefix within a scope. Thread-safe.
 
-  def __init__(self, model_id: str, budget_bytes: int, directory: str | None = None):
+  `layout` ({name: (dtype str, shape)}, one sequence's state) is what the engine restores; states and
+  files of another layout are refused. The engine sets it (`check_layout`) when the caller did not."""
+
+  def __init__(self, model_id: str, budget_bytes: int, directory: str | None = None, layout: dict | None = None):
     if budget_bytes < 0:
       raise ValueError(f"--state-cache-gb gives {budget_bytes} bytes: expected >= 0 (0 disables the cache).")
     self.model_id, self.budget = model_id, int(budget_bytes)
+    self.layout = None if layout is None else _norm_layout(layout)
     self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest first
     self.by_block: dict[bytes, set[str]] = collections.defaultdict(set)  # chain hash of floor(n/BLOCK) blocks
     self.bytes = 0
     self.stats = {"hits": 0, "misses": 0, "evictions": 0, "tokens_reused": 0, "stored": 0,
-                  "files_written": 0, "files_skipped": 0, "files_not_written": 0}
+                  "files_written": 0, "files_skipped": 0, "files_not_written": 0, "files_removed": 0}
+    self.tenant_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     self._lock = threading.Lock()
     self.dir = directory
     self._writes: queue.Queue | None = None
@@ -80,51 +117,65 @@ class StateCache:
 
   # ---- keys ----
 
-  def _chain(self, ids: np.ndarray, n_blocks: int) -> list[bytes]:
-    """h_0 = H(model), h_{j+1} = H(h_j || block j): one hash per block boundary, n_blocks + 1 in all."""
-    out = [hashlib.sha256(self.model_id.encode()).digest()]
+  def _chain(self, ids: np.ndarray, n_blocks: int, scope: str) -> list[bytes]:
+    """h_0 = H(model, scope), h_{j+1} = H(h_j || block j): one hash per block boundary, n_blocks + 1 in all."""
+    out = [hashlib.sha256(f"{self.model_id}|{scope}".encode()).digest()]
     for j in range(n_blocks):
       out.append(hashlib.sha256(out[-1] + ids[j * BLOCK:(j + 1) * BLOCK].tobytes()).digest())
     return out
 
-  def _key(self, ids: np.ndarray) -> str:
-    return hashlib.sha256(self.model_id.encode() + b"|" + ids.tobytes()).hexdigest()
+  def _key(self, ids: np.ndarray, scope: str) -> str:
+    return hashlib.sha256(f"{self.model_id}|{scope}|".encode() + ids.tobytes()).hexdigest()
 
   # ---- lookup / insert ----
 
-  def lookup(self, prompt_ids: Sequence[int], max_len: int) -> tuple[int, dict | None]:
-    """The longest cached prefix of prompt_ids no longer than max_len: (n, state) or (0, None)."""
+  def lookup(self, prompt_ids: Sequence[int], max_len: int, *, tenant: str = "",
+             salt: str | None = None) -> tuple[int, dict | None]:
+    """The longest prefix of prompt_ids no longer than max_len cached in the scope (tenant, salt):
+    (n, state) or (0, None)."""
+    scope = scope_of(tenant, salt)
     ids = np.asarray(prompt_ids, np.int32)
     max_len = min(max_len, len(ids))
-    chain = self._chain(ids, max_len // BLOCK)
+    chain = self._chain(ids, max_len // BLOCK, scope)
     with self._lock:
+      counts = self.tenant_stats[tenant]
       for j in range(len(chain) - 1, -1, -1):
         best = None
         for key in self.by_block.get(chain[j], ()):
           e = self.entries[key]
           n = len(e.ids)
-          if n <= max_len and (best is None or n > len(best.ids)) and np.array_equal(e.ids, ids[:n]):
+          if (e.scope == scope and n <= max_len and (best is None or n > len(best.ids))
+              and np.array_equal(e.ids, ids[:n])):
             best = e
         if best is not None:
           self.entries.move_to_end(best.key)
-          self.stats["hits"] += 1
-          self.stats["tokens_reused"] += len(best.ids)
+          for c in (self.stats, counts):
+            c["hits"] += 1
+            c["tokens_reused"] += len(best.ids)
           return len(best.ids), best.state
       self.stats["misses"] += 1
+      counts["misses"] += 1
     return 0, None
 
-  def put(self, ids: Sequence[int], state: dict, *, write: bool = True) -> bool:
-    """Keep `state` as the state after exactly `ids`; False if it cannot fit the budget at all."""
+  def put(self, ids: Sequence[int], state: dict, *, tenant: str = "", salt: str | None = None,
+          write: bool = True) -> bool:
+    """Keep `state` as the state after exactly `ids` in the scope (tenant, salt); False if it cannot fit
+    the budget at all."""
+    return self._put(ids, state, scope_of(tenant, salt), write)
+
+  def _put(self, ids, state: dict, scope: str, write: bool) -> bool:
     ids = np.asarray(ids, np.int32)
-    e = Entry(ids=ids, state=state, key=self._key(ids))
+    e = Entry(ids=ids, state=state, key=self._key(ids, scope), scope=scope)
     if e.nbytes > self.budget or len(ids) == 0:
       return False
+    if self.layout is not None and _layout_of(state) != self.layout:
+      raise ValueError(f"a state of layout {_layout_of(state)} in a cache of layout {self.layout}")
     with self._lock:
       if e.key in self.entries:
         self.entries.move_to_end(e.key)
         return True
       self.entries[e.key] = e
-      self.by_block[self._chain(ids, len(ids) // BLOCK)[-1]].add(e.key)
+      self.by_block[self._chain(ids, len(ids) // BLOCK, scope)[-1]].add(e.key)
       self.bytes += e.nbytes
       self.stats["stored"] += 1
       evicted = []
@@ -143,12 +194,28 @@ class StateCache:
     return True
 
   def _unindex(self, e: Entry):
-    h = self._chain(e.ids, len(e.ids) // BLOCK)[-1]
+    h = self._chain(e.ids, len(e.ids) // BLOCK, e.scope)[-1]
     self.by_block[h].discard(e.key)
     if not self.by_block[h]:
       del self.by_block[h]
     self.bytes -= e.nbytes
     self.stats["evictions"] += 1
+
+  def check_layout(self, layout: dict):
+    """The engine's state layout: set it, or refuse a cache built for another one. Entries of another
+    layout (loaded before it was known) are dropped."""
+    layout = _norm_layout(layout)
+    if self.layout is not None:
+      if self.layout != layout:
+        raise ValueError(f"the state cache was built for states {self.layout}, the engine's are {layout}")
+      return
+    self.layout = layout
+    with self._lock:
+      bad = [e for e in self.entries.values() if _layout_of(e.state) != layout]
+      for e in bad:
+        log.warning("state cache: dropping a state of layout %s (the engine's is %s)", _layout_of(e.state), layout)
+        del self.entries[e.key]
+        self._unindex(e)
 
   def __len__(self):
     return len(self.entries)
@@ -158,19 +225,24 @@ class StateCache:
   def _open_dir(self, directory: str):
     marker = os.path.join(directory, MARKER)
     try:
-      os.makedirs(directory, exist_ok=True)
+      os.makedirs(directory, mode=0o700, exist_ok=True)
       names = os.listdir(directory)
       if names and MARKER not in names:
         raise ValueError(f"--state-cache-dir={directory} holds {len(names)} other files and no {MARKER}: it "
                          "is not a state cache. Pass an empty or new directory.")
+      os.chmod(directory, 0o700)  # the files hold prompts' token ids
       if MARKER in names:
-        with open(marker) as f:
-          owner = json.load(f).get("model_id")
+        try:
+          owner = json.loads(_read_regular(marker, MAX_HEADER)).get("model_id")
+        except (ValueError, AttributeError) as e:
+          raise ValueError(f"--state-cache-dir={directory}: {MARKER} is damaged ({e}). Remove the directory "
+                           "(it only holds cached states) or pass another one.") from None
         if owner != self.model_id:
           raise ValueError(f"--state-cache-dir={directory} holds states of another model ({owner}, this one "
                            f"is {self.model_id}). Use one directory per model.")
       else:
         _atomic_write(marker, json.dumps({"model_id": self.model_id, "format": 1}).encode())
+      self._remove_temporaries(directory)
       probe = os.path.join(directory, ".write-probe")
       _atomic_write(probe, b"ok")
       os.remove(probe)
@@ -181,24 +253,64 @@ class StateCache:
     self._writes = queue.Queue()
     threading.Thread(target=self._writer, name="state-cache-writer", daemon=True).start()
 
+  def _remove_temporaries(self, directory: str):
+    """Temporary files a crashed writer left behind (this module's names only; links are unlinked, not
+    followed)."""
+    for name in os.listdir(directory):
+      if TMP in name:
+        try:
+          if not stat.S_ISDIR(os.lstat(os.path.join(directory, name)).st_mode):
+            os.unlink(os.path.join(directory, name))
+            log.info("state cache: removed %s, left by an interrupted write", name)
+        except OSError as e:
+          log.warning("state cache: cannot remove %s (%s)", name, e)
+
   def _load_dir(self, directory: str):
-    files = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".state")]
-    files.sort(key=lambda p: os.path.getmtime(p))  # oldest first: the newest end up most recently used
-    loaded = []
-    for path in reversed(files):
+    """Newest files first while they fit the budget; the rest are removed. Only regular files named
+    *.state are opened; anything else (links, FIFOs, directories) is skipped unopened."""
+    files = []
+    for name in os.listdir(directory):
+      if not name.endswith(".state") or TMP in name:
+        continue
+      path = os.path.join(directory, name)
       try:
-        ids, state = read_entry(path, self.model_id)
+        st = os.lstat(path)
+      except OSError:
+        continue
+      if not stat.S_ISREG(st.st_mode):
+        log.warning("state cache: skipping %s (not a regular file)", path)
+        self.stats["files_skipped"] += 1
+        continue
+      files.append((st.st_mtime, path))
+    files.sort(reverse=True)  # newest first: they end up most recently used
+    loaded, total, over = [], 0, []
+    for _, path in files:
+      if total >= self.budget:
+        over.append(path)
+        continue
+      try:
+        ids, state, scope = read_entry(path, self.model_id, self.layout)
       except (OSError, ValueError) as e:
         log.warning("state cache: skipping %s (%s)", path, e)
         self.stats["files_skipped"] += 1
         continue
-      loaded.append((ids, state))
-      if sum(sum(a.nbytes for a in s.values()) for _, s in loaded) >= self.budget:
-        break
-    for ids, state in reversed(loaded):
-      self.put(ids, state, write=False)
+      size = sum(a.nbytes for a in state.values())
+      if total + size > self.budget:
+        over.append(path)
+        continue
+      total += size
+      loaded.append((ids, state, scope))
+    for ids, state, scope in reversed(loaded):
+      self._put(ids, state, scope, write=False)
+    for path in over:  # past the budget at start: the oldest go, as LRU eviction would have removed them
+      try:
+        os.unlink(path)
+        self.stats["files_removed"] += 1
+      except OSError as e:
+        log.warning("state cache: cannot remove %s (%s)", path, e)
     self.stats["stored"] = 0
-    log.info("state cache: %d states (%.1f MB) loaded from %s", len(self), self.bytes / 1e6, directory)
+    log.info("state cache: %d states (%.1f MB) loaded from %s, %d over the budget removed", len(self),
+             self.bytes / 1e6, directory, len(over))
 
   def _writer(self):
     while True:
@@ -206,62 +318,130 @@ class StateCache:
       path = os.path.join(self.dir, e.key + ".state")
       try:
         if op == "write":
-          _atomic_write(path, encode_entry(e.ids, e.state, self.model_id))
+          _atomic_write(path, encode_entry(e.ids, e.state, self.model_id, e.scope))
           self.stats["files_written"] += 1
-        elif os.path.exists(path):
+        elif os.path.lexists(path):
           os.remove(path)
       except OSError as err:
         log.warning("state cache: %s of %s failed (%s)", op, path, err)
       finally:
         self._writes.task_done()
 
-  def flush(self):
-    """Wait for every queued file write (tests, shutdown)."""
-    if self._writes is not None:
+  def flush(self, timeout: float | None = None) -> bool:
+    """Wait for every queued file write (tests, shutdown); False if some are still pending at `timeout`."""
+    if self._writes is None:
+      return True
+    if timeout is None:
       self._writes.join()
+      return True
+    deadline = time.monotonic() + timeout
+    with self._writes.all_tasks_done:
+      while self._writes.unfinished_tasks:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return False
+        self._writes.all_tasks_done.wait(left)
+    return True
+
+
+def _norm_layout(layout: dict) -> dict:
+  return {str(k): (str(np.dtype(d)), tuple(int(x) for x in s)) for k, (d, s) in layout.items()}
+
+
+def _layout_of(state: dict) -> dict:
+  return {str(k): (str(a.dtype), tuple(a.shape)) for k, a in state.items()}
 
 
 def _atomic_write(path: str, data: bytes):
-  tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  """Write to a temporary name (0600, never through a link) and rename into place; on failure the
+  temporary file is removed."""
+  tmp = f"{path}{TMP}{os.getpid()}-{threading.get_ident()}"
+  try:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
 
 
-def encode_entry(ids: np.ndarray, state: dict, model_id: str) -> bytes:
-  """MAGIC, a JSON header line (model, arrays' names/dtypes/shapes, SHA-256 of the payload), the payload."""
+def _read_regular(path: str, limit: int) -> bytes:
+  """The bytes of a regular file, opened without following a link and without blocking (a FIFO); at most
+  `limit` bytes (ValueError past it)."""
+  fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      raise ValueError("not a regular file")
+    if st.st_size > limit:
+      raise ValueError(f"{st.st_size} bytes, more than the {limit} a state of this model takes")
+    with os.fdopen(fd, "rb", closefd=False) as f:
+      return f.read(st.st_size + 1)
+  finally:
+    os.close(fd)
+
+
+def encode_entry(ids: np.ndarray, state: dict, model_id: str, scope: str = "") -> bytes:
+  """MAGIC, a JSON header line (model, scope, arrays' names/dtypes/shapes, SHA-256 of the payload), the payload."""
   names = sorted(state)
   payload = _ids_bytes(ids) + b"".join(np.ascontiguousarray(state[n]).tobytes() for n in names)
-  header = {"model_id": model_id, "n_ids": int(len(ids)), "sha256": hashlib.sha256(payload).hexdigest(),
+  header = {"model_id": model_id, "scope": scope, "n_ids": int(len(ids)),
+            "sha256": hashlib.sha256(payload).hexdigest(),
             "arrays": [[n, str(state[n].dtype), list(state[n].shape)] for n in names]}
   return MAGIC + json.dumps(header).encode() + b"\n" + payload
 
 
-def read_entry(path: str, model_id: str) -> tuple[np.ndarray, dict]:
-  """(ids, state) from a file; ValueError if it is damaged or belongs to another model."""
-  with open(path, "rb") as f:
-    raw = f.read()
+def _max_file_bytes(layout: dict | None) -> int:
+  if layout is None:
+    return 1 << 40
+  state = sum(int(np.prod(s)) * np.dtype(d).itemsize for d, s in layout.values())
+  return len(MAGIC) + MAX_HEADER + 4 * (1 << 24) + state  # ids: up to 16M tokens
+
+
+def read_entry(path: str, model_id: str, layout: dict | None = None) -> tuple[np.ndarray, dict, str]:
+  """(ids, state, scope) from a file; ValueError if it is damaged, belongs to another model or holds a
+  state of another layout than `layout`; OSError if it cannot be opened as a regular file."""
+  raw = _read_regular(path, _max_file_bytes(layout))
   if not raw.startswith(MAGIC):
     raise ValueError("not a state file")
-  end = raw.find(b"\n", len(MAGIC))
+  end = raw.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
   try:
-    header = json.loads(raw[len(MAGIC):end])
+    header = json.loads(raw[len(MAGIC):end]) if end > 0 else None
   except ValueError:
-    raise ValueError("damaged header") from None
+    header = None
+  if not isinstance(header, dict):
+    raise ValueError("damaged header")
   if header.get("model_id") != model_id:
-    raise ValueError(f"state of another model ({header.get('model_id')})")
+    raise ValueError(f"state of another model ({str(header.get('model_id'))[:40]})")
   payload = raw[end + 1:]
   if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
     raise ValueError("checksum mismatch (damaged or truncated)")
-  n = header["n_ids"]
+  n, scope, arrays = header.get("n_ids"), header.get("scope", ""), header.get("arrays")
+  try:
+    if not isinstance(n, int) or n < 1 or not isinstance(scope, str) or not isinstance(arrays, list):
+      raise TypeError
+    spec = {str(name): (str(np.dtype(dt)), tuple(int(x) for x in shape)) for name, dt, shape in arrays}
+    if len(spec) != len(arrays) or any(x < 0 for _, s in spec.values() for x in s) or any(
+        np.dtype(d).kind not in "fiu" for d, _ in spec.values()):
+      raise TypeError
+  except (TypeError, ValueError):
+    raise ValueError("damaged header (arrays)") from None
+  if layout is not None and spec != _norm_layout(layout):
+    raise ValueError(f"a state of layout {spec}, not this engine's {_norm_layout(layout)}")
   ids = np.frombuffer(payload[:4 * n], np.int32).copy()
   state, off = {}, 4 * n
-  for name, dtype, shape in header["arrays"]:
+  for name, (dtype, shape) in spec.items():
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if off + size > len(payload):
+      raise ValueError("payload size does not match the header")
     state[name] = np.frombuffer(payload[off:off + size], dtype).reshape(shape).copy()
     off += size
-  if off != len(payload):
+  if off != len(payload) or len(ids) != n:
     raise ValueError("payload size does not match the header")
-  return ids, state
+  return ids, state, scope

@@ -37,7 +37,8 @@ def test_round_trip_text_and_ids(served, tok):
   ch = a["choices"][0]
   assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 12
   assert ch["text"] == tok.token_bytes(ch["token_ids"]).decode("utf-8", "replace")
-  assert a["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}
+  assert a["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14,
+                        "prompt_tokens_details": {"cached_tokens": 0}}
   st, b = call(url, body={"prompt": [15496, 995], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
                           "return_token_ids": True})
   assert st == 200 and b["choices"][0]["token_ids"] == ch["token_ids"]
@@ -82,7 +83,8 @@ def test_models_health_metrics_and_auth(served):
   st, m = call(url, "GET", "/v1/models")
   assert st == 200 and m["data"][0]["id"] == "laplace-tiny"
   assert call(url, "GET", "/health", headers={})[0] == 200
-  st, text = call(url, "GET", "/metrics", headers={})
+  assert call(url, "GET", "/metrics", headers={})[0] == 401  # with keys, /metrics needs one too
+  st, text = call(url, "GET", "/metrics")
   assert st == 200
   for name in ("tokens_per_second", "active_slots", "queue_depth", "generated_tokens_total"):
     assert f"\nlaplace_serve_{name} " in text
@@ -145,10 +147,10 @@ def test_full_queue_gives_429_and_disconnects_free_slots(served):
 
   async def go():
     async with aiohttp.ClientSession() as s:
-      body = json.dumps({"prompt": "Long story:", "max_tokens": 64, "stream": True, "ignore_eos": True})
-      opened = [await s.post(url + "/v1/completions", data=body, headers=AUTH) for _ in range(6)]
+      body = {"prompt": "Long story:", "max_tokens": 64, "stream": True, "ignore_eos": True}
+      opened = [await s.post(url + "/v1/completions", json=body, headers=AUTH) for _ in range(6)]
       assert [r.status for r in opened] == [200] * 6  # 4 slots + 2 queued
-      r = await s.post(url + "/v1/completions", data=body, headers=AUTH)
+      r = await s.post(url + "/v1/completions", json=body, headers=AUTH)
       assert r.status == 429 and r.headers["Retry-After"] == "1"
       await r.release()
       for r in opened[:4]:

@@ -3,7 +3,9 @@
 A TOML file has up to three tables, each mirroring a dataclass: [train] (TrainConfig below), [model]
 (laplace_jax.config.LaplaceConfig) and [optimizer] (laplace_jax.optimizer.OptimizerConfig). On the command
 line, train fields are `--steps 100`, model and optimizer fields `--model.d_model 128`,
-`--optimizer.adamw_lr 3e-3`. Every field is a flag and `--help` lists them all with their defaults.
+`--optimizer.adamw_lr 3e-3`. Every field is a flag and `--help` lists them all with their defaults; a flag's
+help is its field's docstring, written once beside the field. Flags are spelled with underscores, as the
+fields are; the dashed spelling (`--data-dir`, `--model.d-model`, `--no-resume`) is accepted too.
 """
 from __future__ import annotations
 
@@ -13,145 +15,93 @@ import tomllib
 import typing
 from typing import Any
 
+from laplace_jax import cli
 from laplace_jax.config import LaplaceConfig, get_config, PRESETS
 from laplace_jax.optimizer import OptimizerConfig
-
-HELP = {
-    "preset": f"model preset: one of {sorted(PRESETS)}",
-    "data_dir": "prepared data (python -m train.prepare); prepared from the embedded corpus if missing and "
-                "it is the default",
-    "data_source": "training data: '' (text prepared in data_dir) or a recall task generated on the fly, "
-                   "mqar:SEQ,PAIRS (e.g. mqar:64,4) | passkey:SEQ (set --seq_len to SEQ)",
-    "out_dir": "run directory: checkpoints/, metrics.jsonl, loss.png, export/",
-    "steps": "total optimizer steps of the run (a resumed run continues to this number)",
-    "global_batch": "sequences per optimizer step, over all devices and micro-batches",
-    "seq_len": "tokens per sequence (0: the model's max_seq_len)",
-    "tokens_per_step": "sets global_batch to this many tokens / seq_len (0: use global_batch): keeps the tokens "
-                       "per step when the sequence length changes",
-    "micro_batches": "split each step into this many accumulated micro-batches (memory)",
-    "z_loss": "weight of the z-loss logsumexp² term (0 disables it)",
-    "mesh_data": "data-parallel axis size of the device mesh",
-    "mesh_fsdp": "FSDP axis size (0: all devices left after mesh_data)",
-    "simulate_devices": "CPU only: simulate this many devices (XLA host device count); 0 keeps the real ones",
-    "seed": "seed of the initialisation and of the data order",
-    "prng": "JAX's PRNG implementation: auto (rbg on Neuron and with --target neuron, threefry elsewhere) | "
-            "threefry | rbg | unsafe_rbg; the same seed initialises differently under each, and a resumed run "
-            "must use its checkpoint's",
-    "log_every": "write metrics every N steps",
-    "eval_every": "held-out eval loss every N steps (0: only at the end)",
-    "eval_batches": "held-out batches per eval",
-    "save_every": "checkpoint every N steps (the last step is always saved)",
-    "keep_checkpoints": "keep the newest N checkpoints",
-    "resume": "resume from the newest checkpoint in out_dir when one exists (--no-resume starts afresh, "
-              "which needs an empty checkpoint directory)",
-    "max_bad_steps": "stop after this many consecutive non-finite steps",
-    "compile_only": "lower and compile the step from abstract shapes, print memory and time, then exit",
-    "target": "lower (never compile) the step from abstract shapes with the choices made on this platform "
-              "('neuron': Trainium), print the conformance report (laplace_jax.neuron_check), exit 1 on a "
-              "violation; simulates 64 devices (a trn2.48xlarge) unless --simulate_devices says otherwise",
-    "hlo_dir": "with --target: write the step's StableHLO to DIR/train_step.mlir",
-    "coordinator": "multi-process: coordinator address host:port (or JAX_COORDINATOR_ADDRESS)",
-    "num_processes": "multi-process: process count (or JAX_NUM_PROCESSES)",
-    "process_id": "multi-process: this process's id (or JAX_PROCESS_ID)",
-    "sample_tokens": "after training, print this many tokens sampled from the final params (0: none)",
-    "sample_prompt": "prompt for the sample",
-    "progress": "show a progress bar",
-    "allow_changes": "resume even though these config fields differ from the checkpoint's (comma-separated, "
-                     "e.g. optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)",
-    "state_passing": "state passing (truncated BPTT): each batch row is one contiguous token stream that "
-                     "continues across steps, and each step starts the row from its recurrent state at the end "
-                     "of the previous step (GLA states and conv windows; no gradient across the boundary)",
-    "profile_steps": "capture a jax.profiler trace of this many steps (after the first, which compiles) into "
-                     "out_dir/profile, viewable in TensorBoard or Perfetto (0: none)",
-}
-
-
-MODEL_HELP = {
-    "vocab_size": "vocabulary rows (GPT-2's 50,257 padded to 50,304)",
-    "d_model": "hidden width D",
-    "n_layers": "decoder layers",
-    "n_heads": "GLA heads H",
-    "d_k": "query/key width per head",
-    "d_v": "value width per head",
-    "d_ff": "GLU inner width",
-    "conv_size": "causal depth-wise conv kernel (and decode-state window)",
-    "decay_t_min": "shortest head half-life in tokens",
-    "decay_t_max": "longest head half-life in tokens",
-    "n_decay_tiers": "head groups sharing one Head RMSNorm weight",
-    "chunk_size": "GLA chunk length (training and prefill)",
-    "max_seq_len": "default training sequence length",
-    "norm_eps": "LayerNorm / RMSNorm epsilon",
-    "init_std": "std of the normal initialisation of matrices",
-    "param_dtype": "parameter dtype (float32 | bfloat16)",
-    "compute_dtype": "matmul dtype (float32 | bfloat16)",
-    "remat": "rematerialise each layer in the backward pass (true/false)",
-    "unroll_chunks": "statically unroll the chunk scan (true/false)",
-    "gla_form": "chunked GLA form: auto (parallel on GPU/TPU, scan on CPU, unrolled scan on Neuron) | "
-                "parallel (faster on GPUs) | scan (constant time per token on CPUs)",
-    "mixers": "per-layer mixer pattern repeated over the layers: G = GLA, A = softmax attention, S = sliding-"
-              "window softmax attention (e.g. GGGA, GGGS)",
-    "rope_base": "RoPE base of the attention layers",
-    "window": "tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring "
-              "of this many keys and values",
-}
-OPTIMIZER_HELP = {
-    "total_steps": "length of the LR schedule (defaults to --steps below laplace-3b; fixed when a run starts "
-                   "and kept when it is resumed or extended)",
-    "warmup_steps": "linear warm-up steps",
-    "end_lr_fraction": "cosine decays to this fraction of each peak",
-    "clip_norm": "global gradient-norm clip (0: no clipping)",
-    "muon_lr": "Muon peak learning rate (2-D hidden matrices)",
-    "muon_beta": "Muon Nesterov momentum",
-    "muon_nesterov": "Nesterov momentum (true/false)",
-    "muon_ns_steps": "Newton-Schulz iterations",
-    "muon_weight_decay": "Muon decoupled weight decay",
-    "muon_scale_mode": "reference (sqrt(max(1, out/in))) | adamw_rms (0.2*sqrt(max(in, out)))",
-    "muon_distribution": "all_to_all (two sharded all_to_alls) | gather (every matrix on every device)",
-    "muon_ns_dtype": "Newton-Schulz iterations in float32 | bfloat16 (the reference Muon's; faster on GPUs)",
-    "adamw_lr": "AdamW peak learning rate (embedding, head, norms, conv, aug_balance)",
-    "adamw_b1": "AdamW beta1",
-    "adamw_b2": "AdamW beta2",
-    "adamw_eps": "AdamW epsilon",
-    "adamw_weight_decay": "AdamW decoupled weight decay (embedding and head only)",
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   preset: str = "tiny"
+  """model preset"""
   data_dir: str = "data/kjv"
+  """prepared data (python -m train.prepare); prepared from the embedded corpus if missing and it is the
+  default"""
   data_source: str = ""
+  """training data: '' (text prepared in data_dir) or a recall task generated on the fly, mqar:SEQ,PAIRS (e.g.
+  mqar:64,4) | passkey:SEQ (set --seq_len to SEQ)"""
   out_dir: str = "runs/tiny"
+  """run directory: checkpoints/, metrics.jsonl, loss.png, export/"""
   steps: int = 200
+  """total optimizer steps of the run (a resumed run continues to this number)"""
   global_batch: int = 16
+  """sequences per optimizer step, over all devices and micro-batches"""
   seq_len: int = 0
+  """tokens per sequence (0: the model's max_seq_len)"""
   tokens_per_step: int = 0
+  """sets global_batch to this many tokens / seq_len (0: use global_batch): keeps the tokens per step when the
+  sequence length changes"""
   micro_batches: int = 1
+  """split each step into this many accumulated micro-batches (memory)"""
   z_loss: float = 1e-4
+  """weight of the z-loss logsumexp² term (0 disables it)"""
   mesh_data: int = 1
+  """data-parallel axis size of the device mesh"""
   mesh_fsdp: int = 0
+  """FSDP axis size (0: all devices left after mesh_data)"""
   simulate_devices: int = 0
+  """CPU only: simulate this many devices (XLA host device count); 0 keeps the real ones"""
   seed: int = 0
+  """seed of the initialisation and of the data order"""
   prng: str = "auto"
+  """JAX's PRNG implementation: auto (rbg on Neuron and with --target neuron, threefry elsewhere) | threefry |
+  rbg | unsafe_rbg; the same seed initialises differently under each, and a resumed run must use its
+  checkpoint's"""
   log_every: int = 10
+  """write metrics every N steps"""
   eval_every: int = 50
+  """held-out eval loss every N steps (0: only at the end)"""
   eval_batches: int = 4
+  """held-out batches per eval"""
   save_every: int = 100
+  """checkpoint every N steps (the last step is always saved)"""
   keep_checkpoints: int = 3
+  """keep the newest N checkpoints"""
   resume: bool = True
+  """resume from the newest checkpoint in out_dir when one exists (--no_resume starts afresh, which needs an
+  empty checkpoint directory)"""
   max_bad_steps: int = 10
+  """stop after this many consecutive non-finite steps"""
   compile_only: bool = False
+  """lower and compile the step from abstract shapes, print memory and time, then exit"""
   target: str = ""
+  """lower (never compile) the step from abstract shapes with the choices made on this platform ('neuron':
+  Trainium), print the conformance report (laplace_jax.neuron_check), exit 1 on a violation; simulates 64
+  devices (a trn2.48xlarge) unless --simulate_devices says otherwise"""
   hlo_dir: str = ""
+  """with --target: write the step's StableHLO to DIR/train_step.mlir"""
   coordinator: str = ""
+  """multi-process: coordinator address host:port (or JAX_COORDINATOR_ADDRESS)"""
   num_processes: int = 1
+  """multi-process: process count (or JAX_NUM_PROCESSES)"""
   process_id: int = 0
+  """multi-process: this process's id (or JAX_PROCESS_ID)"""
   sample_tokens: int = 0
+  """after training, print this many tokens sampled from the final params (0: none)"""
   sample_prompt: str = "In the beginning"
+  """prompt for the sample"""
   progress: bool = True
+  """show a progress bar"""
   allow_changes: str = ""
+  """resume even though these config fields differ from the checkpoint's (comma-separated, e.g.
+  optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)"""
   profile_steps: int = 0
+  """capture a jax.profiler trace of this many steps (after the first, which compiles) into out_dir/profile,
+  viewable in TensorBoard or Perfetto (0: none)"""
   state_passing: bool = False
+  """state passing (truncated BPTT): each batch row is one contiguous token stream that continues across
+  steps, and each step starts the row from its recurrent state at the end of the previous step (GLA states
+  and conv windows; no gradient across the boundary)"""
 
   def __post_init__(self):
     for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",
@@ -206,7 +156,8 @@ def _field_type(cls, f):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(
+  """Every field of the three sections is a flag; its help is the field's docstring (laplace_jax.cli)."""
+  ap = cli.FlagParser(
       prog="python -m train", description="Train a Laplace model with pjit over a device mesh.",
       epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", metavar="FILE.toml", help="TOML file with [train], [model], [optimizer] tables")
@@ -216,10 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
       flag = f"--{f.name}" if section == "train" else f"--{section}.{f.name}"
       t = _field_type(cls, f)
       default = f.default
-      helptext = {"train": HELP, "model": MODEL_HELP, "optimizer": OPTIMIZER_HELP}[section][f.name]
+      helptext = cli.field_help(cls, f.name) + (f": one of {sorted(PRESETS)}" if f.name == "preset" else "")
       if t is bool and section == "train":
-        group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
-                           default=None, help=f"{helptext} (default: {default})")
+        group.add_argument(flag, dest=f"{section}.{f.name}", action=cli.Toggle, default=None,
+                           help=f"{helptext} (default: {default})")
       else:
         typ = _parse_bool if t is bool else (t if t in (int, float, str) else str)
         group.add_argument(flag, dest=f"{section}.{f.name}", type=typ, default=None, metavar=t.__name__.upper()

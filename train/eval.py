@@ -30,8 +30,9 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  from laplace_jax import cli
+  ap = cli.FlagParser(prog="python -m train.eval", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--checkpoint", required=True, help="an exported params directory (RUN/export/step_N)")
   ap.add_argument("--data_dir", required=True, help="prepared data (python -m train.prepare)")
   ap.add_argument("--split", default="val", help="split to evaluate (default: val)")
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--seq_len", type=int, default=0, help="tokens per window (0: the model's max_seq_len)")
   ap.add_argument("--global_batch", type=int, default=8, help="windows per batch, over all devices")
   ap.add_argument("--max_batches", type=int, default=0, help="only the first N full batches (0: the whole split)")
-  ap.add_argument("--mesh_data", type=int, default=1)
+  ap.add_argument("--mesh_data", type=int, default=1, help="data-parallel axis size of the device mesh")
   ap.add_argument("--mesh_fsdp", type=int, default=0, help="0: all devices left after mesh_data")
   ap.add_argument("--simulate_devices", type=int, default=0, help="CPU only: simulate this many devices")
   ap.add_argument("--preset", help="refuse the checkpoint unless its config is this preset's")

@@ -125,7 +125,7 @@ def _open_run(rc: RunConfig, prng_impl: str):
   try:
     latest = ckpt.latest_step()
     if latest is not None and not tc.resume:
-      raise ValueError(f"--no-resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
+      raise ValueError(f"--no_resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
                        "use another --out_dir or remove that directory to start afresh.")
     if latest is not None:
       meta = ckpt.metadata(latest)

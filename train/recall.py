@@ -360,12 +360,12 @@ def with_overrides(grid: dict, sets: list[str]) -> dict:
   return grid
 
 
-def main(argv=None) -> int:
-  from laplace_jax import platform
+def build_parser() -> argparse.ArgumentParser:
+  from laplace_jax import cli
   from laplace_jax.platform import PRNG_CHOICES
-  ap = argparse.ArgumentParser(prog="python -m train.recall", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
+  ap = cli.FlagParser(prog="python -m train.recall", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="the named grid of cells (GRIDS above)")
   ap.add_argument("--quick", action="store_true", help="the quick grid (same as --grid quick)")
   ap.add_argument("--sections", default="mqar,state,passkey", help="comma list of mqar, state, passkey")
   ap.add_argument("--seeds", default="0", help="comma list of seeds: each cell is trained once per seed "
@@ -379,8 +379,13 @@ def main(argv=None) -> int:
                   "models' initialisation: auto (rbg on Neuron, threefry elsewhere) | threefry | rbg | unsafe_rbg "
                   "(a results directory keeps to one)")
   ap.add_argument("-o", "--out", default="runs/recall", help="output directory (results.json, *.png)")
-  ap.add_argument("--no-progress", dest="progress", action="store_false")
-  args = ap.parse_args(argv)
+  ap.add_argument("--progress", action=cli.Toggle, default=True, help="progress bars (default: on)")
+  return ap
+
+
+def main(argv=None) -> int:
+  from laplace_jax import platform
+  args = build_parser().parse_args(argv)
   grid_name = "quick" if args.quick else args.grid
   sections = [s for s in args.sections.split(",") if s]
   bad = set(sections) - {"mqar", "state", "passkey"}
