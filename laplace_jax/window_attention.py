@@ -89,8 +89,9 @@ def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, lay
   [L, B, H, W, hd], then attend over that ring. Returns (o [B, 1, H, hd] fp32, k_table, v_table)."""
   B, W = k_table.shape[1], k_table.shape[3]
   rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
-  k_table = k_table.at[layer, rows, :, slots].set(k_Bx1xHxd[:, 0].astype(k_table.dtype))   # [B, H, hd]
-  v_table = v_table.at[layer, rows, :, slots].set(v_Bx1xHxd[:, 0].astype(v_table.dtype))
+  # one [H, hd] row per sequence; every index is in range by construction
+  write = lambda t, x: t.at[layer, rows, :, slots].set(x[:, 0].astype(t.dtype), mode="promise_in_bounds")
+  k_table, v_table = write(k_table, k_Bx1xHxd), write(v_table, v_Bx1xHxd)
   visible_Bx1xW = (_slot_positions(pos_B + 1, W) >= 0)[:, None, :]
   o = _attend_rings(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xW)
   return o, k_table, v_table
