@@ -28,14 +28,15 @@ def passkey_command(run_dir: Path, saved: dict, cells: list[dict]) -> str:
   return f"python -m train.recall --grid {saved['grid']} --sections passkey --patterns {patterns}{sets} -o {run_dir}"
 
 
-def passkey_records(run_dir: Path) -> tuple[str, list[dict], list[dict]]:
-  """(command, records by (context, distance), records by (context, depth)) of one recall output dir."""
+def passkey_records(run_dir: Path) -> tuple[str, list[dict], list[dict], list[dict]]:
+  """(command, records by (context, distance), records by (context, depth), one training record per cell:
+  its loss every 1,000 steps and at the end, and its wall times) of one recall output dir."""
   saved = json.loads((run_dir / "results.json").read_text())
   cells = [c for c in saved["cells"] if c["task"].startswith("passkey")]
   if not cells:
     raise ValueError(f"{run_dir}/results.json has no passkey cell yet")
   grid = _grid(saved)
-  by_distance, by_depth = [], []
+  by_distance, by_depth, training = [], [], []
   for c in cells:
     base = {"pattern": c["pattern"], "state_passing": bool(c.get("state_passing")),
             "train_len": int(c["task"].split(":")[1].split(",")[0]), "steps": c["steps"]}
@@ -46,7 +47,10 @@ def passkey_records(run_dir: Path) -> tuple[str, list[dict], list[dict]]:
     for ctx, accs in sorted(c["passkey"].items(), key=lambda kv: int(kv[0])):
       for depth, acc in sorted(accs.items(), key=lambda kv: float(kv[0])):
         by_depth.append({**base, "context": int(ctx), "depth": float(depth), "accuracy": acc, "n": n})
-  return passkey_command(run_dir, saved, cells), by_distance, by_depth
+    training.append({**base, "batch": c["batch"], "final_loss": c["final_loss"],
+                     "loss_every_1000": {str(s): v for s, v in c.get("losses", []) if s % 1000 == 0},
+                     "train_s": round(c.get("train_s", 0)), "eval_s": round(c.get("eval_s", 0))})
+  return passkey_command(run_dir, saved, cells), by_distance, by_depth, training
 
 
 def _grid(saved: dict) -> dict:
@@ -148,12 +152,14 @@ def main(argv=None) -> int:
   ap.add_argument("--markdown", action="store_true", help="also print the tables for docs/EVAL.md")
   a = ap.parse_args(argv)
   out = {"issue": 18, "machine": a.machine, "passkey_commands": [], "passkey": [], "passkey_depth": [],
+         "passkey_training": [],
          "loss_by_position_commands": [], "loss_by_position": []}
   for d in a.passkey:
-    cmd, dist, depth = passkey_records(Path(d))
+    cmd, dist, depth, training = passkey_records(Path(d))
     out["passkey_commands"].append(cmd)
     out["passkey"] += dist
     out["passkey_depth"] += depth
+    out["passkey_training"] += training
   for p in a.by_position:
     cmds, recs = by_position_records(Path(p))
     out["loss_by_position_commands"] += cmds

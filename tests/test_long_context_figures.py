@@ -12,7 +12,8 @@ spec.loader.exec_module(figs)
 def test_records_come_from_the_result_files(tmp_path):
   rec = tmp_path / "sp"
   rec.mkdir()
-  cell = {"task": "passkey:256", "pattern": "G", "steps": 40, "state_passing": True,
+  cell = {"task": "passkey:256", "pattern": "G", "steps": 40, "batch": 16, "state_passing": True,
+          "final_loss": 1.5, "losses": [(10, 2.3), (1000, 2.0), (2000, 1.5)], "train_s": 9.6, "eval_s": 1.2,
           "passkey": {"256": {"0.0": 0.25, "1.0": 1.0}},
           "passkey_distance": {"1024": {"256": 0.5, "64": 0.75}, "256": {"64": 1.0}}}
   (rec / "results.json").write_text(json.dumps({"grid": "longctx", "sets": ["state_passing=true"],
@@ -43,6 +44,8 @@ def test_records_come_from_the_result_files(tmp_path):
   assert got["passkey"][0] == {"pattern": "G", "state_passing": True, "train_len": 256, "steps": 40,
                                "context": 256, "distance": 64, "accuracy": 1.0, "n": 4}
   assert [(r["depth"], r["accuracy"]) for r in got["passkey_depth"]] == [(0.0, 0.25), (1.0, 1.0)]
+  assert got["passkey_training"][0]["loss_every_1000"] == {"1000": 2.0, "2000": 1.5}
+  assert (got["passkey_training"][0]["final_loss"], got["passkey_training"][0]["train_s"]) == (1.5, 10)
   assert got["loss_by_position"] == [
       {"run": "tiny-sp", "state_passing": True, "train_len": 256, "position_lo": 0, "position_hi": 2,
        "loss": 9.0, "tokens": 10},
