@@ -67,6 +67,14 @@ def run_config(export: Path) -> dict:
   return json.loads((steps[-1] / "meta" / "metadata").read_text())["run_config"]
 
 
+def prepare_command(data_dir: str) -> str:
+  """The train.prepare line of a built-in corpus, from its manifest (other data: a note)."""
+  m = json.loads((Path(data_dir) / "manifest.json").read_text())
+  if not m.get("corpus"):
+    return f"# {data_dir}: prepared from files by python -m train.prepare"
+  return f"python -m train.prepare --corpus {m['corpus']} -o {data_dir} --val-fraction {m['val_fraction']}"
+
+
 def train_command(rc: dict) -> str:
   t = rc["train"]
   flags = [f"--preset {t['preset']}", f"--data_dir {t['data_dir']}", f"--out_dir {t['out_dir']}",
@@ -81,8 +89,10 @@ def by_position_records(path: Path) -> tuple[list[str], list[dict]]:
   rc = run_config(Path(res["checkpoint"]))
   t = rc["train"]
   train_len = t["seq_len"] or rc["model"]["max_seq_len"]
-  run = Path(t["out_dir"]).name
-  cmds = [train_command(rc), f"python -m train.eval --by_position --checkpoint {res['checkpoint']} "
+  reset = res.get("reset_every", 0)
+  run = f"{t['preset']}-{Path(t['out_dir']).name}" + (f"-reset{reset}" if reset else "")
+  flags = f" --segment {res['segment']} --reset_every {reset}" if reset else ""
+  cmds = [prepare_command(res["data_dir"]), train_command(rc), f"python -m train.eval --by_position{flags} --checkpoint {res['checkpoint']} "
                              f"--data_dir {res['data_dir']} --json {path}"]
   recs = [{"run": run, "state_passing": bool(t["state_passing"]), "train_len": train_len,
            "position_lo": b["position_lo"], "position_hi": b["position_hi"], "loss": b["loss"],
@@ -125,6 +135,14 @@ def markdown(out: dict) -> str:
     for d in dists:
       parts.append(f"| {d:,} | " + " | ".join(f"{acc[c, d]:.0%}" if (c, d) in acc else "" for c in ctxs) + " |")
     parts.append("")
+  if out["passkey_training"]:
+    steps = sorted({int(k) for r in out["passkey_training"] for k in r["loss_every_1000"]})
+    parts.append("| training loss at step | " + " | ".join(f"{k:,}" for k in steps) + " |")
+    parts.append("|---|" + "---:|" * len(steps))
+    for r in out["passkey_training"]:
+      parts.append(f"| {r['pattern']}, {'with' if r['state_passing'] else 'without'} state passing | "
+                   + " | ".join(f"{r['loss_every_1000'].get(str(k), float('nan')):.2f}" for k in steps) + " |")
+    parts.append("")
   runs = list(dict.fromkeys(r["run"] for r in out["loss_by_position"]))
   if runs:
     loss = {(r["run"], r["position_lo"]): r for r in out["loss_by_position"]}
@@ -137,6 +155,16 @@ def markdown(out: dict) -> str:
       toks = next(r for r in row if r)["tokens"]
       parts.append(f"| [{lo:,}, {hi:,}) | " + " | ".join(f"{r['loss']:.3f}" if r else "" for r in row)
                    + f" | {toks:,} |")
+    parts.append("")
+  heads = out.get("head_reach", {}).get("heads", [])
+  if heads:
+    ds = list(heads[0]["kept"])
+    parts.append("| head half-life (tokens) | " + " | ".join(f"{int(d):,} back" for d in ds) + " | 1% at |")
+    parts.append("|---|" + "---:|" * (len(ds) + 1))
+    for h in heads:
+      kept = [f"{v:.0%}" if v >= 0.01 else f"{v:.1%}" if v >= 0.001 else f"{v:.0e}" if v else "0"
+              for v in h["kept"].values()]
+      parts.append(f"| {h['half_life']:g} | " + " | ".join(kept) + f" | {h['reach_1pct']:,} |")
     parts.append("")
   return "\n".join(parts)
 
@@ -162,7 +190,7 @@ def main(argv=None) -> int:
     out["passkey_training"] += training
   for p in a.by_position:
     cmds, recs = by_position_records(Path(p))
-    out["loss_by_position_commands"] += cmds
+    out["loss_by_position_commands"] += [c for c in cmds if c not in out["loss_by_position_commands"]]
     out["loss_by_position"] += recs
   if a.cost:
     text = Path(a.cost).read_text()
