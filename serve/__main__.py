@@ -43,6 +43,11 @@ def parse_args(argv=None):
   e.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
   e.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
   e.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
+  e.add_argument("--max-choices", type=int, default=16, help="most choices (prompts x n) one request may ask "
+                 "for, so that one request cannot hold every slot and the queue")
+  e.add_argument("--max-reply-entries", type=int, default=1 << 19, help="most token entries one reply may "
+                 "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
+                 "that could exceed it gets 400 before it runs")
   e.add_argument("--mesh-devices", type=int, help="devices that split the slots (default 1: no mesh; with "
                  "--target, 64: a trn2.48xlarge)")
   c = p.add_argument_group("state cache")
@@ -65,7 +70,17 @@ def parse_args(argv=None):
                  "keys, each its own tenant (unset: $LAPLACE_API_KEY if that is set)")
   h.add_argument("--api-keys-file", metavar="FILE", help="more keys, one 'tenant:key' a line; each tenant "
                  "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)")
+  h.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                 help="a host name clients may call this server by (repeatable); requests naming another one "
+                 "in Host get 421 and browser pages of other origins 403 (DNS rebinding, CSRF). Bound to a "
+                 "loopback address, localhost, 127.0.0.1 and ::1 are allowed; bound to 0.0.0.0 with no "
+                 "--allowed-host, Host is not checked")
   args = p.parse_args(argv)
+  for name, lo, hi in (("max_tokens", 1, 1 << 30), ("max_prompt_tokens", 1, 1 << 30), ("max_choices", 1, 1 << 20),
+                       ("max_reply_entries", 1, 1 << 40), ("max_queue", 0, 1 << 20)):
+    v = getattr(args, name)
+    if not lo <= v <= hi:
+      p.error(f"--{name.replace('_', '-')}={v}: expected an integer in [{lo}, {hi}]")
   if args.state_cache_gb < 0:
     p.error(f"--state-cache-gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
   if args.state_cache_dir and args.state_cache_gb == 0:
@@ -157,8 +172,9 @@ def build(args):
   limits = protocol.Limits(model_name=name, vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
-                           max_prompts=n_slots + share)
-  return Server(engine, tok, limits, tenants=tenants, chat_template=template)
+                           max_prompts=n_slots + share, max_choices=args.max_choices,
+                           max_reply_entries=args.max_reply_entries)
+  return Server(engine, tok, limits, tenants=tenants, chat_template=template, allowed_hosts=args.allowed_host)
 
 
 async def serve_forever(server, host, port):

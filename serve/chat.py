@@ -105,7 +105,7 @@ def parse_messages(obj: dict) -> list:
   """The `messages` list, checked: roles, and content as a string or text parts (joined)."""
   msgs = obj.get("messages")
   if not isinstance(msgs, list) or not msgs:
-    raise ApiError(400, f"'messages' is {json.dumps(msgs)[:80]}: expected a non-empty list of "
+    raise ApiError(400, f"'messages' is {protocol.show(msgs)}: expected a non-empty list of "
                    "{\"role\": ..., \"content\": ...} objects.", "messages")
   if len(msgs) > MAX_MESSAGES:
     raise ApiError(400, f"'messages' has {len(msgs)} messages: at most {MAX_MESSAGES}.", "messages")
@@ -117,7 +117,7 @@ def parse_messages(obj: dict) -> list:
                      "messages")
     role = m.get("role")
     if role not in ROLES:
-      raise ApiError(400, f"'{where}.role' is {json.dumps(role)[:40]}: expected one of {list(ROLES)}.", "messages")
+      raise ApiError(400, f"'{where}.role' is {protocol.show(role, 40)}: expected one of {list(ROLES)}.", "messages")
     if m.get("tool_calls"):
       raise ApiError(400, f"'{where}.tool_calls': tool calls are not supported by this server.", "messages")
     content = m.get("content")
@@ -130,7 +130,7 @@ def parse_messages(obj: dict) -> list:
     elif content is None and role == "assistant":
       content = ""
     elif not isinstance(content, str):
-      raise ApiError(400, f"'{where}.content' is {json.dumps(content)[:40]}: expected a string or a list of "
+      raise ApiError(400, f"'{where}.content' is {protocol.show(content, 40)}: expected a string or a list of "
                      "text parts.", "messages")
     msg = {"role": role, "content": content}
     if isinstance(m.get("name"), str):
@@ -147,15 +147,15 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
                      "/v1/completions).", name)
   for name, off in UNSUPPORTED.items():
     if obj.get(name) not in (None, off):
-      raise ApiError(400, f"'{name}'={json.dumps(obj[name])[:80]} is not supported by this server: omit it.", name)
+      raise ApiError(400, f"'{name}'={protocol.show(obj[name])} is not supported by this server: omit it.", name)
   messages = parse_messages(obj)
   want = obj.get("logprobs")
   if want is not None and not isinstance(want, bool):
-    raise ApiError(400, f"'logprobs' is {json.dumps(want)[:40]}: expected true or false (chat format; "
+    raise ApiError(400, f"'logprobs' is {protocol.show(want, 40)}: expected true or false (chat format; "
                    "'top_logprobs' sets how many alternatives).", "logprobs")
   top = obj.get("top_logprobs")
   if top is not None and (not protocol._is_int(top) or not 0 <= top <= 5):
-    raise ApiError(400, f"'top_logprobs' is {json.dumps(top)[:40]}: expected an integer in [0, 5].", "top_logprobs")
+    raise ApiError(400, f"'top_logprobs' is {protocol.show(top, 40)}: expected an integer in [0, 5].", "top_logprobs")
   if top is not None and not want:
     raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
   body = {k: v for k, v in obj.items() if k not in ("messages", "logprobs", "top_logprobs", "max_tokens",
@@ -164,7 +164,7 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
     if obj.get(name) is not None:
       v = obj[name]
       if not protocol._is_int(v) or not 1 <= v <= limits.max_tokens:
-        raise ApiError(400, f"'{name}' is {json.dumps(v)[:40]}: expected an integer in [1, {limits.max_tokens}].",
+        raise ApiError(400, f"'{name}' is {protocol.show(v, 40)}: expected an integer in [1, {limits.max_tokens}].",
                        name)
       body["max_tokens"] = v
       break
@@ -172,9 +172,10 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
     body["max_tokens"] = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
   if want:
     body["logprobs"] = top or 0
-  body["prompt"] = template.encode(template.render(messages))
+  c = protocol.parse_settings(body, limits)  # every field checked before the messages are rendered
   try:
-    c = protocol.parse_completion(body, limits, template.encode)
+    ids, _ = protocol._prompt_ids(template.encode(template.render(messages)), limits, template.encode)
+    c = protocol.with_prompts(c, [ids], [None], limits)
   except ApiError as e:
     if e.param == "prompt":
       e.param = "messages"
@@ -197,10 +198,10 @@ class Chat:
 
   async def completions(self, request):
     s = self.server
-    s._check_key(request)
-    raw = await request.read()
-    c = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: parse_chat(protocol.parse_body(raw), s.limits, self.template))
+    tenant = s._check_key(request)
+    obj = await s.read_json(request)
+    s.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
+    c = await asyncio.get_running_loop().run_in_executor(None, lambda: parse_chat(obj, s.limits, self.template))
     return await s.run_completion(request, c, self._whole, self._stream, "chatcmpl-")
 
   def _logprobs(self, ch, c, first: int):
@@ -218,10 +219,11 @@ class Chat:
     parts = {ch.index: [] for ch in choices}
     async for ch, piece, _, _ in self.server._pieces(choices, c):
       parts[ch.index].append(piece)
-    out = [{"index": ch.index, "message": {"role": "assistant", "content": "".join(parts[ch.index])},
-            "logprobs": self._logprobs(ch, c, 0), "finish_reason": ch.finish} for ch in choices]
-    return web.json_response({**meta, "object": "chat.completion", "choices": out,
-                              "usage": self.server._usage(c, choices)})
+    def build():
+      out = [{"index": ch.index, "message": {"role": "assistant", "content": "".join(parts[ch.index])},
+              "logprobs": self._logprobs(ch, c, 0), "finish_reason": ch.finish} for ch in choices]
+      return {**meta, "object": "chat.completion", "choices": out, "usage": self.server._usage(c, choices)}
+    return await self.server.json_reply(build)
 
   async def _stream(self, request, choices, c, meta):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

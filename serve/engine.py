@@ -30,6 +30,14 @@ class QueueFull(Exception):
   """Every slot is busy and the waiting queue is at its bound."""
 
 
+class EngineStopped(Exception):
+  """The engine's loop is not running (it failed for good, or was stopped): nothing submitted would run."""
+
+
+MAX_STEP_FAILURES = 3  # failed steps in a row (each followed by a reset) before the loop gives up
+INT32_MAX = 2**31 - 1
+
+
 @dataclasses.dataclass
 class Request:
   """One completion. The engine fills `output_ids`, `finish_reason` ('stop', 'length', 'cancelled',
@@ -178,15 +186,9 @@ class Engine(EngineCacheMixin):
     size = sum(1 + len(r.siblings) for r in reqs)
     tenant = reqs[0].tenant if reqs else ""
     with self._lock:
-      busy = sum(r is not None for r in self.slot_req) + len(self.reserved)
-      waiting = sum(self._waiting.values())
-      free = max(0, self.n_slots - busy)
-      room = min(self.max_queue - waiting, self.max_queue_per_tenant - self._waiting[tenant]) + free
-      if size > room:
-        self.stats["rejected"] += len(reqs)
-        raise QueueFull(f"{waiting} choices already wait for {self.n_slots} slots (queue bound "
-                        f"{self.max_queue}, {self.max_queue_per_tenant} per tenant); this request needs room "
-                        f"for {size}")
+      if self.error is not None:
+        raise EngineStopped("the engine stopped after repeated failures")
+      self._check_room(size, len(reqs), tenant)
       now = time.perf_counter()
       for r in reqs:
         for m in self._members(r):
@@ -197,6 +199,28 @@ class Engine(EngineCacheMixin):
         self._waiting[tenant] += 1 + len(r.siblings)
       self.stats["requests"] += size
     self._wake.set()
+
+  def check_room(self, size: int, tenant: str = ""):
+    """Raise QueueFull unless `size` more choices of `tenant` fit now (admission before a request's prompt
+    is even tokenized; submit_all decides for good)."""
+    with self._lock:
+      self._check_room(size, 1, tenant)
+
+  def _check_room(self, size: int, n_requests: int, tenant: str):
+    busy = sum(r is not None for r in self.slot_req) + len(self.reserved)
+    waiting = sum(self._waiting.values())
+    free = max(0, self.n_slots - busy)
+    room = min(self.max_queue - waiting, self.max_queue_per_tenant - self._waiting[tenant]) + free
+    if size > room:
+      self.stats["rejected"] += n_requests
+      raise QueueFull(f"{waiting} choices already wait for {self.n_slots} slots (queue bound "
+                      f"{self.max_queue}, {self.max_queue_per_tenant} per tenant); this request needs room "
+                      f"for {size}")
+
+  @property
+  def serving(self) -> bool:
+    """The loop thread runs and has not given up."""
+    return self.error is None and self._thread is not None and self._thread.is_alive()
 
   @staticmethod
   def _members(r: Request) -> list:
@@ -220,8 +244,9 @@ class Engine(EngineCacheMixin):
     if ids.min() < 0 or ids.max() >= self.valid_vocab:
       raise ValueError(f"prompt token ids span [{ids.min()}, {ids.max()}]: expected ids in "
                        f"[0, {self.valid_vocab}).")
-    if not isinstance(req.max_tokens, int) or req.max_tokens < 0:
-      raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer >= 0 (0: score the prompt only).")
+    if not isinstance(req.max_tokens, int) or not 0 <= req.max_tokens <= INT32_MAX:
+      raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer in [0, 2**31) (0: score the prompt "
+                       "only).")
     if req.logprobs is not None and not 0 <= req.logprobs <= 5:
       raise ValueError(f"logprobs={req.logprobs!r}: expected None or an integer in [0, 5].")
     if 1 + len(req.siblings) > self.n_slots:
@@ -233,11 +258,16 @@ class Engine(EngineCacheMixin):
         raise ValueError("siblings must share the prompt, echo setting, tenant and cache salt, and have no "
                          "siblings themselves.")
       self._validate(sib)
-    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
-      raise ValueError(f"temperature={req.temperature}, top_p={req.top_p}, top_k={req.top_k}: expected "
-                       "temperature >= 0, 0 < top_p <= 1, top_k >= 0 (0 = off).")
-    if len(req.stop_ids) > self.fns.n_stop:
-      raise ValueError(f"{len(req.stop_ids)} stop ids: at most {self.fns.n_stop} per request.")
+    # Every setting must fit the slot table's dtypes (serve.slots.SAMPLING_DTYPES): a value that does not
+    # would fail inside the engine's step.
+    if not (0 <= req.temperature < float("inf") and 0 < req.top_p <= 1 and isinstance(req.top_k, int)
+            and 0 <= req.top_k <= INT32_MAX):
+      raise ValueError(f"temperature={req.temperature}, top_p={req.top_p}, top_k={req.top_k}: expected a finite "
+                       "temperature >= 0, 0 < top_p <= 1, an integer top_k in [0, 2**31) (0 = off).")
+    if len(req.stop_ids) > self.fns.n_stop or not all(
+        isinstance(t, (int, np.integer)) and 0 <= t < self.valid_vocab for t in req.stop_ids):
+      raise ValueError(f"stop ids {list(req.stop_ids)[:10]}: at most {self.fns.n_stop} per request, each in "
+                       f"[0, {self.valid_vocab}).")
     if req.seed is not None and not 0 <= req.seed < 2**64:
       raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**64).")
     if not isinstance(req.tenant, str) or not (req.cache_salt is None or isinstance(req.cache_salt, str)):
@@ -311,6 +341,18 @@ class Engine(EngineCacheMixin):
     r.done.set()
 
   def _advance_prefill(self):
+    """Prefill chunks within this step's budget. A failure here (a request's settings, a cached state)
+    fails the prompts being prefilled and nothing else: the slot table is untouched until the insert."""
+    try:
+      self._prefill_chunks()
+    except Exception:
+      log.exception("prefill failed: its requests fail, the engine goes on")
+      pf, self.prefill = self.prefill, None
+      if pf is not None:
+        self.reserved.difference_update(pf.slots)
+        self._fail([m for r in pf.reqs for m in self._members(r)])
+
+  def _prefill_chunks(self):
     budget = self.chunks_per_step if self.active_slots else 1 << 30
     while budget > 0:
       if self.prefill is None and not self._start_prefill():
@@ -361,13 +403,14 @@ class Engine(EngineCacheMixin):
     if not take:
       return False
     slots = free[:used]
+    # The batch is in place before anything can fail, so a failure fails exactly these requests.
+    self.prefill = pf = PrefillBatch(reqs=take, slots=slots, n_chunks=0, state=None,
+                                     scored=any(r.echo for r in take))
     self.reserved.update(slots)
     C = self.cfg.chunk_size
     state = self._restore(take) if self.cache is not None else None
-    n_chunks = max(-(-(len(r.prompt_ids) - r.cached_tokens) // C) for r in take)
-    self.prefill = PrefillBatch(reqs=take, slots=slots, n_chunks=n_chunks,
-                                state=self.fns.empty_prefill() if state is None else state,
-                                scored=any(r.echo for r in take))
+    pf.n_chunks = max(-(-(len(r.prompt_ids) - r.cached_tokens) // C) for r in take)
+    pf.state = self.fns.empty_prefill() if state is None else state
     return True
 
   def _fairest(self, held) -> int:
@@ -486,8 +529,9 @@ class Engine(EngineCacheMixin):
     return [r.output_ids for r in requests]
 
   def start(self):
-    """Run the loop in a background thread until `stop()`."""
+    """Run the loop in a background thread until `stop()` (again after it gave up: a fresh start)."""
     self._stop.clear()
+    self.error = None
     self._thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
     self._thread.start()
 
@@ -502,31 +546,66 @@ class Engine(EngineCacheMixin):
         log.warning("state cache: some files were still being written at shutdown")
 
   def _loop(self):
+    failures = 0
     while not self._stop.is_set():
       self._wake.clear()
       try:
         busy = self.step()
-      except Exception as e:  # a broken step fails every request in flight; the server reports it
-        log.exception("engine step failed")
-        self.error = e
-        self._fail_all()
-        return
+        failures = 0
+      except Exception as e:
+        # A failed step fails the requests it touched (every slot, the prefill batch) and starts over from
+        # an empty slot table; queued requests wait on. Failing again and again, the loop gives up: new
+        # requests are then refused (EngineStopped) and the server reports itself unhealthy.
+        failures += 1
+        log.exception("engine step failed (%d in a row)", failures)
+        try:
+          if failures >= MAX_STEP_FAILURES:
+            raise
+          self._reset()
+        except Exception:
+          self.error = e
+          self._fail_all()
+          return
+        self._wake.wait(0.05 * failures)
+        continue
       if not busy:
         self._wake.wait(0.5)
+
+  def _fail(self, reqs):
+    """Finish these requests with 'error' and tell their callers."""
+    out = []
+    for r in reqs:
+      if r.finish_reason is None:
+        self._finish(r, "error")
+        out.append(Delivery(r, [], "error"))
+    if out:
+      self.on_deliver(out)
+
+  def _in_flight(self) -> list:
+    """Every request past the queue: in a slot, being prefilled, or waiting to be read back."""
+    live = [r for r in self.slot_req if r is not None]
+    live += [m for r in (self.prefill.reqs if self.prefill else []) for m in self._members(r)]
+    live += [r for p in self.pending for r in p.owners if r is not None]
+    return list(dict.fromkeys(live))
+
+  def _reset(self):
+    """After a failed step: fail what was in flight and start from an empty slot table (queued requests
+    stay queued)."""
+    live = self._in_flight()
+    self.slot_req = [None] * self.n_slots
+    self.reserved.clear()
+    self.prefill = None
+    self.pending.clear()
+    self._copies.clear()
+    self._fail(live)
+    self.table = self.fns.empty_table()
 
   def _fail_all(self):
     with self._lock:
       waiting = list(self.queue)
       self.queue.clear()
       self._waiting.clear()
-    live = [r for r in self.slot_req if r is not None] + [
-        m for r in (self.prefill.reqs if self.prefill else []) + waiting for m in self._members(r)]
-    out = []
-    for r in live:
-      if r.finish_reason is None:
-        self._finish(r, "error")
-        out.append(Delivery(r, [], "error"))
-    self.on_deliver(out)
+    self._fail(self._in_flight() + [m for r in waiting for m in self._members(r)])
 
   def warmup(self):
     """Compile every function by serving one short request to completion."""

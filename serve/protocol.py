@@ -31,12 +31,18 @@ class Limits:
   max_prompt_tokens: int
   max_stop_ids: int          # device-side stop ids per request, EOS included
   max_prompts: int = 64      # prompts x n per request (the slots plus the queue)
+  max_choices: int = 16      # prompts x n per request, by policy (--max-choices): one request is not the server
+  max_reply_entries: int = 1 << 19  # (--max-reply-entries) see reply_entries()
+
+
+MAX_STOPS = 4              # stop strings per request (OpenAI's bound)
+MAX_STOP_CHARS = 512       # characters per stop string
+MAX_JSON_DEPTH = 32        # nesting of arrays and objects in a request body
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass
 class Completion:
-  prompts: list         # one list of token ids per prompt
-  texts: list           # the prompts as text (echo): the string sent, or the ids decoded
   max_tokens: int
   temperature: float
   top_k: int
@@ -51,6 +57,8 @@ class Completion:
   logprobs: int | None = None
   echo: bool = False
   cache_salt: str | None = None  # a state-cache scope within the tenant (vLLM's cache_salt)
+  prompts: list = dataclasses.field(default_factory=list)  # one list of token ids per prompt
+  texts: list = dataclasses.field(default_factory=list)    # the prompts as text (echo): the string sent, or None
 
   @property
   def prompt_ids(self) -> list:
@@ -65,31 +73,80 @@ def _is_num(x):
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def show(v, n: int = 80) -> str:
+  """A short JSON rendering of a client's value for an error message (never fails)."""
+  if isinstance(v, (list, dict)) and len(v) > n:
+    return f"a {'list' if isinstance(v, list) else 'object'} of {len(v)} items"
+  try:
+    return json.dumps(v)[:n]
+  except (ValueError, TypeError, RecursionError):
+    return f"a {type(v).__name__}"
+
+
 def _get(obj, name, default, check, expect):
   v = obj.get(name, None)
   if v is None:
     return default
   if not check(v):
-    raise ApiError(400, f"'{name}' is {json.dumps(v)[:80]}: expected {expect}.", name)
+    raise ApiError(400, f"'{name}' is {show(v)}: expected {expect}.", name)
   return v
+
+
+def _depth(obj) -> int:
+  """How deeply arrays and objects nest in `obj` (iterative: no recursion on the client's data)."""
+  deepest, stack = 0, [(obj, 1)]
+  while stack:
+    o, d = stack.pop()
+    deepest = max(deepest, d)
+    items = o.values() if isinstance(o, dict) else o
+    stack.extend((c, d + 1) for c in items if isinstance(c, (list, dict)))
+  return deepest if isinstance(obj, (list, dict)) else 0
 
 
 def parse_body(raw: bytes) -> dict:
   try:
     obj = json.loads(raw)
+  except RecursionError:
+    obj = None
   except (ValueError, UnicodeDecodeError) as e:
     raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object.") from None
+  if obj is None or _depth(obj) > MAX_JSON_DEPTH:
+    raise ApiError(400, f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep: send a "
+                   "flatter JSON object.")
   if not isinstance(obj, dict):
     raise ApiError(400, f"request body is a JSON {type(obj).__name__}: expected a JSON object.")
   return obj
 
 
+def count_choices(obj: dict) -> int:
+  """The choices a request body asks for (prompts x n), read without tokenizing anything: admission
+  (429 when the server is full) is decided on it first. Malformed fields count 1; parsing refuses them."""
+  p, n = obj.get("prompt"), obj.get("n")
+  prompts = len(p) if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else 1
+  return prompts * (n if _is_int(n) and n > 1 else 1)
+
+
+def choice_cap(limits: Limits) -> tuple[int, str]:
+  """The most choices one request may ask for, and the flags that set it."""
+  if limits.max_choices <= limits.max_prompts:
+    return limits.max_choices, "--max-choices"
+  return limits.max_prompts, "--n-slots plus --max-queue"
+
+
+def reply_entries(c: Completion) -> int:
+  """An upper bound on the token entries of the reply: choices x (new tokens + echoed prompt tokens), each
+  entry carrying its text and, with logprobs, its token, logprob and the top-n alternatives."""
+  per_token = 1 if c.logprobs is None else 3 + c.logprobs
+  return sum(c.n * (c.max_tokens + (len(p) if c.echo else 0)) * per_token for p in c.prompts)
+
+
 def _prompts(p, limits: Limits, encode: Callable[[str], list]) -> tuple[list, list]:
   """([ids per prompt], [text per prompt or None]) from a string, ids, or a list of either."""
   if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-    if len(p) > limits.max_prompts:
-      raise ApiError(400, f"'prompt' is a list of {len(p)} prompts: at most {limits.max_prompts} fit this "
-                     "server's slots and queue (--n-slots, --max-queue). Send fewer per request.", "prompt")
+    cap, flags = choice_cap(limits)
+    if len(p) > cap:
+      raise ApiError(400, f"'prompt' is a list of {len(p)} prompts: at most {cap} choices per request "
+                     f"({flags}). Send fewer per request.", "prompt")
     got = [_prompt_ids(x, limits, encode) for x in p]
     return [g for g, _ in got], [t for _, t in got]
   ids, text = _prompt_ids(p, limits, encode)
@@ -121,32 +178,58 @@ def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
 
 
 def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -> Completion:
-  """Validate an OpenAI completions request against this server's limits."""
-  model = obj.get("model")
-  if model is not None and model != limits.model_name:
-    raise ApiError(404, f"model {json.dumps(model)[:80]} is not served here: this server serves "
-                   f"'{limits.model_name}' (GET /v1/models).", "model")
+  """Validate an OpenAI completions request against this server's limits (every field before the prompt
+  is tokenized)."""
+  c = parse_settings(obj, limits)
   if "prompt" not in obj:
     raise ApiError(400, "'prompt' is missing: expected a string or a list of token ids.", "prompt")
-  prompts, texts = _prompts(obj["prompt"], limits, encode)
+  return with_prompts(c, *_prompts(obj["prompt"], limits, encode), limits)
+
+
+def with_prompts(c: Completion, prompts: list, texts: list, limits: Limits) -> Completion:
+  """`c` with its prompts, checked against the per-request caps on choices and reply size."""
+  c.prompts, c.texts = prompts, texts
+  cap, flags = choice_cap(limits)
+  if len(prompts) * c.n > cap:
+    raise ApiError(400, f"{len(prompts)} prompts x n={c.n} = {len(prompts) * c.n} choices: at most {cap} per "
+                   f"request ({flags}).", "n")
+  entries = reply_entries(c)
+  if entries > limits.max_reply_entries:
+    raise ApiError(400, f"this reply could hold {entries} token entries ({len(prompts) * c.n} choices x "
+                   f"(max_tokens {c.max_tokens}{' + the echoed prompt' if c.echo else ''})"
+                   f"{'' if c.logprobs is None else f' x {3 + c.logprobs} with logprobs {c.logprobs}'}): at most "
+                   f"{limits.max_reply_entries} per request (--max-reply-entries). Ask for fewer choices, tokens "
+                   "or logprobs, or split the request.", "max_tokens")
+  return c
+
+
+# Fields accepted only at the values that mean "off": anything else would be silently ignored otherwise.
+_OFF = {"suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "min_p": 0,
+        "repetition_penalty": 1}
+
+
+def parse_settings(obj: dict, limits: Limits) -> Completion:
+  """Every field of a completions request but the prompt, checked (the prompt comes with with_prompts)."""
+  model = obj.get("model")
+  if model is not None and model != limits.model_name:
+    raise ApiError(404, f"model {show(model)} is not served here: this server serves "
+                   f"'{limits.model_name}' (GET /v1/models).", "model")
   echo = _get(obj, "echo", False, lambda v: isinstance(v, bool), "true or false")
   max_tokens = _get(obj, "max_tokens", 16, lambda v: _is_int(v) and 0 <= v <= limits.max_tokens,
                     f"an integer in [0, {limits.max_tokens}] (0: score the prompt, with echo)")
   logprobs = _get(obj, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= 5,
                   "an integer in [0, 5] (the top-n logprobs per token; 5 is the most)")
-  n = _get(obj, "n", 1, lambda v: _is_int(v) and 1 <= v <= limits.max_prompts,
-           f"an integer in [1, {limits.max_prompts}] (--n-slots plus --max-queue bound the choices)")
-  if len(prompts) * n > limits.max_prompts:
-    raise ApiError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices: at most "
-                   f"{limits.max_prompts} fit this server's slots and queue (--n-slots, --max-queue).", "n")
+  cap, flags = choice_cap(limits)
+  n = _get(obj, "n", 1, lambda v: _is_int(v) and 1 <= v <= cap, f"an integer in [1, {cap}] ({flags})")
   temperature = float(_get(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
   top_p = float(_get(obj, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
-  top_k = _get(obj, "top_k", 0, lambda v: _is_int(v) and v >= -1, "an integer >= 0 (0 or -1: off)")
+  top_k = _get(obj, "top_k", 0, lambda v: _is_int(v) and -1 <= v <= INT32_MAX,
+               f"an integer in [-1, {INT32_MAX}] (0 or -1: off; the vocabulary size or more: off)")
   seed = _get(obj, "seed", None, lambda v: _is_int(v) and -2**63 <= v < 2**64, "an integer in [-2**63, 2**64)")
   seed = None if seed is None else seed % 2**64
-  stop = _get(obj, "stop", [], lambda v: (isinstance(v, str) and v) or (
-      isinstance(v, list) and len(v) <= 4 and all(isinstance(s, str) and s for s in v)),
-      "a non-empty string or a list of at most 4 non-empty strings")
+  stop = _get(obj, "stop", [], lambda v: _stop_ok(v) or (isinstance(v, list) and len(v) <= MAX_STOPS and
+                                                          all(_stop_ok(s) for s in v)),
+              f"a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS}")
   stop = [stop] if isinstance(stop, str) else list(stop)
   ignore_eos = _get(obj, "ignore_eos", False, lambda v: isinstance(v, bool), "true or false")
   room = limits.max_stop_ids - (0 if ignore_eos or limits.eos_id is None else 1)
@@ -161,13 +244,16 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
   return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
   cache_salt = _get(obj, "cache_salt", None, lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
                     f"a non-empty string of at most {MAX_CACHE_SALT} characters")
-  # Accepted only at the values that mean "off": anything else would be silently ignored otherwise.
-  for name, off, ok in (("best_of", n, lambda v: v == n), ("suffix", None, lambda v: v is None), ("presence_penalty", 0, lambda v: v == 0),
-                        ("frequency_penalty", 0, lambda v: v == 0), ("logit_bias", {}, lambda v: v == {})):
+  for name, off in (*_OFF.items(), ("best_of", n)):
     v = obj.get(name)
-    if v is not None and not ok(v):
-      raise ApiError(400, f"'{name}'={json.dumps(v)[:80]} is not supported by this server: omit it or send "
+    if v is not None and not (v == {} if isinstance(off, dict) else _is_num(v) and v == off):
+      raise ApiError(400, f"'{name}'={show(v)} is not supported by this server: omit it or send "
                      f"{json.dumps(off)}.", name)
-  return Completion(prompts=prompts, texts=texts, n=n, logprobs=logprobs, echo=echo, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0),
-                    top_p=top_p, seed=seed, stop=stop, stop_ids=list(stop_ids), stream=stream,
-                    include_usage=include_usage, return_token_ids=return_ids, cache_salt=cache_salt)
+  return Completion(n=n, logprobs=logprobs, echo=echo, max_tokens=max_tokens, temperature=temperature,
+                    top_k=0 if top_k >= limits.vocab_size else max(top_k, 0), top_p=top_p, seed=seed,
+                    stop=stop, stop_ids=list(stop_ids), stream=stream, include_usage=include_usage,
+                    return_token_ids=return_ids, cache_salt=cache_salt)
+
+
+def _stop_ok(s) -> bool:
+  return isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS

@@ -1,30 +1,69 @@
 """Per-slot sampling inside the compiled step: greedy, temperature, top-k, top-p, seeded per slot.
 
 Every setting is an array over slots, so no request changes a compiled shape. A slot's random number for
-its n-th generated token is uniform(fold_in(key(seed), n)): the draw depends only on the slot's own seed
-and position, never on which other requests share the batch. Sampling is by inverse CDF with that one
+its n-th generated token is uniform(fold_in(key(seed), n)) (Philox of (seed, n) under the rbg PRNGs, see
+`slot_uniforms`): the draw depends only on the slot's own seed and position, never on which other requests
+share the batch. Sampling is by inverse CDF with that one
 uniform, over the exact (renormalised) distribution. top-k / top-p look at the TOPK_CAP most likely
 tokens; rows whose kept set does not fit in them find their cut-offs by bisection over the whole
 vocabulary instead (32 passes, no sort: a full sort costs ~10x more on a CPU).
+
+Batch-level `lax.cond`s skip the paths no slot needs (an all-greedy batch costs one blocked argmax). Neuron does
+not support `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both sides of
+each are computed and the same predicate selects: the tokens are the conds' (tests/test_sampling_branch_free.py),
+at the cost of the full-vocabulary paths on every step (docs/BENCHMARKS.md, "Sampling without cond").
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from laplace_jax import platform
+from serve import philox
+
 F32 = jnp.float32
 TOPK_CAP = 64  # candidates examined by the fast top-k / top-p path (a static shape)
 
 
+def branch_free_default() -> bool:
+  """Whether sampling runs without `cond` when not told: on Neuron (jax-neuronx does not support it)."""
+  return platform.backend() == "neuron"
+
+
+def when_any(need_S, f, otherwise, branch_free: bool):
+  """`lax.cond(need_S.any(), f, otherwise)`; branch-free, both computed and the same predicate selects (a
+  scalar select: the result is the cond's, without skipping f's work)."""
+  if branch_free:
+    return jax.tree.map(lambda a, b: jnp.where(need_S.any(), a, b), f(), otherwise())
+  return jax.lax.cond(need_S.any(), f, otherwise)
+
+
+def counter_based() -> bool:
+  """Whether per-slot draws come from Philox (`slot_uniforms`): under JAX's rbg and unsafe_rbg PRNGs (`--prng`,
+  the Neuron default). Read when traced."""
+  return platform.current_prng() in ("rbg", "unsafe_rbg")
+
+
 def slot_uniforms(seed_S, pos_S, seed_hi_S=None):
-  """One U[0, 1) draw per slot from (seed, position). A 64-bit seed is (seed_hi << 32) | seed; its high
-  word is folded into the key only when non-zero, so seeds below 2**32 keep their streams."""
+  """One U[0, 1) draw per slot from (seed, position); a 64-bit seed is (seed_hi << 32) | seed.
+
+  Under the default Threefry PRNG: uniform(fold_in(key(seed), position)), the high seed word folded in first
+  only when non-zero (seeds below 2**32 keep their streams). Under rbg / unsafe_rbg (Neuron, which does not
+  fully support Threefry): the first word of Philox-4x32-10 with key (seed, seed_hi) and counter (position,
+  0, 0, 0), in plain integer arithmetic. Not `rng_bit_generator` per slot: vmapped, it draws every slot's bits
+  from the first slot's key (jax 0.10.0), so a slot's draw would depend on its neighbours; and rbg's
+  fold_in is still Threefry. The streams differ from Threefry's (docs/NEURON.md)."""
+  seed, pos = seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32)
+  hi = jnp.zeros_like(seed) if seed_hi_S is None else seed_hi_S.astype(jnp.uint32)
+  if counter_based():
+    bits = philox.philox4x32((pos, 0, 0, 0), (seed, hi))[0]
+    return jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), F32) - 1.0
+
   def one(seed, pos, hi):
     key = jax.random.key(seed)
     key = jax.lax.cond(hi != 0, lambda: jax.random.fold_in(key, hi), lambda: key)
     return jax.random.uniform(jax.random.fold_in(key, pos), (), F32)
-  hi = jnp.zeros_like(seed_S, jnp.uint32) if seed_hi_S is None else seed_hi_S.astype(jnp.uint32)
-  return jax.vmap(one)(seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32), hi)
+  return jax.vmap(one)(seed, pos, hi)
 
 
 def argmax_rows(x_SxV, valid: int, block: int = 64):
@@ -102,9 +141,12 @@ def _filtered_full(scaled_SxV, lse_S, u_S, top_k_S, top_p_S):
   return _pick(jnp.where(keep, p, 0.0), u_S)
 
 
-def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int, seed_hi_S=None):
+def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int, seed_hi_S=None,
+           branch_free: bool | None = None):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
-  (the model's padded vocabulary rows) are never produced."""
+  (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only)."""
+  if branch_free is None:
+    branch_free = branch_free_default()
   greedy = argmax_rows(logits_SxV.astype(F32), valid_vocab)
   hot = temperature_S > 0
 
@@ -128,18 +170,17 @@ def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_
       # The capped pass is exact when the top-k set lies inside the cap, or (top-k off) the nucleus
       # closes in it; other rows bisect over the whole vocabulary.
       need_full = filt & ~jnp.where(top_k > 0, top_k <= cap, mass >= top_p_S)
-      tok_full = jax.lax.cond(need_full.any(),
-                              lambda: _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32),
-                              lambda: greedy)
+      tok_full = when_any(need_full, lambda: _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32),
+                          lambda: greedy, branch_free)
       return jnp.where(need_full, tok_full, tok_cap).astype(jnp.int32)
 
-    tok_plain = jax.lax.cond(plain.any(), full_dist, lambda: greedy)
-    tok_filt = jax.lax.cond(filt.any(), filtered, lambda: greedy)
+    tok_plain = when_any(plain, full_dist, lambda: greedy, branch_free)
+    tok_filt = when_any(filt, filtered, lambda: greedy, branch_free)
     return jnp.where(filt, tok_filt, jnp.where(plain, tok_plain, greedy)).astype(jnp.int32)
 
   # Batch-level conds skip the work no slot needs (an all-greedy batch costs one blocked argmax); each
   # row's result depends on its own row alone, whichever branches run.
-  return jax.lax.cond(hot.any(), sampled, lambda: greedy)
+  return when_any(hot, sampled, lambda: greedy, branch_free)
 
 
 TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)

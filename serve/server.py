@@ -7,30 +7,60 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import threading
 import time
+import urllib.parse
 import uuid
 
 from aiohttp import web
 
 from serve import chat, protocol, tokenize_api
-from serve.tenants import Tenants, name_of_key
-from serve.engine import Engine, QueueFull, Request
+from serve.engine import Engine, EngineStopped, QueueFull, Request
 from serve.protocol import ApiError
+from serve.tenants import Tenants, name_of_key
 from serve.text import TextStream
 
 TENANT = web.RequestKey("tenant", str)  # set by Server._check_key
+log = logging.getLogger(__name__)
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD = frozenset({"", "0.0.0.0", "::"})
+
+
+def allowed_hosts(bind: str, extra) -> set | None:
+  """Host names a request's Host (and a browser's Origin) may name: the bind address, its localhost aliases
+  when it is a loopback one, and `extra` (--allowed-host). None: not checked (bound to every address with
+  no --allowed-host: the server cannot know its public names)."""
+  names = {h.strip("[]").lower() for h in extra}
+  bind = (bind or "").strip("[]").lower()
+  if bind in WILDCARD:
+    return names or None
+  if bind in LOOPBACK or bind.startswith("127."):
+    names |= LOOPBACK
+  return names | {bind}
+
+
+def _hostname(value: str, scheme: bool = False) -> str | None:
+  """'Example.com:8000', '[::1]:8000' (or with scheme, 'http://example.com') -> 'example.com', '::1'."""
+  try:
+    return urllib.parse.urlsplit(value if scheme else "//" + value).hostname
+  except ValueError:
+    return None
 
 
 class Server:
   """Routes and request handling over one running `Engine`."""
 
   def __init__(self, engine: Engine, tokenizer, limits: protocol.Limits, *, api_key: str | None = None,
-               tenants: Tenants | None = None, chat_template: chat.ChatTemplate | None = None):
-    """tenants: the API keys (serve.tenants); api_key: one key, its own tenant. Neither: no keys."""
+               tenants: Tenants | None = None, chat_template: chat.ChatTemplate | None = None,
+               allowed_hosts: tuple = ()):
+    """tenants: the API keys (serve.tenants); api_key: one key, its own tenant. Neither: no keys.
+    allowed_hosts: more names for Host and Origin (see allowed_hosts())."""
     if tenants is None:
       tenants = Tenants([] if api_key is None else [(name_of_key(api_key), api_key)])
     self.engine, self.tok, self.limits, self.tenants = engine, tokenizer, limits, tenants
+    self.extra_hosts = tuple(allowed_hosts)
+    self.allowed: set | None = None  # set at start() from the bind address
     self.chat_template = chat_template or chat.ChatTemplate(None, tokenizer)
     self.loop: asyncio.AbstractEventLoop | None = None
     self.started = time.time()
@@ -38,7 +68,7 @@ class Server:
     self.runner: web.AppRunner | None = None
 
   def app(self) -> web.Application:
-    app = web.Application(middlewares=[self._errors], client_max_size=4 << 20)
+    app = web.Application(middlewares=[self._errors, self._edge], client_max_size=4 << 20)
     app.router.add_post("/v1/completions", self.completions)
     chat.Chat(self, self.chat_template).register(app)
     tokenize_api.TokenizerRoutes(self, self.chat_template).register(app)
@@ -51,6 +81,7 @@ class Server:
   async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
     """Start the engine thread and listen; returns the bound port (pass 0 for any free one)."""
     self.loop = asyncio.get_running_loop()
+    self.allowed = allowed_hosts(host, self.extra_hosts)
     self.engine.on_deliver = self._deliver
     self.engine.start()
     # handler_cancellation: a client that goes away cancels its handler, whose `finally` frees the slot.
@@ -95,8 +126,32 @@ class Server:
         raise
       resp = web.json_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}").body(),
                                status=e.status)
+    except Exception:  # a bug: the client gets an error object, never internals
+      log.exception("%s %s failed", request.method, request.path)
+      resp = web.json_response(ApiError(500, "internal server error; see the server log.", kind="server_error")
+                               .body(), status=500)
     self.responses[resp.status] += 1
     return resp
+
+  @web.middleware
+  async def _edge(self, request, handler):
+    """What a browser page could send: a Host or Origin that is not this server (DNS rebinding, a page
+    posting to a local server) is refused, and POST bodies must say they are JSON (a page cannot send
+    that cross-origin without a CORS preflight, which this server never grants)."""
+    host = request.headers.get("Host")
+    if host is not None and self.allowed is not None and _hostname(host) not in self.allowed:
+      raise ApiError(421, f"Host {protocol.show(host, 60)} is not a name of this server: call it by "
+                     f"{sorted(self.allowed)[0]!r} or start it with --allowed-host NAME.")
+    origin = request.headers.get("Origin")
+    if origin is not None:
+      ok = self.allowed if self.allowed is not None else {_hostname(host or "")}
+      if _hostname(origin, scheme=True) not in ok - {None}:
+        raise ApiError(403, f"Origin {protocol.show(origin, 60)} is not this server: browser pages of other "
+                       "sites may not call it (--allowed-host NAME names more of its own hosts).")
+    if request.method == "POST" and request.content_type != "application/json":
+      raise ApiError(415, f"Content-Type is {protocol.show(request.headers.get('Content-Type', ''), 60)}: send "
+                     "JSON with 'Content-Type: application/json' (curl: -H 'Content-Type: application/json').")
+    return await handler(request)
 
   def _check_key(self, request) -> str:
     """The request's tenant ('' without keys; also kept as request["tenant"]); 401 for a missing or wrong key."""
@@ -109,8 +164,8 @@ class Server:
   # ---- routes ----
 
   async def health(self, request):
-    if self.engine.error is not None:
-      return web.json_response({"status": "error", "error": repr(self.engine.error)}, status=503)
+    if not self.engine.serving:  # why is in the server log, not here
+      return web.json_response({"status": "unhealthy", "reason": "the engine is not running"}, status=503)
     return web.json_response({"status": "ok"})
 
   def _model_card(self):
@@ -180,13 +235,37 @@ class Server:
              [("", c.stats["files_written"])])]
 
   async def completions(self, request):
-    self._check_key(request)
-    raw = await request.read()
-    # Parsing and tokenizing a long prompt takes a while (a 3.6 MB prompt: 0.26 s): off the event loop,
-    # so every open stream keeps flowing meanwhile.
+    tenant = self._check_key(request)
+    obj = await self.read_json(request)
+    self.admit(protocol.count_choices(obj), tenant)
+    # Tokenizing a long prompt takes a while (a 3.6 MB prompt: 0.26 s): off the event loop, so every open
+    # stream keeps flowing meanwhile.
     c = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: protocol.parse_completion(protocol.parse_body(raw), self.limits, self.tok.encode))
+        None, lambda: protocol.parse_completion(obj, self.limits, self.tok.encode))
     return await self.run_completion(request, c, self._whole, self._stream, "cmpl-")
+
+  @staticmethod
+  async def json_reply(build) -> web.Response:
+    """A JSON response from `build()`, built and encoded off the event loop (with echo and logprobs, a reply
+    can run to megabytes; protocol.reply_entries bounds it)."""
+    body = await asyncio.get_running_loop().run_in_executor(None, lambda: json.dumps(build()).encode())
+    return web.Response(body=body, content_type="application/json")
+
+  async def read_json(self, request) -> dict:
+    """The request's JSON object (parsed off the event loop: a body may hold 4 MiB)."""
+    raw = await request.read()
+    return await asyncio.get_running_loop().run_in_executor(None, protocol.parse_body, raw)
+
+  def admit(self, choices: int, tenant: str):
+    """Refuse at once (503, 429) what the engine could not take now, before any prompt is tokenized.
+    A count over the per-request cap is left to the parser's 400."""
+    if not self.engine.serving:
+      raise ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
+    if choices <= protocol.choice_cap(self.limits)[0]:
+      try:
+        self.engine.check_room(choices, tenant)
+      except QueueFull as e:
+        raise ApiError(429, f"server busy: {e}. Retry later.") from None
 
   async def run_completion(self, request, c: protocol.Completion, whole, stream, id_prefix: str):
     """Submit `c`'s choices to the engine and answer with `await whole(choices, c, meta)` or
@@ -208,10 +287,14 @@ class Server:
         choices.append(ch)
       members[0].siblings = members[1:]
       leaders.append(members[0])
+    if not self.engine.serving:
+      raise ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
     try:
       self.engine.submit_all(leaders)
     except QueueFull as e:
       raise ApiError(429, f"server busy: {e}. Retry later.") from None
+    except EngineStopped:
+      raise ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
     except ValueError as e:
       raise ApiError(400, str(e)) from None
     meta = {"id": f"{id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.limits.model_name}
@@ -297,16 +380,18 @@ class Server:
     parts = collections.defaultdict(list)
     async for ch, piece, _, _ in self._pieces(choices, c):
       parts[ch.index].append(piece)
-    out = []
-    for ch in choices:
-      text = (ch.prompt_text if c.echo else "") + "".join(parts[ch.index])
-      choice = {"index": ch.index, "text": text, "logprobs": self._logprobs(ch, c, 0, True),
-                "finish_reason": ch.finish}
-      if c.return_token_ids:
-        choice["token_ids"] = ch.out_ids
-      out.append(choice)
-    return web.json_response({**meta, "object": "text_completion", "choices": out,
-                              "usage": self._usage(c, choices)})
+
+    def build():
+      out = []
+      for ch in choices:
+        text = (ch.prompt_text if c.echo else "") + "".join(parts[ch.index])
+        choice = {"index": ch.index, "text": text, "logprobs": self._logprobs(ch, c, 0, True),
+                  "finish_reason": ch.finish}
+        if c.return_token_ids:
+          choice["token_ids"] = ch.out_ids
+        out.append(choice)
+      return {**meta, "object": "text_completion", "choices": out, "usage": self._usage(c, choices)}
+    return await self.json_reply(build)
 
   async def _stream(self, request, choices, c, meta):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -320,11 +405,15 @@ class Server:
           if not (piece or head or reason):
             continue  # tokens with no text yet ride with the next event
           first, ch.sent, ch.echoed = ch.sent, len(ch.out_ids), True
-          choice = {"index": ch.index, "text": head + piece, "finish_reason": reason,
-                    "logprobs": self._logprobs(ch, c, first, bool(head))}
-          if c.return_token_ids:
-            choice["token_ids"] = ch.out_ids[first:]
-          await send({**meta, "object": "text_completion", "choices": [choice]})
+
+          def event(ch=ch, head=head, piece=piece, reason=reason, first=first):
+            choice = {"index": ch.index, "text": head + piece, "finish_reason": reason,
+                      "logprobs": self._logprobs(ch, c, first, bool(head))}
+            if c.return_token_ids:
+              choice["token_ids"] = ch.out_ids[first:ch.sent]
+            return {**meta, "object": "text_completion", "choices": [choice]}
+          # The echoed prompt (with its logprobs) is built off the event loop; a token's event is small.
+          await send(await asyncio.get_running_loop().run_in_executor(None, event) if head else event())
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:

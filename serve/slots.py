@@ -44,10 +44,12 @@ class SlotFunctions:
   """Jitted prefill / insert / generate for one model, slot count, prefill batch and mesh."""
 
   def __init__(self, model, cfg, *, n_slots: int, prefill_batch: int, n_stop: int, valid_vocab: int,
-               mesh=None):
+               mesh=None, branch_free: bool | None = None):
     self.model, self.cfg = model, cfg
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
-    self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab)
+    # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
+    self.branch_free = branch_free
+    self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab, branch_free=branch_free)
     self.valid_vocab = valid_vocab
     self.mesh = mesh
     table_shape = jax.eval_shape(self._empty_table)
@@ -121,17 +123,18 @@ class SlotFunctions:
   def _pack(self, logits_SxV, tok_S, done_S, want_S):
     """One int32 output array (see the module docstring)."""
     S = tok_S.shape[0]
-    chosen, vals, ids = jax.lax.cond(
-        (want_S >= 0).any(), lambda: sampling.logprobs(logits_SxV, tok_S, valid_vocab=self.valid_vocab),
+    branch_free = sampling.branch_free_default() if self.branch_free is None else self.branch_free
+    chosen, vals, ids = sampling.when_any(
+        want_S >= 0, lambda: sampling.logprobs(logits_SxV, tok_S, valid_vocab=self.valid_vocab),
         lambda: (jnp.zeros((S,), jnp.float32), jnp.zeros((S, N_TOP), jnp.float32),
-                 jnp.zeros((S, N_TOP), jnp.int32)))
+                 jnp.zeros((S, N_TOP), jnp.int32)), branch_free)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     return jnp.concatenate([tok_S[None], done_S.astype(jnp.int32)[None], bits(chosen)[None], ids.T,
                             bits(vals).T])
 
   def _insert(self, params, table, pf, row_E, slot_E, settings):
     """Sample a first token for each entry from prefill row row_E[i] and write that row into slot
-    slot_E[i] (slot_E >= S: padding, dropped). Several entries may share a row (n choices of one prompt).
+    slot_E[i] (slot_E >= S: padding, not written). Several entries may share a row (n choices of one prompt).
     Returns (table, out [3 + 2N, E] int32)."""
     del params
     zero = jnp.zeros_like(slot_E)
@@ -139,13 +142,18 @@ class SlotFunctions:
     tok = self.sample(logits, settings["temperature"], settings["top_k"], settings["top_p"],
                       settings["seed"], zero, seed_hi_S=settings["seed_hi"])
     done = _done(tok, zero, settings["max_tokens"], settings["stop_ids"])
-    put = lambda big, small, axis: (big.at[:, slot_E].set(small, mode="drop") if axis == 1
-                                    else big.at[slot_E].set(small, mode="drop"))
-    rows = jax.tree.map(lambda x: x[:, row_E], pf["model"])
+    src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
+
+    def put(big, small, axis):  # small: the values of the writes, already indexed by src
+      if axis == 1:
+        return big.at[:, slot_w].set(jnp.where(any_real, small, big[:, :1]), mode="promise_in_bounds")
+      return big.at[slot_w].set(jnp.where(any_real, small, big[:1]), mode="promise_in_bounds")
+
+    rows = jax.tree.map(lambda x: x[:, row_E[src]], pf["model"])
     new = {"model": jax.tree.map(lambda b, s: put(b, s, 1), table["model"], rows),
-           "tokens": put(table["tokens"], tok, 0), "pos": put(table["pos"], zero, 0)}
+           "tokens": put(table["tokens"], tok[src], 0), "pos": put(table["pos"], zero, 0)}
     for name in SAMPLING_FIELDS:
-      new[name] = put(table[name], settings[name].astype(table[name].dtype), 0)
+      new[name] = put(table[name], settings[name][src].astype(table[name].dtype), 0)
     return new, self._pack(logits, tok, done, settings["logprobs"])
 
   @staticmethod
@@ -179,6 +187,17 @@ class SlotFunctions:
                       seed_hi_S=table["seed_hi"])
     done = _done(tok, pos, table["max_tokens"], table["stop_ids"])
     return dict(table, tokens=tok, pos=pos), self._pack(logits, tok, done, table["logprobs"])
+
+
+def entry_writes(slot_E, n_slots: int):
+  """Insert's writes with every index in range (Neuron fails out-of-range scatters at run time; XLA drops
+  them): (src_E, slot_w_E, any_real). Write i stores entry src_E[i]'s values into slot slot_w_E[i]: a real entry
+  (slot_E < n_slots) its own, a padding entry repeats the first real entry's write (same slot, same values).
+  With no real entry (any_real false) every write goes to slot 0 and must store slot 0's own values."""
+  real = slot_E < n_slots
+  src = jnp.where(real, jnp.arange(slot_E.shape[0]), jnp.argmax(real))
+  any_real = real.any()
+  return src, jnp.where(any_real, slot_E[src], 0), any_real
 
 
 def _jit(f, donate=(), out=None):

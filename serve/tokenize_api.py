@@ -14,7 +14,6 @@ request may ask for (--max-prompt-tokens + --max-tokens): the state has no conte
 from __future__ import annotations
 
 import asyncio
-import json
 
 from aiohttp import web
 
@@ -29,7 +28,7 @@ def _flag(obj, name, default):
 def _check_model(obj, limits):
   model = obj.get("model")
   if model is not None and model != limits.model_name:
-    raise ApiError(404, f"model {json.dumps(model)[:80]} is not served here: this server serves "
+    raise ApiError(404, f"model {protocol.show(model)} is not served here: this server serves "
                    f"'{limits.model_name}' (GET /v1/models).", "model")
 
 
@@ -61,6 +60,10 @@ class TokenizerRoutes:
     else:
       gen = _flag(obj, "add_generation_prompt", True)
       ids = self.template.encode(self.template.render(chat.parse_messages(obj), gen))
+    if len(ids) > self.max_model_len:
+      raise ApiError(400, f"the {'prompt' if 'prompt' in obj else 'rendered messages'} hold {len(ids)} tokens: at "
+                     f"most {self.max_model_len} (max_model_len: --max-prompt-tokens + --max-tokens) are "
+                     "tokenized per request.", "prompt" if "prompt" in obj else "messages")
     out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
     if strs:
       out["token_strs"] = [self.server.tok.token_bytes([t]).decode("utf-8", "replace") for t in ids]
@@ -70,14 +73,14 @@ class TokenizerRoutes:
     _check_model(obj, self.server.limits)
     ids, vocab, most = obj.get("tokens"), self.server.limits.vocab_size, self.max_model_len
     if not (isinstance(ids, list) and len(ids) <= most and all(protocol._is_int(t) and 0 <= t < vocab for t in ids)):
-      raise ApiError(400, f"'tokens' is {json.dumps(ids)[:80]}: expected a list of at most {most} token ids in "
+      raise ApiError(400, f"'tokens' is {protocol.show(ids)}: expected a list of at most {most} token ids in "
                      f"[0, {vocab}).", "tokens")
     return {"prompt": self.server.tok.token_bytes(ids).decode("utf-8", "replace")}
 
   async def _run(self, request, fn):
     self.server._check_key(request)
-    raw = await request.read()
-    out = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(protocol.parse_body(raw)))
+    obj = await self.server.read_json(request)
+    out = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(obj))
     return web.json_response(out)
 
   async def tokenize(self, request):

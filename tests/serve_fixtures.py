@@ -44,12 +44,18 @@ def serving(eng, tok, lim, **server_kw):
     yield f"http://127.0.0.1:{port}", server
 
 
-def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, raw=None):
-  """One request: (status, parsed JSON, SSE event list, or text)."""
+def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, raw=None,
+         content_type="application/json", timeout=120):
+  """One request: (status, parsed JSON, SSE event list, or text). A body goes with `content_type`
+  unless `headers` name one (content_type None: aiohttp's own, text/plain); a server that does not answer
+  within `timeout` seconds fails the test instead of hanging it."""
   async def go():
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
       data = raw if raw is not None else (None if body is None else json.dumps(body))
-      async with s.request(method, url + path, data=data, headers=headers) as r:
+      hdrs = dict(headers)
+      if data is not None and content_type and not any(k.lower() == "content-type" for k in hdrs):
+        hdrs["Content-Type"] = content_type
+      async with s.request(method, url + path, data=data, headers=hdrs) as r:
         text = await r.text()
         if r.headers.get("Content-Type", "").startswith("text/event-stream"):
           return r.status, [e[len("data: "):] for e in text.split("\n\n") if e]

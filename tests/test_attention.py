@@ -52,3 +52,30 @@ def test_cached_attention_in_pieces_equals_whole_sequence():
   # padding never landed in the cache: rows hold keys 0..pos-1 and zeros after
   np.testing.assert_allclose(kc[1, :7], k[1, :7], atol=1e-6)
   assert float(jnp.abs(kc[1, 7:]).max()) == 0.0
+
+
+def test_cache_writes_are_in_range_and_repeat_a_real_write():
+  """Neuron fails out-of-range scatters: padding tokens repeat their row's last real write, rows with no real
+  token point at a real position (where cached_attention writes the cache's own values), all within [0, S)."""
+  T, S = 4, 8
+  pos, n = jnp.array([0, 2, 5, 7, 8]), jnp.array([4, 1, 3, 0, 0])
+  t, idx = (np.asarray(x) for x in attention.write_positions(pos, n, T, S))
+  assert ((idx >= 0) & (idx < S)).all()
+  np.testing.assert_array_equal(t, [[0, 1, 2, 3], [0, 0, 0, 0], [0, 1, 2, 2], [0, 0, 0, 0], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(idx[:3], [[0, 1, 2, 3], [2, 2, 2, 2], [5, 6, 7, 7]])
+
+
+def test_cached_attention_writes_only_real_tokens():
+  """The caches after a ragged chunk: real tokens at pos + t, every other entry as it was (rows with no real
+  token, padding, a row ending at the last position), against a numpy reference."""
+  B, T, H, d, S = 4, 3, 2, 4, 6
+  q, k, v, kc, vc = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+                     enumerate([(B, T, H, d)] * 3 + [(B, S, H, d)] * 2))
+  pos, n = jnp.array([0, 3, 2, 5]), jnp.array([3, 3, 0, 1])
+  _, got_k, got_v = attention.cached_attention(q, k, v, kc, vc, pos, n)
+  for got, new, old in ((got_k, k, kc), (got_v, v, vc)):
+    want = np.array(old)
+    for b in range(B):
+      for t in range(int(n[b])):
+        want[b, int(pos[b]) + t] = new[b, t]
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -147,10 +147,10 @@ def test_full_queue_gives_429_and_disconnects_free_slots(served):
 
   async def go():
     async with aiohttp.ClientSession() as s:
-      body = json.dumps({"prompt": "Long story:", "max_tokens": 64, "stream": True, "ignore_eos": True})
-      opened = [await s.post(url + "/v1/completions", data=body, headers=AUTH) for _ in range(6)]
+      body = {"prompt": "Long story:", "max_tokens": 64, "stream": True, "ignore_eos": True}
+      opened = [await s.post(url + "/v1/completions", json=body, headers=AUTH) for _ in range(6)]
       assert [r.status for r in opened] == [200] * 6  # 4 slots + 2 queued
-      r = await s.post(url + "/v1/completions", data=body, headers=AUTH)
+      r = await s.post(url + "/v1/completions", json=body, headers=AUTH)
       assert r.status == 429 and r.headers["Retry-After"] == "1"
       await r.release()
       for r in opened[:4]:

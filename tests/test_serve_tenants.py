@@ -4,6 +4,7 @@ cached_tokens, per-tenant cache counters behind the key, and slots shared fairly
 engine (4 slots, a state cache with a directory) serves every test here."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -205,7 +206,13 @@ def test_a_planted_state_of_the_wrong_shape_is_never_restored(eng, tok):
     assert sf.call(url, "GET", "/health", headers={})[0] == 200
 
 
-def test_stopping_the_server_writes_the_finished_conversations_state(eng, tok, cache_dir):
+def test_stopping_the_server_writes_the_finished_conversations_state(eng, tok, cache_dir, monkeypatch):
+  write = state_cache._atomic_write
+
+  def slow_disk(path, data):
+    time.sleep(1.0)
+    write(path, data)
+  monkeypatch.setattr(state_cache, "_atomic_write", slow_disk)
   prompt = np.random.default_rng(3).integers(0, 50_000, 60).tolist()
   with _server(eng, tok) as (url, _):
     out = _complete(url, prompt, ALICE)["choices"][0]["token_ids"]

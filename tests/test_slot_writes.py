@@ -1,11 +1,12 @@
 """Inserting a prefilled sequence writes only its slot's rows of the donated slot table: no instruction of
 the compiled insert reads or writes as much as one layer of the state table."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import hlo_bytes, model
 from laplace_jax.config import get_config
-from serve.slots import N_TOP, SlotFunctions, host_settings
+from serve.slots import N_TOP, SlotFunctions, entry_writes, host_settings
 
 
 def test_insert_moves_the_slot_rows_not_the_table():
@@ -38,3 +39,43 @@ def test_decode_over_a_serving_mesh_leaves_the_kernel_to_xla(monkeypatch, caplog
     table, out = fns.generate(params, fns.empty_table())
   assert out.shape == (3 + 2 * N_TOP, 8)  # tokens, finished flags, logprob rows (serve.slots)
   assert [r.getMessage() for r in caplog.records if "8-device mesh" in r.getMessage()]
+
+
+def test_insert_write_indices_are_in_range():
+  """Neuron fails out-of-range scatters: padding entries (slot >= S) repeat the first real entry's write; with
+  none real, every write goes to slot 0 (where insert stores slot 0's own values)."""
+  src, slot, any_real = entry_writes(jnp.array([8, 3, 8, 5, 9]), 8)
+  np.testing.assert_array_equal(src, [1, 1, 1, 3, 1])
+  np.testing.assert_array_equal(slot, [3, 3, 3, 5, 3])
+  assert bool(any_real)
+  src, slot, any_real = entry_writes(jnp.array([8, 8]), 8)
+  np.testing.assert_array_equal(slot, [0, 0])
+  assert not bool(any_real)
+
+
+def test_insert_writes_the_real_entries_and_nothing_else():
+  """The table after insert, against numpy: real entries' prefill rows and settings land in their slots (one row
+  may feed two slots), every other slot keeps its values, also when no entry is real."""
+  cfg = get_config("tiny", n_layers=2)
+  S, P = 6, 4
+  fns = SlotFunctions(model, cfg, n_slots=S, prefill_batch=P, n_stop=2, valid_vocab=cfg.vocab_size)
+  rng = np.random.default_rng(0)
+  rand = lambda x: jnp.asarray(rng.integers(1, 100, x.shape) if x.dtype.kind in "iu" else rng.normal(size=x.shape),
+                               x.dtype)
+  pf = jax.tree.map(rand, fns.empty_prefill())
+  rows = [{"temperature": 0.0, "top_k": i, "top_p": 0.5 + i / 10, "seed": 10 + i, "seed_hi": i, "max_tokens": 5 + i,
+           "logprobs": -1, "stop_ids": [i]} for i in range(P)]
+  settings = host_settings(rows, P, 2)
+  for row_E, slot_E in (([0, 1, 2, 1], [6, 4, 7, 1]), ([3, 0, 1, 2], [6, 9, 6, 6])):
+    table = jax.tree.map(rand, fns.empty_table())
+    want = jax.tree.map(np.array, table)
+    table, out = fns.insert(None, table, pf, jnp.asarray(row_E, jnp.int32), jnp.asarray(slot_E, jnp.int32), settings)
+    out = np.asarray(out)
+    for e, (r, s) in enumerate(zip(row_E, slot_E)):
+      if s >= S:
+        continue
+      jax.tree.map(lambda w, p: w.__setitem__((slice(None), s), np.asarray(p)[:, r]), want["model"], pf["model"])
+      want["tokens"][s], want["pos"][s] = out[0, e], 0
+      for name in settings:
+        want[name][s] = settings[name][e]
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, table), want)
