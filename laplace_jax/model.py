@@ -101,7 +101,7 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
 def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, windowed: bool = False):
   """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o, over every earlier position or, if
   `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_cache, v_cache, pos_B):
-  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, W, H, hd] and this
+  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd] and this
   layer's index (k_rings, v_rings, idx, pos_B). Returns (output [B, T, D], the updated pair or None)."""
   B, T, _ = u_BxTxD.shape
   H, hd = cfg.n_heads, cfg.attn_head_dim
@@ -342,7 +342,7 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
   """Zero decode state for `batch_size` sequences, layer-major, fp32: gla [L_gla,B,H,d_k,d_v] (GLA layers)
   and conv [L,B,conv,D] (every layer). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
   compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
-  cfg.window keys and values ring_k, ring_v [L_S,B,window,H,hd], and either adds pos [B] int32 (tokens consumed)."""
+  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd], and either adds pos [B] int32 (tokens consumed)."""
   B = batch_size
   state = init_carry(cfg, B)
   if "A" in cfg.mixers:
@@ -354,7 +354,7 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
     state["k"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
     state["v"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
   if "S" in cfg.mixers:
-    ring = (cfg.n_mixer_layers("S"), B, cfg.window, cfg.n_heads, cfg.attn_head_dim)
+    ring = (cfg.n_mixer_layers("S"), B, cfg.n_heads, cfg.window, cfg.attn_head_dim)
     state["ring_k"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
     state["ring_v"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
   if set("AS") & set(cfg.mixers):
