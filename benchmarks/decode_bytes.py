@@ -1,12 +1,14 @@
 """Bytes the compiled decode step moves per step, against the minimum (docs/BENCHMARKS.md, issue 11).
 
     python benchmarks/decode_bytes.py [--preset small] [--slots 1280] [--top 12] [--json out.json]
+                                      [--mixers GGGGS --window 2048 [--n_layers N]]
 
 Compiles `model.decode_step` (jitted, state donated, weights in the compute dtype as the server holds them)
 from abstract shapes, so nothing is allocated, and counts with `laplace_jax.hlo_bytes` (loop bodies once per
-layer). The minimum: every state array read once and written once, every weight read once (the embedding:
-only the looked-up rows), the logits written once. Also prints the compiled memory: arguments, the part of
-the outputs aliased to the donated state, and temporaries (one state table means temp << state).
+layer). The minimum: every state array read once and written once (a window ring: read once, one row
+written), every weight read once (the embedding: only the looked-up rows), the logits written once. Also
+prints the compiled memory: arguments, the part of the outputs aliased to the donated state, and
+temporaries (one state table means temp << state).
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ def minimum_bytes(cfg, params, state, slots) -> dict:
   nbytes = lambda t: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(t))
   embed = params["embed"]
   weights = nbytes(params) - nbytes(embed) + slots * embed.shape[1] * jnp.dtype(embed.dtype).itemsize
-  return {"state_read_and_written": 2 * nbytes(state), "weights_read": weights,
+  # a sliding-window layer's rings are read whole but written one row (slot pos mod W) per step
+  rings = {k: v for k, v in state.items() if k.startswith("ring_")}
+  rest = {k: v for k, v in state.items() if k not in rings}
+  ring_bytes = nbytes(rings) * (1 + 1 / cfg.window) if rings else 0
+  return {"state_read_and_written": 2 * nbytes(rest) + ring_bytes, "weights_read": weights,
           "logits_written": slots * cfg.vocab_size * 4, "tokens_read": slots * 4}
 
 
@@ -45,7 +51,8 @@ def measure(cfg, slots):
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   mem = compiled.memory_analysis()
   minimum = minimum_bytes(cfg, params, state, slots)
-  return ops, mem, minimum, sum(x.size * 4 for x in jax.tree.leaves(state)), compiled.as_text()
+  state_bytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+  return ops, mem, minimum, state_bytes, compiled.as_text()
 
 
 def main(argv=None):
@@ -55,14 +62,18 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=12, help="largest instructions to list")
   p.add_argument("--hlo", help="write the compiled HLO text to this file")
   p.add_argument("--json", help="also write the figures to this file")
+  p.add_argument("--mixers", help="mixer pattern (default the preset's); constant-state letters only (G, S)")
+  p.add_argument("--window", type=int, help="window of the S layers (default the preset's)")
+  p.add_argument("--n_layers", type=int, help="layers (default the preset's), for a pattern that needs it")
   args = p.parse_args(argv)
-  cfg = get_config(args.preset)
+  overrides = {k: getattr(args, k) for k in ("mixers", "window", "n_layers") if getattr(args, k) is not None}
+  cfg = get_config(args.preset, **overrides)
   ops, mem, minimum, state_bytes, text = measure(cfg, args.slots)
   if args.hlo:
     with open(args.hlo, "w") as f:
       f.write(text)
   moved, least = hlo_bytes.total_bytes(ops), sum(minimum.values())
-  print(f"# decode step bytes, {args.preset} at {args.slots} slots, jax {jax.__version__}, "
+  print(f"# decode step bytes, {args.preset} {overrides or ''} at {args.slots} slots, jax {jax.__version__}, "
         f"{jax.devices()[0].platform}")
   print(f"moved per step: {moved / 1e9:.3f} GB;  minimum: {least / 1e9:.3f} GB  "
         + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in minimum.items()))

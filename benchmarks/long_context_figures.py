@@ -28,14 +28,15 @@ def passkey_command(run_dir: Path, saved: dict, cells: list[dict]) -> str:
   return f"python -m train.recall --grid {saved['grid']} --sections passkey --patterns {patterns}{sets} -o {run_dir}"
 
 
-def passkey_records(run_dir: Path) -> tuple[str, list[dict], list[dict]]:
-  """(command, records by (context, distance), records by (context, depth)) of one recall output dir."""
+def passkey_records(run_dir: Path) -> tuple[str, list[dict], list[dict], list[dict]]:
+  """(command, records by (context, distance), records by (context, depth), one training record per cell:
+  its loss every 1,000 steps and at the end, and its wall times) of one recall output dir."""
   saved = json.loads((run_dir / "results.json").read_text())
   cells = [c for c in saved["cells"] if c["task"].startswith("passkey")]
   if not cells:
     raise ValueError(f"{run_dir}/results.json has no passkey cell yet")
   grid = _grid(saved)
-  by_distance, by_depth = [], []
+  by_distance, by_depth, training = [], [], []
   for c in cells:
     base = {"pattern": c["pattern"], "state_passing": bool(c.get("state_passing")),
             "train_len": int(c["task"].split(":")[1].split(",")[0]), "steps": c["steps"]}
@@ -46,7 +47,10 @@ def passkey_records(run_dir: Path) -> tuple[str, list[dict], list[dict]]:
     for ctx, accs in sorted(c["passkey"].items(), key=lambda kv: int(kv[0])):
       for depth, acc in sorted(accs.items(), key=lambda kv: float(kv[0])):
         by_depth.append({**base, "context": int(ctx), "depth": float(depth), "accuracy": acc, "n": n})
-  return passkey_command(run_dir, saved, cells), by_distance, by_depth
+    training.append({**base, "batch": c["batch"], "final_loss": c["final_loss"],
+                     "loss_every_1000": {str(s): v for s, v in c.get("losses", []) if s % 1000 == 0},
+                     "train_s": round(c.get("train_s", 0)), "eval_s": round(c.get("eval_s", 0))})
+  return passkey_command(run_dir, saved, cells), by_distance, by_depth, training
 
 
 def _grid(saved: dict) -> dict:
@@ -63,6 +67,14 @@ def run_config(export: Path) -> dict:
   return json.loads((steps[-1] / "meta" / "metadata").read_text())["run_config"]
 
 
+def prepare_command(data_dir: str) -> str:
+  """The train.prepare line of a built-in corpus, from its manifest (other data: a note)."""
+  m = json.loads((Path(data_dir) / "manifest.json").read_text())
+  if not m.get("corpus"):
+    return f"# {data_dir}: prepared from files by python -m train.prepare"
+  return f"python -m train.prepare --corpus {m['corpus']} -o {data_dir} --val-fraction {m['val_fraction']}"
+
+
 def train_command(rc: dict) -> str:
   t = rc["train"]
   flags = [f"--preset {t['preset']}", f"--data_dir {t['data_dir']}", f"--out_dir {t['out_dir']}",
@@ -77,8 +89,10 @@ def by_position_records(path: Path) -> tuple[list[str], list[dict]]:
   rc = run_config(Path(res["checkpoint"]))
   t = rc["train"]
   train_len = t["seq_len"] or rc["model"]["max_seq_len"]
-  run = Path(t["out_dir"]).name
-  cmds = [train_command(rc), f"python -m train.eval --by_position --checkpoint {res['checkpoint']} "
+  reset = res.get("reset_every", 0)
+  run = f"{t['preset']}-{Path(t['out_dir']).name}" + (f"-reset{reset}" if reset else "")
+  flags = f" --segment {res['segment']} --reset_every {reset}" if reset else ""
+  cmds = [prepare_command(res["data_dir"]), train_command(rc), f"python -m train.eval --by_position{flags} --checkpoint {res['checkpoint']} "
                              f"--data_dir {res['data_dir']} --json {path}"]
   recs = [{"run": run, "state_passing": bool(t["state_passing"]), "train_len": train_len,
            "position_lo": b["position_lo"], "position_hi": b["position_hi"], "loss": b["loss"],
@@ -121,6 +135,14 @@ def markdown(out: dict) -> str:
     for d in dists:
       parts.append(f"| {d:,} | " + " | ".join(f"{acc[c, d]:.0%}" if (c, d) in acc else "" for c in ctxs) + " |")
     parts.append("")
+  if out["passkey_training"]:
+    steps = sorted({int(k) for r in out["passkey_training"] for k in r["loss_every_1000"]})
+    parts.append("| training loss at step | " + " | ".join(f"{k:,}" for k in steps) + " |")
+    parts.append("|---|" + "---:|" * len(steps))
+    for r in out["passkey_training"]:
+      parts.append(f"| {r['pattern']}, {'with' if r['state_passing'] else 'without'} state passing | "
+                   + " | ".join(f"{r['loss_every_1000'].get(str(k), float('nan')):.2f}" for k in steps) + " |")
+    parts.append("")
   runs = list(dict.fromkeys(r["run"] for r in out["loss_by_position"]))
   if runs:
     loss = {(r["run"], r["position_lo"]): r for r in out["loss_by_position"]}
@@ -133,6 +155,16 @@ def markdown(out: dict) -> str:
       toks = next(r for r in row if r)["tokens"]
       parts.append(f"| [{lo:,}, {hi:,}) | " + " | ".join(f"{r['loss']:.3f}" if r else "" for r in row)
                    + f" | {toks:,} |")
+    parts.append("")
+  heads = out.get("head_reach", {}).get("heads", [])
+  if heads:
+    ds = list(heads[0]["kept"])
+    parts.append("| head half-life (tokens) | " + " | ".join(f"{int(d):,} back" for d in ds) + " | 1% at |")
+    parts.append("|---|" + "---:|" * (len(ds) + 1))
+    for h in heads:
+      kept = [f"{v:.0%}" if v >= 0.01 else f"{v:.1%}" if v >= 0.001 else f"{v:.0e}" if v else "0"
+              for v in h["kept"].values()]
+      parts.append(f"| {h['half_life']:g} | " + " | ".join(kept) + f" | {h['reach_1pct']:,} |")
     parts.append("")
   return "\n".join(parts)
 
@@ -148,15 +180,17 @@ def main(argv=None) -> int:
   ap.add_argument("--markdown", action="store_true", help="also print the tables for docs/EVAL.md")
   a = ap.parse_args(argv)
   out = {"issue": 18, "machine": a.machine, "passkey_commands": [], "passkey": [], "passkey_depth": [],
+         "passkey_training": [],
          "loss_by_position_commands": [], "loss_by_position": []}
   for d in a.passkey:
-    cmd, dist, depth = passkey_records(Path(d))
+    cmd, dist, depth, training = passkey_records(Path(d))
     out["passkey_commands"].append(cmd)
     out["passkey"] += dist
     out["passkey_depth"] += depth
+    out["passkey_training"] += training
   for p in a.by_position:
     cmds, recs = by_position_records(Path(p))
-    out["loss_by_position_commands"] += cmds
+    out["loss_by_position_commands"] += [c for c in cmds if c not in out["loss_by_position_commands"]]
     out["loss_by_position"] += recs
   if a.cost:
     text = Path(a.cost).read_text()

@@ -27,12 +27,13 @@ def rope(x_BxTxHxd, pos_BxT, base: float = 10000.0):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxTxHxd.dtype)
 
 
-def _attend(q_BxTxHxd, k_BxSxHxd, v_BxSxHxd, visible_BxTxS):
+def _attend(q_BxTxHxd, k_BxSxHxd, v_BxSxHxd, visible_BxTxS, kv_layout: str = "bshd"):
+  """o [B, T, H, d] fp32; keys and values [B, S, H, d], or [B, H, S, d] with kv_layout="bhsd"."""
   scale = q_BxTxHxd.shape[-1] ** -0.5
-  s_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxd, k_BxSxHxd, preferred_element_type=F32) * scale
+  s_BxHxTxS = jnp.einsum(f"bthd,{kv_layout}->bhts", q_BxTxHxd, k_BxSxHxd, preferred_element_type=F32) * scale
   s_BxHxTxS = jnp.where(visible_BxTxS[:, None], s_BxHxTxS, -jnp.inf)
   p = jax.nn.softmax(s_BxHxTxS, axis=-1)
-  return jnp.einsum("bhts,bshd->bthd", p.astype(v_BxSxHxd.dtype), v_BxSxHxd, preferred_element_type=F32)
+  return jnp.einsum(f"bhts,{kv_layout}->bthd", p.astype(v_BxSxHxd.dtype), v_BxSxHxd, preferred_element_type=F32)
 
 
 def causal_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd):

@@ -31,6 +31,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from grain import checkpoint as grain_ckpt
 
+from laplace_jax.config import LAYOUT_NEUTRAL
+
 log = logging.getLogger(__name__)
 
 TRAIN_STATE, DATA_STATE, META = "train_state", "data_state", "meta"
@@ -396,13 +398,20 @@ def abstract_from_metadata(saved_tree, shardings=None):
 
 
 def check_config(saved, given, *, where: str) -> None:
-  """Raises ValueError naming every field where `given` differs from the `saved` config dict."""
-  given = json.loads(json.dumps(_config_dict(given)))  # tuples → lists, as they were saved
+  """Raises ValueError naming every field where `given` differs from the `saved` config dict (fields in
+  LAYOUT_NEUTRAL excepted). A field of a given config dataclass that the saved dict lacks (saved before the
+  field existed) counts as its default."""
   if saved is None:
     raise ValueError(f"{where} has no saved config to compare with. Pass config=None to skip the check.")
+  if dataclasses.is_dataclass(given) and not isinstance(given, type):
+    saved = {**{f.name: f.default for f in dataclasses.fields(given)
+                if f.default is not dataclasses.MISSING}, **saved}
+    saved = json.loads(json.dumps(saved, default=_json_default))
+  given = json.loads(json.dumps(_config_dict(given)))  # tuples → lists, as they were saved
   missing = object()
   diffs = [f"{k}: saved {saved.get(k, '<absent>')!r}, given {given.get(k, '<absent>')!r}"
-           for k in sorted(set(saved) | set(given)) if saved.get(k, missing) != given.get(k, missing)]
+           for k in sorted((set(saved) | set(given)) - LAYOUT_NEUTRAL)
+           if saved.get(k, missing) != given.get(k, missing)]
   if diffs:
     raise ValueError(f"{where} was saved with a different config ({'; '.join(diffs)}). Restore with the "
                      "saved config (Checkpointer.metadata()['config']), or use a new checkpoint directory "

@@ -17,6 +17,10 @@ PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
 
 
 GLA_FORMS = ("auto", "parallel", "scan")
+SCAN_LAYERS = ("auto", "true", "false")
+# Fields that change how the program runs but neither the parameters nor the math: a checkpoint (or a cached
+# state) saved under one value loads under any other, and those from before the field existed load too.
+LAYOUT_NEUTRAL = frozenset({"scan_layers"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,9 @@ class LaplaceConfig:
   window: int = 2048
   """tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring of this many
   keys and values"""
+  scan_layers: str = "auto"
+  """layer stack as one scanned body (true) or unrolled (false), same parameters and outputs: auto (unrolled
+  on Neuron, as AXLearn runs trn2; scanned elsewhere, which compiles faster)"""
 
   def __post_init__(self):
     def bad(field, value, expect, fix):
@@ -93,6 +100,11 @@ class LaplaceConfig:
       v = getattr(self, f)
       if v not in ("float32", "bfloat16", "float16"):
         bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
+    if isinstance(self.scan_layers, bool):  # Python and TOML booleans, kept in the flag's spelling
+      object.__setattr__(self, "scan_layers", "true" if self.scan_layers else "false")
+    if self.scan_layers not in SCAN_LAYERS:
+      bad("scan_layers", self.scan_layers, f"one of {SCAN_LAYERS}",
+          "auto scans the layers (one compiled body) except on Neuron, which unrolls them.")
     if self.gla_form not in GLA_FORMS:
       bad("gla_form", self.gla_form, f"one of {GLA_FORMS}",
           "auto picks per backend; parallel is faster on GPUs, scan on CPUs.")
@@ -152,6 +164,16 @@ def gla_form_for_backend(cfg: LaplaceConfig, backend: str) -> tuple[str, bool]:
   if backend == "neuron":
     return "scan", True
   return ("scan" if backend == "cpu" else "parallel"), cfg.unroll_chunks
+
+
+def layers_scanned(cfg: LaplaceConfig, backend: str) -> bool:
+  """Whether the layer stack runs as one scanned body (a loop over stacked weights) or unrolled (each layer
+  its own straight-line code, same weights, same math). "auto": unrolled on Neuron, as AXLearn runs trn2
+  (neuronx-cc finds the repeated blocks itself, and the published port compiled a fixed graph), scanned
+  elsewhere (one body compiles faster). docs/NEURON.md has the measured costs."""
+  if cfg.scan_layers != "auto":
+    return cfg.scan_layers == "true"
+  return backend != "neuron"
 
 
 def decay_half_lives(cfg: LaplaceConfig) -> np.ndarray:

@@ -71,7 +71,7 @@ def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll):
 
   n_first = lambda x: jnp.moveaxis(x, 2, 0)
   s, o_NxBxHxCxV = jax.lax.scan(step, s0, tuple(map(n_first, (q_, k_, v_, b_BxHxNxC))),
-                                unroll=q_.shape[2] if unroll else 1)
+                                unroll=0 if unroll else 1)  # 0: all chunks (True leaves one chunk a loop)
   return jnp.moveaxis(o_NxBxHxCxV, 0, 2), s
 
 
@@ -86,7 +86,7 @@ def _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll):
 
   final_state, s_prev_NxBxHxKxV = jax.lax.scan(
       step, s0, (jnp.moveaxis(d_BxHxN, 2, 0), jnp.moveaxis(u_BxHxNxKxV, 2, 0)),
-      unroll=q_.shape[2] if unroll else 1)
+      unroll=0 if unroll else 1)  # 0: all chunks (True leaves one chunk a loop)
   return o_intra + _read(q_dec, jnp.moveaxis(s_prev_NxBxHxKxV, 0, 2)), final_state
 
 

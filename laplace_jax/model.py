@@ -2,7 +2,8 @@
 
 One layer (REFERENCE.md): x → LayerNorm → causal depth-wise conv (k=4) + SiLU → W_qkvg → q, k, v, g →
 simple GLA with a fixed geometric decay → + σ(q·(a⊙k))·v → Head RMSNorm per decay tier → ⊙ SiLU(g) → W_out
-→ + x; then LayerNorm → GLU(SiLU) FFN → + x. Layers run under `nn.scan` (one compiled body).
+→ + x; then LayerNorm → GLU(SiLU) FFN → + x. Layers run under `nn.scan` (one compiled body), or the same
+scan unrolled (`cfg.scan_layers`, the default on Neuron) with the same parameters.
 `cfg.mixers` may swap the mixer (W_qkvg … W_out) for causal softmax attention with RoPE ('A', same heads,
 W_qkv and W_o of the same parameter budget) or sliding-window attention over the last cfg.window tokens ('S',
 the same weights; laplace_jax/window_attention.py) in a pattern repeated over the layers; the scan then runs
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import attention, fsdp, gla, gla_decode, platform, window_attention
-from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, log_decays
+from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, layers_scanned, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
 F32 = jnp.float32
@@ -100,7 +101,7 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
 def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, windowed: bool = False):
   """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o, over every earlier position or, if
   `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_cache, v_cache, pos_B):
-  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, W, H, hd] and this
+  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd] and this
   layer's index (k_rings, v_rings, idx, pos_B). Returns (output [B, T, D], the updated pair or None)."""
   B, T, _ = u_BxTxD.shape
   H, hd = cfg.n_heads, cfg.attn_head_dim
@@ -218,15 +219,17 @@ class Block(nn.Module):
     return (x, state), None
 
 
-def _layer(cfg: LaplaceConfig, initializing: bool):
+def _layer(cfg: LaplaceConfig, initializing: bool, scanned: bool = True):
   """Block as the layer scan runs it: inside the train step's shard_map each layer's weights arrive as FSDP
   shards and are gathered here in the compute dtype, per layer and inside remat (laplace_jax/fsdp.py);
-  elsewhere they are whole and pass unchanged. Then rematerialised in the backward pass if cfg.remat."""
+  elsewhere they are whole and pass unchanged. Then rematerialised in the backward pass if cfg.remat: inside a
+  loop the recomputation cannot be merged with the forward (prevent_cse=False is safe and cheaper); unrolled,
+  straight-line code could be, so the barrier stays."""
   cdt = jnp.dtype(cfg.compute_dtype)
   full = {n: s for letter in set(cfg.mixers) for n, s in layer_shapes(cfg, letter).items()}
   block = nn.map_variables(Block, "params", lambda v: {c: fsdp.gather_tree(t, full, cdt) for c, t in v.items()},
                            init=initializing)
-  return nn.remat(block, prevent_cse=False) if cfg.remat else block
+  return nn.remat(block, prevent_cse=not scanned) if cfg.remat else block
 
 
 class Group(nn.Module):
@@ -235,7 +238,7 @@ class Group(nn.Module):
 
   @nn.compact
   def __call__(self, carry, group_idx, mask_BxT):
-    block = _layer(self.cfg, self.is_initializing())
+    block = _layer(self.cfg, self.is_initializing(), layers_scanned(self.cfg, platform.backend()))
     for i, letter in enumerate(self.cfg.mixers):
       carry, _ = block(self.cfg, letter, i, name=f"block{i}")(carry, group_idx, mask_BxT)
     return carry, None
@@ -254,12 +257,17 @@ class LaplaceLM(nn.Module):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
     x = _batch_sharded(embed[tokens_BxT].astype(cdt))
+    scan = layers_scanned(cfg, platform.backend())
     if len(cfg.mixers) == 1:
-      body, args = _layer(cfg, self.is_initializing()), (cfg, cfg.mixers, 0)
+      body, args = _layer(cfg, self.is_initializing(), scan), (cfg, cfg.mixers, 0)
     else:
       body, args = Group, (cfg,)
+    # Unrolled (scan_layers false): the same scan fully unrolled (unroll=0: every step, also a single one,
+    # which True leaves a loop), so the parameter tree (stacked [L, ...]), the initialisation and the
+    # checkpoints are the scanned form's; each layer reads a static slice of the stacked weights.
     scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_groups)(*args, name="layers")
+                      in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_groups,
+                      unroll=1 if scan else 0)(*args, name="layers")
     (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT)
     over_B = None
     if new_state is not None and "pos" in new_state:
@@ -334,7 +342,7 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
   """Zero decode state for `batch_size` sequences, layer-major, fp32: gla [L_gla,B,H,d_k,d_v] (GLA layers)
   and conv [L,B,conv,D] (every layer). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
   compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
-  cfg.window keys and values ring_k, ring_v [L_S,B,window,H,hd], and either adds pos [B] int32 (tokens consumed)."""
+  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd], and either adds pos [B] int32 (tokens consumed)."""
   B = batch_size
   state = init_carry(cfg, B)
   if "A" in cfg.mixers:
@@ -346,7 +354,7 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
     state["k"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
     state["v"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
   if "S" in cfg.mixers:
-    ring = (cfg.n_mixer_layers("S"), B, cfg.window, cfg.n_heads, cfg.attn_head_dim)
+    ring = (cfg.n_mixer_layers("S"), B, cfg.n_heads, cfg.window, cfg.attn_head_dim)
     state["ring_k"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
     state["ring_v"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
   if set("AS") & set(cfg.mixers):

@@ -10,9 +10,12 @@ Layout as in attention.py: q, k, v, o [B, T, H, hd], RoPE applied by the caller;
       queries attend to [ring | the chunk's own keys]; the returned ring holds the last W real keys.
   ring_decode_attention(q, k, v, k_table, v_table, layer, pos_B) -> (o, k_table, v_table)
       one token per row: its key and value are written into slot pos mod W of this layer's ring in the
-      layer-stacked tables [L_S, B, W, H, hd] (an in-range scatter of one row, in place), then read back.
+      layer-stacked tables [L_S, B, H, W, hd] (an in-range scatter of one row, in place), then read back.
 
-Ring layout: slot s holds the newest consumed position p ≡ s (mod W); a slot whose p would be negative (a
+Rings are head-major, [B, H, W, hd] per layer: the decode matmuls' operand layout, no transpose needed.
+XLA:CPU still copies a layer's rings out of the stacked tables before each matmul (benchmarks/decode_bytes.py
+--mixers GGGGS --window 2048 at `small`, 1,280 slots: 107 GB per step with either layout, 2.96× the
+minimum). Slot s holds the newest consumed position p ≡ s (mod W); a slot whose p would be negative (a
 context shorter than W) is empty and masked. Every index is in range: no scatter relies on dropping.
 """
 from __future__ import annotations
@@ -20,6 +23,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from laplace_jax.attention import _attend
+
+
+def _attend_rings(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS):
+  return _attend(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS, kv_layout="bhsd")
 
 
 def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int):
@@ -51,37 +58,40 @@ def _slot_positions(pos_B, W):
   return last - jnp.mod(last - s, W)
 
 
-def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxWxHxd, v_ring_BxWxHxd, pos_B, n_B):
+def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxHxWxd, v_ring_BxHxWxd, pos_B, n_B):
   """A chunk of T tokens (first n_B real) after pos_B consumed ones; see the module doc. Returns (o fp32,
   k_ring, v_ring) with the rings holding the last W real keys/values; a row with n_B = 0 keeps its rings."""
   T = q_BxTxHxd.shape[1]
-  W = k_ring_BxWxHxd.shape[1]
-  dt = k_ring_BxWxHxd.dtype
+  W = k_ring_BxHxWxd.shape[2]
+  dt = k_ring_BxHxWxd.dtype
   t_T = jnp.arange(T)
   q_pos_BxT = pos_B[:, None] + t_T[None]
   ring_pos_BxW = _slot_positions(pos_B, W)
   ring_vis = (ring_pos_BxW[:, None, :] >= 0) & (q_pos_BxT[:, :, None] - ring_pos_BxW[:, None, :] < W)
   own_vis = (t_T[None, :] <= t_T[:, None]) & (t_T[:, None] - t_T[None, :] < W)   # padding keys sit after
   visible_BxTx_WT = jnp.concatenate([ring_vis, jnp.broadcast_to(own_vis, ring_vis.shape[:2] + (T,))], -1)
-  keys = jnp.concatenate([k_ring_BxWxHxd, k_BxTxHxd.astype(dt)], axis=1)
-  values = jnp.concatenate([v_ring_BxWxHxd, v_BxTxHxd.astype(dt)], axis=1)
-  o = _attend(q_BxTxHxd.astype(dt), keys, values, visible_BxTx_WT)
+  heads = lambda x: jnp.swapaxes(x, 1, 2).astype(dt)                              # [B, H, T, d]
+  k_BxHxTxd, v_BxHxTxd = heads(k_BxTxHxd), heads(v_BxTxHxd)
+  keys = jnp.concatenate([k_ring_BxHxWxd, k_BxHxTxd], axis=2)
+  values = jnp.concatenate([v_ring_BxHxWxd, v_BxHxTxd], axis=2)
+  o = _attend_rings(q_BxTxHxd.astype(dt), keys, values, visible_BxTx_WT)
   # New rings by gather: slot s takes the chunk's token j = p'_s − pos if its newest position p'_s is new.
   j_BxW = _slot_positions(pos_B + n_B, W) - pos_B[:, None]
-  fresh = (j_BxW >= 0)[:, :, None, None]
-  take = lambda x: jnp.take_along_axis(x, jnp.clip(j_BxW, 0, T - 1)[:, :, None, None], axis=1).astype(dt)
-  k_ring = jnp.where(fresh, take(k_BxTxHxd), k_ring_BxWxHxd)
-  v_ring = jnp.where(fresh, take(v_BxTxHxd), v_ring_BxWxHxd)
+  fresh = (j_BxW >= 0)[:, None, :, None]
+  take = lambda x: jnp.take_along_axis(x, jnp.clip(j_BxW, 0, T - 1)[:, None, :, None], axis=2)
+  k_ring = jnp.where(fresh, take(k_BxHxTxd), k_ring_BxHxWxd)
+  v_ring = jnp.where(fresh, take(v_BxHxTxd), v_ring_BxHxWxd)
   return o, k_ring, v_ring
 
 
 def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
   """One token at position pos_B per row: write it into slot pos_B mod W of ring `layer` of the tables
-  [L, B, W, H, hd], then attend over that ring. Returns (o [B, 1, H, hd] fp32, k_table, v_table)."""
-  B, W = k_table.shape[1], k_table.shape[2]
+  [L, B, H, W, hd], then attend over that ring. Returns (o [B, 1, H, hd] fp32, k_table, v_table)."""
+  B, W = k_table.shape[1], k_table.shape[3]
   rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
-  k_table = k_table.at[layer, rows, slots].set(k_Bx1xHxd[:, 0].astype(k_table.dtype))
-  v_table = v_table.at[layer, rows, slots].set(v_Bx1xHxd[:, 0].astype(v_table.dtype))
+  # one [H, hd] row per sequence; every index is in range by construction
+  write = lambda t, x: t.at[layer, rows, :, slots].set(x[:, 0].astype(t.dtype), mode="promise_in_bounds")
+  k_table, v_table = write(k_table, k_Bx1xHxd), write(v_table, v_Bx1xHxd)
   visible_Bx1xW = (_slot_positions(pos_B + 1, W) >= 0)[:, None, :]
-  o = _attend(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xW)
+  o = _attend_rings(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xW)
   return o, k_table, v_table

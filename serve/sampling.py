@@ -1,8 +1,9 @@
 """Per-slot sampling inside the compiled step: greedy, temperature, top-k, top-p, seeded per slot.
 
 Every setting is an array over slots, so no request changes a compiled shape. A slot's random number for
-its n-th generated token is uniform(fold_in(key(seed), n)): the draw depends only on the slot's own seed
-and position, never on which other requests share the batch. Sampling is by inverse CDF with that one
+its n-th generated token is uniform(fold_in(key(seed), n)) (Philox of (seed, n) under the rbg PRNGs, see
+`slot_uniforms`): the draw depends only on the slot's own seed and position, never on which other requests
+share the batch. Sampling is by inverse CDF with that one
 uniform, over the exact (renormalised) distribution. top-k / top-p look at the TOPK_CAP most likely
 tokens; rows whose kept set does not fit in them find their cut-offs by bisection over the whole
 vocabulary instead (32 passes, no sort: a full sort costs ~10x more on a CPU).
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax import platform
+from serve import philox
 
 F32 = jnp.float32
 TOPK_CAP = 64  # candidates examined by the fast top-k / top-p path (a static shape)
@@ -36,15 +38,32 @@ def when_any(need_S, f, otherwise, branch_free: bool):
   return jax.lax.cond(need_S.any(), f, otherwise)
 
 
+def counter_based() -> bool:
+  """Whether per-slot draws come from Philox (`slot_uniforms`): under JAX's rbg and unsafe_rbg PRNGs (`--prng`,
+  the Neuron default). Read when traced."""
+  return platform.current_prng() in ("rbg", "unsafe_rbg")
+
+
 def slot_uniforms(seed_S, pos_S, seed_hi_S=None):
-  """One U[0, 1) draw per slot from (seed, position). A 64-bit seed is (seed_hi << 32) | seed; its high
-  word is folded into the key only when non-zero, so seeds below 2**32 keep their streams."""
+  """One U[0, 1) draw per slot from (seed, position); a 64-bit seed is (seed_hi << 32) | seed.
+
+  Under the default Threefry PRNG: uniform(fold_in(key(seed), position)), the high seed word folded in first
+  only when non-zero (seeds below 2**32 keep their streams). Under rbg / unsafe_rbg (Neuron, which does not
+  fully support Threefry): the first word of Philox-4x32-10 with key (seed, seed_hi) and counter (position,
+  0, 0, 0), in plain integer arithmetic. Not `rng_bit_generator` per slot: vmapped, it draws every slot's bits
+  from the first slot's key (jax 0.10.0), so a slot's draw would depend on its neighbours; and rbg's
+  fold_in is still Threefry. The streams differ from Threefry's (docs/NEURON.md)."""
+  seed, pos = seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32)
+  hi = jnp.zeros_like(seed) if seed_hi_S is None else seed_hi_S.astype(jnp.uint32)
+  if counter_based():
+    bits = philox.philox4x32((pos, 0, 0, 0), (seed, hi))[0]
+    return jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), F32) - 1.0
+
   def one(seed, pos, hi):
     key = jax.random.key(seed)
     key = jax.lax.cond(hi != 0, lambda: jax.random.fold_in(key, hi), lambda: key)
     return jax.random.uniform(jax.random.fold_in(key, pos), (), F32)
-  hi = jnp.zeros_like(seed_S, jnp.uint32) if seed_hi_S is None else seed_hi_S.astype(jnp.uint32)
-  return jax.vmap(one)(seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32), hi)
+  return jax.vmap(one)(seed, pos, hi)
 
 
 def argmax_rows(x_SxV, valid: int, block: int = 64):

@@ -32,6 +32,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from laplace_jax.config import LAYOUT_NEUTRAL
+
 log = logging.getLogger(__name__)
 
 BLOCK = 64          # tokens per hash-chain block
@@ -54,7 +56,10 @@ def model_identity(cfg, params, extra: str = "") -> str:
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
     digests = list(pool.map(digest, [leaf for _, leaf in leaves]))
-  h = hashlib.sha256(repr(cfg).encode() + extra.encode())
+  # The config's repr without its layout-neutral fields (scan_layers: the same states under either value).
+  fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                     if f.name not in LAYOUT_NEUTRAL)
+  h = hashlib.sha256(f"{type(cfg).__qualname__}({fields})".encode() + extra.encode())
   for (path, leaf), d in zip(leaves, digests):
     h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode() + d)
   return h.hexdigest()[:32]

@@ -1,5 +1,6 @@
 """Checkpoints: resharding 8 → 4 → 1 devices, optax and iterator state, keep-last-N, plain-Orbax reads,
 config checks, and that a crash, a full disk or a corrupt step never costs the last good checkpoint."""
+import dataclasses
 import errno
 import json
 import os
@@ -299,6 +300,17 @@ def test_restore_reports_a_missing_checkpoint(tmp_path):
     assert ck.latest_step() is None
     with pytest.raises(FileNotFoundError, match="No finished checkpoint.*from scratch"):
       ck.restore()
+
+
+def test_a_config_saved_before_a_field_existed_loads_with_its_default(tmp_path):
+  cfg = get_config("tiny")
+  old = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "window"}  # written before `window` existed
+  params = {"x": np.zeros(3, np.float32)}
+  ckpt.export_params(params, tmp_path / "export", config=old)
+  assert ckpt.export_config(tmp_path / "export") == cfg
+  ckpt.load_params(tmp_path / "export", config=cfg)
+  with pytest.raises(ValueError, match=r"window: saved 2048, given 64"):  # the default stands in for it
+    ckpt.load_params(tmp_path / "export", config=cfg.replace(window=64))
 
 
 def test_export_params_for_serving_and_load_on_any_sharding(tmp_path):

@@ -51,10 +51,34 @@ def test_buckets_equal_a_whole_document_forward(export, tmp_path):
   assert (tmp_path / "bypos.png").exists()
 
 
+def test_reset_every_scores_each_window_on_its_own(export):
+  data_dir, path, params, docs = export
+  res = train_eval.loss_by_position(path, data_dir, segment=16, reset_every=32)
+  ce_sum, n = {}, {}
+  for d in docs:  # reference: each 32-token window of the stream its own forward from a zero state
+    s = np.concatenate([d, [EOS]]).astype(np.int32)
+    for a in range(0, len(s) - 1, 32):
+      w = s[a:a + 33]
+      logits = np.asarray(model.forward(params, w[None, :-1], cfg=CFG), np.float64)[0]
+      lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+      for i, c in enumerate(lse - logits[np.arange(len(w) - 1), w[1:]]):
+        p = a + i
+        lo = 0 if p < 2 else 2 ** int(np.log2(p))
+        ce_sum[lo], n[lo] = ce_sum.get(lo, 0.0) + c, n.get(lo, 0) + 1
+  got = {b["position_lo"]: b["loss"] for b in res["buckets"] if b["tokens"]}
+  assert res["reset_every"] == 32 and sorted(got) == sorted(ce_sum)
+  for lo in got:
+    np.testing.assert_allclose(got[lo], ce_sum[lo] / n[lo], rtol=1e-5)
+  whole = train_eval.loss_by_position(path, data_dir, segment=16)  # positions past 32 lose their context
+  assert abs(whole["buckets"][6]["loss"] - res["buckets"][6]["loss"]) > 1e-4
+
+
 def test_refusals(export):
   data_dir, path, _, _ = export
   with pytest.raises(ValueError, match="multiple of the chunk"):
     train_eval.loss_by_position(path, data_dir, segment=24)
+  with pytest.raises(ValueError, match="--reset_every 24: expected 0 .* multiple of --segment 16"):
+    train_eval.loss_by_position(path, data_dir, segment=16, reset_every=24)
 
 
 def test_kjv_books_are_whole_books():

@@ -50,7 +50,7 @@ def test_ring_chunks_then_decode_equal_whole_sequence():
   B, T, H, d, W = 2, 30, 2, 4, 8
   q, k, v = jax.random.normal(jax.random.key(3), (3, B, T, H, d))
   want = _reference(q, k, v, W)
-  kr = vr = jnp.zeros((B, W, H, d))
+  kr = vr = jnp.zeros((B, H, W, d))
   pos = jnp.zeros((B,), jnp.int32)
   take = lambda x, p, n: jnp.stack([jnp.pad(x[b, p[b]:p[b] + n], [(0, n - len(x[b, p[b]:p[b] + n])), (0, 0),
                                                                    (0, 0)]) for b in range(B)])
@@ -60,7 +60,7 @@ def test_ring_chunks_then_decode_equal_whole_sequence():
     for b in range(B):
       np.testing.assert_allclose(o[b, :int(n[b])], want[b, int(pos[b]):int(pos[b] + n[b])], atol=1e-5)
     pos = pos + n
-  ktab, vtab = jnp.zeros((2, B, W, H, d)).at[1].set(kr), jnp.zeros((2, B, W, H, d)).at[1].set(vr)
+  ktab, vtab = jnp.zeros((2, B, H, W, d)).at[1].set(kr), jnp.zeros((2, B, H, W, d)).at[1].set(vr)
   for _ in range(5):
     o, ktab, vtab = wa.ring_decode_attention(take(q, pos, 1), take(k, pos, 1), take(v, pos, 1), ktab, vtab, 1,
                                              pos)
@@ -70,14 +70,14 @@ def test_ring_chunks_then_decode_equal_whole_sequence():
   assert float(jnp.abs(ktab[0]).max()) == 0.0  # the other layer's ring is untouched
   for b in range(B):
     for p in range(int(pos[b]) - W, int(pos[b])):
-      np.testing.assert_allclose(ktab[1, b, p % W], k[b, p], atol=1e-6)
+      np.testing.assert_allclose(ktab[1, b, :, p % W], k[b, p], atol=1e-6)
 
 
 def test_ring_of_a_short_prompt_masks_its_empty_slots():
   """A 3-token prompt into a ring of 8: decode sees only those 3 (+ itself), whatever the empty slots hold."""
   B, H, d, W = 1, 1, 4, 8
   q, k, v = jax.random.normal(jax.random.key(4), (3, B, 4, H, d))
-  junk = jnp.full((B, W, H, d), 1e3)
+  junk = jnp.full((B, H, W, d), 1e3)
   _, kr, vr = wa.ring_chunk_attention(q[:, :3], k[:, :3], v[:, :3], junk, junk, jnp.zeros((B,), jnp.int32),
                                       jnp.array([3]))
   o, *_ = wa.ring_decode_attention(q[:, 3:], k[:, 3:], v[:, 3:], kr[None], vr[None], 0, jnp.array([3]))

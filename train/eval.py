@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--by_position", action="store_true",
                   help="held-out loss per position bucket (powers of two), one stream per document")
   ap.add_argument("--png", help="--by_position: the plot's file (default: beside --json, else by_position.png)")
+  ap.add_argument("--reset_every", type=int, default=0,
+                  help="--by_position: zero the state every N tokens (a multiple of --segment), so no position "
+                  "sees more than N tokens back: the same positions with a bounded context (0: never)")
   ap.add_argument("--segment", type=int, default=1024,
                   help="--by_position: tokens per forward call through the explicit state")
   return ap
@@ -82,8 +85,10 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
           for i in range(n_batches)], manifest
 
 
-def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024) -> dict:
-  """Loss per position bucket over the split's documents, each one stream (tokens + EOS) from a zero state."""
+def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024, reset_every=0) -> dict:
+  """Loss per position bucket over the split's documents, each one stream (tokens + EOS) from a zero state;
+  with `reset_every` N the state is zeroed every N tokens, so no position sees more than N tokens back (the
+  context a model trained at N without state passing had): the same positions' loss with a bounded context."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -95,6 +100,10 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
                      "book-length streams in constant memory needs a GLA-only model. Use the plain eval.")
   if segment < 1 or segment % min(cfg.chunk_size, segment):
     raise ValueError(f"--segment {segment}: expected a positive multiple of the chunk size {cfg.chunk_size}")
+  if reset_every < 0 or (reset_every and reset_every % segment):
+    raise ValueError(f"--reset_every {reset_every}: expected 0 (never) or a multiple of --segment {segment}; "
+                     f"e.g. --segment {min(segment, reset_every) if reset_every > 0 else segment} "
+                     f"--reset_every {reset_every}")
   manifest = data.load_manifest(data_dir)
   data.check_vocab(manifest, cfg.vocab_size)
   docs = data._documents(data_dir, manifest, split)
@@ -117,6 +126,8 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
     carry = model.init_carry(cfg, 1)
     ce = []
     for a in range(0, n, segment):  # the zero padding sits after the last real token: causal, never read
+      if reset_every and a and a % reset_every == 0:
+        carry = model.init_carry(cfg, 1)
       c, carry = seg_ce(params, carry, padded[None, a:a + segment], padded[None, a + 1:a + segment + 1])
       ce.append(np.asarray(c, np.float64))
     ce = np.concatenate(ce)[:n]
@@ -128,7 +139,7 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
              for k in range(n_buckets)]
   return {"checkpoint": str(path), "data_dir": str(data_dir), "split": split, "documents": len(streams),
           "longest_document": longest, "tokens": int(count.sum()), "loss": float(ce_sum.sum() / count.sum()),
-          "buckets": buckets, "mixers": cfg.mixers}
+          "buckets": buckets, "mixers": cfg.mixers, "segment": segment, "reset_every": reset_every}
 
 
 def plot_by_position(res: dict, png) -> None:
@@ -206,7 +217,7 @@ def main(argv=None) -> int:
   if args.by_position:
     try:
       res = loss_by_position(args.checkpoint, args.data_dir, split=args.split, preset=args.preset,
-                             segment=args.segment)
+                             segment=args.segment, reset_every=args.reset_every)
     except (ValueError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)
       return 2

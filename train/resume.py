@@ -20,8 +20,9 @@ _TRAIN_ALLOWED = ("out_dir", "steps", "tokens_per_step", "mesh_data", "mesh_fsdp
                   "max_bad_steps", "compile_only", "coordinator", "num_processes", "process_id", "sample_tokens",
                   "sample_prompt", "progress", "allow_changes", "profile_steps",
                   "prng")  # the flag's spelling may change ("auto" → "rbg"); check_prng compares the impl used
-# Execution choices of the model that leave its math unchanged (remat, the GLA form and its unrolling).
-_MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form")
+# Execution choices of the model that leave its math unchanged (remat, the GLA form and its unrolling, the
+# layer stack scanned or unrolled).
+_MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form", "scan_layers")
 ALLOWED = frozenset([f"train.{f}" for f in _TRAIN_ALLOWED] + [f"model.{f}" for f in _MODEL_ALLOWED])
 SCHEDULE = ("optimizer.total_steps", "optimizer.warmup_steps")  # derived from --steps unless set
 
