@@ -72,7 +72,7 @@ def prepare_command(data_dir: str) -> str:
   m = json.loads((Path(data_dir) / "manifest.json").read_text())
   if not m.get("corpus"):
     return f"# {data_dir}: prepared from files by python -m train.prepare"
-  return f"python -m train.prepare --corpus {m['corpus']} -o {data_dir} --val-fraction {m['val_fraction']}"
+  return f"python -m train.prepare --corpus {m['corpus']} -o {data_dir} --val_fraction {m['val_fraction']}"
 
 
 def train_command(rc: dict) -> str:
