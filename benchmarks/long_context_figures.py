@@ -2,15 +2,15 @@
 
     python benchmarks/long_context_figures.py --passkey runs/longctx-sp runs/longctx-plain \
         --by_position runs/tiny-sp/by_position.json runs/tiny-plain/by_position.json \
-        [--cost runs/state_passing_cost.txt] [--machine "2-core CPU, jax 0.10.0"] [--markdown] \
+        [--cost runs/state_passing_cost.txt [more runs]] [--machine "2-core CPU, jax 0.10.0"] [--markdown] \
         -o docs/eval/long-context.json
 
 --passkey: `python -m train.recall` output directories (results.json: the grid, its --set overrides and each
 cell's accuracy by (context, distance) and by (context, depth)). --by_position: `python -m train.eval
 --by_position --json` files; the training run is found from the checkpoint path in each
 (RUN/export/step_N) and its config read from its newest checkpoint (RUN/checkpoints/N/meta/metadata).
-Each list sits beside the commands that produced it, rebuilt from those files. --cost: the line printed by
-benchmarks/state_passing_cost.py.
+Each list sits beside the commands that produced it, rebuilt from those files. --cost: the lines printed by
+benchmarks/state_passing_cost.py, one file per run.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def prepare_command(data_dir: str) -> str:
   m = json.loads((Path(data_dir) / "manifest.json").read_text())
   if not m.get("corpus"):
     return f"# {data_dir}: prepared from files by python -m train.prepare"
-  return f"python -m train.prepare --corpus {m['corpus']} -o {data_dir} --val-fraction {m['val_fraction']}"
+  return f"python -m train.prepare --corpus {m['corpus']} -o {data_dir} --val_fraction {m['val_fraction']}"
 
 
 def train_command(rc: dict) -> str:
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
   ap = cli.FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--passkey", nargs="*", default=[], help="train.recall output directories")
   ap.add_argument("--by_position", nargs="*", default=[], help="train.eval --by_position --json files")
-  ap.add_argument("--cost", help="a file holding benchmarks/state_passing_cost.py's output")
+  ap.add_argument("--cost", nargs="*", default=[], help="files holding benchmarks/state_passing_cost.py's output "
+                  "(its command on the first line after '$ '), one per run")
   ap.add_argument("--machine", default="2-core CPU (shared), jax 0.10.0", help="where the runs ran")
   ap.add_argument("-o", "--out", default="docs/eval/long-context.json", help="the JSON to write")
   ap.add_argument("--markdown", action="store_true", help="also print the tables for docs/EVAL.md")
@@ -192,13 +193,17 @@ def main(argv=None) -> int:
     cmds, recs = by_position_records(Path(p))
     out["loss_by_position_commands"] += [c for c in cmds if c not in out["loss_by_position_commands"]]
     out["loss_by_position"] += recs
-  if a.cost:
-    text = Path(a.cost).read_text()
+  out["state_passing_cost_commands"], out["state_passing_cost"] = [], []
+  for f in a.cost:
+    text = Path(f).read_text()
     m = re.search(r"plain ([\d.]+) ms, state passing ([\d.]+) ms, ratio ([\d.]+)", text)
     if not m:
-      raise SystemExit(f"--cost {a.cost}: no 'plain … ms, state passing … ms, ratio …' line in it")
-    out["state_passing_cost_command"] = text.splitlines()[0].removeprefix("$ ").strip()
-    out["state_passing_cost"] = {"plain_ms": float(m[1]), "state_passing_ms": float(m[2]), "ratio": float(m[3])}
+      raise SystemExit(f"--cost {f}: no 'plain … ms, state passing … ms, ratio …' line in it")
+    cmd = text.splitlines()[0].removeprefix("$ ").strip()
+    if cmd not in out["state_passing_cost_commands"]:
+      out["state_passing_cost_commands"].append(cmd)
+    out["state_passing_cost"].append({"plain_ms": float(m[1]), "state_passing_ms": float(m[2]),
+                                      "ratio": float(m[3])})
   from laplace_jax.config import decay_half_lives, get_config
   out["head_reach"] = {"note": "share of a token d tokens back that a fixed-decay head keeps, 2^(-d/T); "
                                "reach_1pct: the distance where it falls to 1% (T·log2 100)",

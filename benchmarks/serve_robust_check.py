@@ -38,6 +38,8 @@ async def _probe(session, url, body, label):
   async with session.post(url + "/v1/completions", json=body, headers=sf.AUTH) as r:
     data = await r.read()
     status = r.status
+  if status != 200:
+    status = f"{status} ({json.loads(data)['error']['param']})"
   took = time.perf_counter() - t
   done.set()
   await poller
@@ -57,6 +59,8 @@ async def run(url, lim):
        {"prompt": ["hi"] * 129, "n": 8, "max_tokens": 4096}),
       ("echo + logprobs 5 + n 8 over 4 x 8192 ids (finding 4)",
        {"prompt": [ids] * 4, "n": 8, "echo": True, "logprobs": 5, "max_tokens": 1}),
+      ("echo + logprobs 5 + n 4 over 4 x 8192 ids (16 choices: within --max-choices)",
+       {"prompt": [ids] * 4, "n": 4, "echo": True, "logprobs": 5, "max_tokens": 1}),
       ("echo + logprobs 5 over 1 x 8192 ids (allowed)",
        {"prompt": [ids], "echo": True, "logprobs": 5, "max_tokens": 1}),
   ]
@@ -79,7 +83,7 @@ def main():
   lim = sf.limits(tok, eng, max_tokens=4096, max_prompt_tokens=32768, max_prompts=args.slots + args.queue)
   with sf.serving(eng, tok, lim, api_key=sf.KEY) as (url, _):
     rows = asyncio.run(run(url, lim))
-  table("abusive requests (tiny, random weights)", ["request", "status", "reply bytes", "seconds",
+  table("abusive requests (tiny, random weights)", ["request", "status (param)", "reply bytes", "seconds",
                                                    "slowest /health meanwhile"], rows)
   print(json.dumps({"slots": args.slots, "queue": args.queue}))
 

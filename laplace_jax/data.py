@@ -118,7 +118,7 @@ def _documents(data_dir, manifest, split: str) -> grain.MapDataset:
   if info["documents"] == 0:
     raise ValueError(
         f"split {split!r} of {data_dir!r} has no documents. Re-run `python -m train.prepare` with more "
-        "text" + (" or a larger --val-fraction" if split == "val" else " or a smaller --val-fraction"))
+        "text" + (" or a larger --val_fraction" if split == "val" else " or a smaller --val_fraction"))
   paths = [os.path.join(data_dir, s["path"]) for s in info["shards"]]
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
@@ -296,7 +296,7 @@ def make_eval_batches(data_dir, *, seq_len: int, global_batch_size: int,
     raise ValueError(
         f"split {split!r} holds {len(tokens)} tokens (with EOS), fewer than one eval batch of "
         f"{global_batch_size} × {width}; use a smaller eval batch or seq_len, or re-run "
-        "`python -m train.prepare` with a larger --val-fraction")
+        "`python -m train.prepare` with a larger --val_fraction")
   b_local = global_batch_size // n
   x_NxBxW = tokens[:n_batches * global_batch_size * width].reshape(n_batches, global_batch_size, width)
   x_NxBxW = x_NxBxW[:, p * b_local:(p + 1) * b_local]

@@ -8,89 +8,102 @@ import os
 import signal
 import time
 
+from laplace_jax import cli
 from laplace_jax.config import PRESETS, get_config
 
+_FLAGS = ("\n\nFlags are spelled with underscores, as in python -m train; the dashed spelling (--n-slots) is "
+          "accepted too.")
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = cli.FlagParser(prog="python -m serve", description=__doc__ + _FLAGS,
+                     formatter_class=_Formatter)
   w = p.add_argument_group("model")
   w.add_argument("--preset", choices=sorted(PRESETS),
-                 help="the model of --random-init and --target (unset: small); with --checkpoint only checked "
+                 help="the model of --random_init and --target (unset: small); with --checkpoint only checked "
                  "against the config saved with the export, which builds the model")
   src = w.add_mutually_exclusive_group()
   src.add_argument("--checkpoint", help="an export of python -m train (RUN/export/step_N): its params and "
                    "the model config saved beside them")
-  src.add_argument("--random-init", action="store_true", help="serve random weights (benchmarks, demos)")
-  w.add_argument("--seed", type=int, default=0, help="init seed for --random-init")
+  src.add_argument("--random_init", action="store_true", help="serve random weights (benchmarks, demos)")
+  w.add_argument("--seed", type=int, default=0, help="init seed for --random_init")
   w.add_argument("--prng", default="auto", choices=["auto", "threefry", "rbg", "unsafe_rbg"],
-                 help="JAX's PRNG implementation (--random-init weights, seeded sampling): auto is rbg on Neuron "
+                 help="JAX's PRNG implementation (--random_init weights, seeded sampling): auto is rbg on Neuron "
                  "and with --target neuron, threefry elsewhere; a request's seed samples different tokens under "
                  "each")
-  w.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
+  w.add_argument("--params_dtype", default="compute", choices=["compute", "param"],
                  help="serve weights cast to the preset's compute dtype, or as stored")
-  w.add_argument("--model-name", help="name in /v1/models and responses (default: laplace-<preset>, or "
+  w.add_argument("--model_name", help="name in /v1/models and responses (default: laplace-<preset>, or "
                  "laplace-<export directory name> with --checkpoint)")
-  w.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for /v1/chat/completions, as "
+  w.add_argument("--chat_template", metavar="FILE", help="Jinja chat template for /v1/chat/completions, as "
                  "Hugging Face tokenizers write them (or a tokenizer_config.json holding one); default: plain "
                  "'User: ...' / 'Assistant:' text (serve/chat.py)")
   e = p.add_argument_group("engine")
-  e.add_argument("--n-slots", type=int, help="concurrent sequences decoded per step "
+  e.add_argument("--n_slots", type=int, help="concurrent sequences decoded per step "
                  "(default: 1280 for laplace-3b, 64 otherwise)")
-  e.add_argument("--prefill-batch", type=int, default=4, help="prompts prefilled together")
-  e.add_argument("--prefill-chunks-per-step", type=int, default=4,
+  e.add_argument("--prefill_batch", type=int, default=4, help="prompts prefilled together")
+  e.add_argument("--prefill_chunks_per_step", type=int, default=4,
                  help="128-token prefill chunks run between two decode steps")
-  e.add_argument("--max-queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
-  e.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
-  e.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
-  e.add_argument("--max-choices", type=int, default=16, help="most choices (prompts x n) one request may ask "
+  e.add_argument("--max_queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
+  e.add_argument("--max_tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
+  e.add_argument("--max_prompt_tokens", type=int, default=32768, help="longest prompt accepted")
+  e.add_argument("--max_choices", type=int, default=16, help="most choices (prompts x n) one request may ask "
                  "for, so that one request cannot hold every slot and the queue")
-  e.add_argument("--max-reply-entries", type=int, default=1 << 19, help="most token entries one reply may "
+  e.add_argument("--max_reply_entries", type=int, default=1 << 19, help="most token entries one reply may "
                  "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
                  "that could exceed it gets 400 before it runs")
-  e.add_argument("--mesh-devices", type=int, help="devices that split the slots (default 1: no mesh; with "
+  e.add_argument("--mesh_devices", type=int, help="devices that split the slots (default 1: no mesh; with "
                  "--target, 64: a trn2.48xlarge)")
   c = p.add_argument_group("state cache")
-  c.add_argument("--state-cache-gb", type=float, default=4.0,
+  c.add_argument("--state_cache_gb", type=float, default=4.0,
                  help="host memory for cached sequence states (prefix reuse, resumed conversations); 0: off")
-  c.add_argument("--state-cache-dir", help="keep cached states in this directory across restarts "
+  c.add_argument("--state_cache_dir", help="keep cached states in this directory across restarts "
                  "(one directory per model)")
-  c.add_argument("--state-snapshot-every", type=int, default=8,
+  c.add_argument("--state_snapshot_every", type=int, default=8,
                  help="long prompts leave a cached state every this many 128-token chunks")
   t = p.add_argument_group("lowering for another platform (no weights needed, nothing is served)")
   t.add_argument("--target", choices=["neuron"], help="lower (never compile) every program the engine compiles "
                  "from abstract shapes with the choices made on this platform (neuron: Trainium) on simulated "
                  "CPU devices, print the conformance report (laplace_jax.neuron_check), exit 1 on a violation")
-  t.add_argument("--hlo-dir", help="with --target: write each program's StableHLO to DIR/<program>.mlir")
+  t.add_argument("--hlo_dir", help="with --target: write each program's StableHLO to DIR/<program>.mlir")
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
-  h.add_argument("--port", type=int, default=8000)
-  h.add_argument("--api-key", action="append", metavar="KEY",
+  h.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, logged at start)")
+  h.add_argument("--api_key", action="append", metavar="KEY",
                  help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /metrics; repeat for several "
                  "keys, each its own tenant (unset: $LAPLACE_API_KEY if that is set)")
-  h.add_argument("--api-keys-file", metavar="FILE", help="more keys, one 'tenant:key' a line; each tenant "
+  h.add_argument("--api_keys_file", metavar="FILE", help="more keys, one 'tenant:key' a line; each tenant "
                  "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)")
-  h.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+  h.add_argument("--allowed_host", action="append", default=[], metavar="NAME",
                  help="a host name clients may call this server by (repeatable); requests naming another one "
                  "in Host get 421 and browser pages of other origins 403 (DNS rebinding, CSRF). Bound to a "
                  "loopback address, localhost, 127.0.0.1 and ::1 are allowed; bound to 0.0.0.0 with no "
-                 "--allowed-host, Host is not checked")
+                 "--allowed_host, Host is not checked")
+  return p
+
+
+def parse_args(argv=None):
+  p = build_parser()
   args = p.parse_args(argv)
   for name, lo, hi in (("max_tokens", 1, 1 << 30), ("max_prompt_tokens", 1, 1 << 30), ("max_choices", 1, 1 << 20),
                        ("max_reply_entries", 1, 1 << 40), ("max_queue", 0, 1 << 20)):
     v = getattr(args, name)
     if not lo <= v <= hi:
-      p.error(f"--{name.replace('_', '-')}={v}: expected an integer in [{lo}, {hi}]")
+      p.error(f"--{name}={v}: expected an integer in [{lo}, {hi}]")
   if args.state_cache_gb < 0:
-    p.error(f"--state-cache-gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
+    p.error(f"--state_cache_gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
   if args.state_cache_dir and args.state_cache_gb == 0:
-    p.error("--state-cache-dir needs a state cache: pass --state-cache-gb > 0")
+    p.error("--state_cache_dir needs a state cache: pass --state_cache_gb > 0")
   if args.hlo_dir and not args.target:
-    p.error("--hlo-dir needs --target neuron (it is where the lowered programs go)")
+    p.error("--hlo_dir needs --target neuron (it is where the lowered programs go)")
   if args.mesh_devices is None:
     args.mesh_devices = 64 if args.target else 1
   if not args.checkpoint and not args.random_init and not args.target:
-    p.error("no weights: pass --checkpoint RUN/export/step_N (an export of python -m train) or --random-init")
+    p.error("no weights: pass --checkpoint RUN/export/step_N (an export of python -m train) or --random_init")
   if (args.random_init or args.target) and args.preset is None:
     args.preset = "small"
   if args.api_key is None and os.environ.get("LAPLACE_API_KEY"):

@@ -10,7 +10,9 @@ from laplace_jax.config import LaplaceConfig
 from laplace_jax.optimizer import OptimizerConfig
 from train import config as train_config
 from train import eval as train_eval
+from train import prepare as train_prepare
 from train import recall as train_recall
+from serve import __main__ as serve_main
 
 
 # (parser, the arguments it requires)
@@ -18,6 +20,8 @@ PARSERS = {
     "train": (train_config.build_parser, []),
     "train.eval": (train_eval.build_parser, ["--checkpoint", "c", "--data_dir", "d"]),
     "train.recall": (train_recall.build_parser, []),
+    "serve": (serve_main.build_parser, []),
+    "train.prepare": (train_prepare.build_parser, []),
 }
 
 
@@ -62,7 +66,7 @@ def test_dashed_spelling_parses_to_the_same_value(name):
       checked += 1
       if value:  # --flag=value too
         assert vars(parser.parse_args(required + [f"{dashed}={value[0]}"])) == vars(want), (name, flag)
-  assert checked >= {"train": 60, "train.eval": 8, "train.recall": 1}[name]
+  assert checked >= {"train": 60, "train.eval": 8, "train.recall": 1, "serve": 20, "train.prepare": 6}[name]
 
 
 def test_train_flags_help_is_the_field_docstring():
@@ -83,6 +87,16 @@ def test_toggle_and_dashed_negation():
   rc = train_config.load_config(["--no_state_passing", "--resume"])
   assert (rc.train.resume, rc.train.state_passing) == (True, False)
   assert "--no_progress" in train_config.build_parser().format_usage()
+
+
+def test_serve_takes_both_spellings():
+  a = serve_main.parse_args(["--random-init", "--n-slots", "3", "--state-cache-gb", "0", "--hlo-dir", "h",
+                             "--target", "neuron"])
+  b = serve_main.parse_args(["--random_init", "--n_slots", "3", "--state_cache_gb", "0", "--hlo_dir", "h",
+                             "--target", "neuron"])
+  assert vars(a) == vars(b) and (a.n_slots, a.random_init, a.hlo_dir) == (3, True, "h")
+  with pytest.raises(SystemExit):
+    serve_main.parse_args(["--random_init", "--random-init", "--checkpoint", "c"])  # still exclusive
 
 
 def test_dashed_flag_definition_is_refused_and_values_are_left_alone():

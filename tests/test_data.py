@@ -235,7 +235,7 @@ def test_bad_arguments_and_directories(corpus, tmp_path):
   empty = tmp_path / "empty-val"
   empty.mkdir()
   write_token_dataset(empty, [(np.arange(5), "train")], sources=[])
-  with pytest.raises(ValueError, match="no documents.*--val-fraction"):
+  with pytest.raises(ValueError, match="no documents.*--val_fraction"):
     data.make_eval_batches(empty, seq_len=4, global_batch_size=1, process_index=0, process_count=1)
 
 

@@ -55,10 +55,10 @@ def test_records_come_from_the_result_files(tmp_path):
       {"run": "tiny-sp", "state_passing": True, "train_len": 256, "position_lo": 4, "position_hi": 8,
        "loss": 7.5, "tokens": 20}]
   assert got["loss_by_position_commands"][:2] == [
-      f"python -m train.prepare --corpus kjv-books -o {data} --val-fraction 0.17",
+      f"python -m train.prepare --corpus kjv-books -o {data} --val_fraction 0.17",
       f"python -m train --preset tiny --data_dir {data} --out_dir {run} --steps 12 --global_batch 4 --state_passing"]
-  assert got["state_passing_cost"] == {"plain_ms": 100.0, "state_passing_ms": 103.0, "ratio": 1.03}
-  assert got["state_passing_cost_command"] == "python benchmarks/state_passing_cost.py --rounds 4"
+  assert got["state_passing_cost"] == [{"plain_ms": 100.0, "state_passing_ms": 103.0, "ratio": 1.03}]
+  assert got["state_passing_cost_commands"] == ["python benchmarks/state_passing_cost.py --rounds 4"]
   longest = got["head_reach"]["heads"][-1]
   assert longest["half_life"] == 2048.0
   assert longest["kept"]["4096"] == 0.25 and longest["reach_1pct"] == 13607

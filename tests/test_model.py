@@ -166,8 +166,8 @@ WINDOWED = CFG.replace(n_layers=4, mixers="GGGS", window=16)
 
 
 @pytest.mark.parametrize("cfg", [ATTN, HYBRID, WINDOWED, CFG.replace(mixers="S", window=16),
-                                 CFG.replace(mixers="GS", window=160)],
-                         ids=["A", "GA", "GGGS", "S", "GS-prompt-shorter-than-window"])
+                                 CFG.replace(mixers="GS", window=160), WINDOWED.replace(scan_layers="false")],
+                         ids=["A", "GA", "GGGS", "S", "GS-prompt-shorter-than-window", "GGGS-unrolled"])
 def test_pattern_forward_equals_prefill_then_decode(cfg):
   """The prompt (140 tokens: two prefill chunks with the state carried) then 60 decode steps; windowed
   layers with W = 16 (the window wraps many times) and W = 160 (the prompt fills part of the ring)."""

@@ -155,8 +155,8 @@ def test_help_documents_every_flag(capsys):
     prep.main(["--help"])
   assert e.value.code == 0
   usage = capsys.readouterr().out
-  for flag in ("--corpus", "--output", "--overwrite", "--val-fraction", "--shard-tokens", "--text-field",
-               "--txt-separator", "--max-documents", "--threads", "--no-progress"):
+  for flag in ("--corpus", "--output", "--overwrite", "--val_fraction", "--shard_tokens", "--text_field",
+               "--txt_separator", "--max_documents", "--threads", "--no_progress"):
     assert flag in usage
 
 

@@ -220,3 +220,33 @@ def test_stopping_the_server_writes_the_finished_conversations_state(eng, tok, c
   ids = np.asarray(prompt + out, np.int32)
   key = eng.cache._key(ids, state_cache.scope_of("alice"))
   assert os.path.exists(os.path.join(cache_dir, key + ".state"))
+
+
+class _InFlight:
+  """A state copy still on its way to the host; landing it (a blocking wait) is recorded."""
+
+  def __init__(self):
+    self.waited = False
+
+  def is_ready(self):
+    return False
+
+  def __array__(self, dtype=None, copy=None):
+    self.waited = True
+    return np.zeros((2, 1, 3), np.float32)
+
+
+def test_a_request_never_waits_for_another_scopes_state(eng):
+  # Waiting for a copy whose ids are a prompt's prefix would show in that prompt's time to first token.
+  prompt = list(range(900, 990))
+  leaf = _InFlight()
+  eng._copies.append(([(("alice", None), prompt[:80])], {"gla": leaf}))
+  try:
+    for tenant, salt in (("bob", None), ("alice", "s")):
+      eng._restore([Request(prompt_ids=prompt, tenant=tenant, cache_salt=salt)])
+      assert not leaf.waited and len(eng._copies) == 1
+    with pytest.raises(ValueError, match="layout"):  # Alice's next turn waits for it (the fake lands, refused)
+      eng._restore([Request(prompt_ids=prompt, tenant="alice")])
+    assert leaf.waited
+  finally:
+    eng._copies.clear()

@@ -62,7 +62,7 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
   manifest = data.load_manifest(data_dir)
   if split not in manifest["splits"]:
     raise ValueError(f"--split {split!r}: {data_dir} has no such split (it has {sorted(manifest['splits'])}). "
-                     "Prepare held-out data with `python -m train.prepare ... --val-fraction F`, or pass "
+                     "Prepare held-out data with `python -m train.prepare ... --val_fraction F`, or pass "
                      "--split with one of those.")
   if max_batches:
     full = data.make_eval_batches(data_dir, seq_len=seq_len, global_batch_size=global_batch, split=split,

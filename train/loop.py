@@ -58,7 +58,7 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
     if jax.process_index() == 0:
       from train import prepare
       log0(f"preparing the embedded corpus (King James Bible) into {path} …")
-      prepare.main(["--corpus", "kjv", "-o", str(path), "--no-progress"])
+      prepare.main(["--corpus", "kjv", "-o", str(path), "--no_progress"])
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices("data prepared")

@@ -3,7 +3,7 @@
     python -m train.prepare                                # the built-in corpus (KJV) into data/kjv
     python -m train.prepare corpus/ extra.jsonl --output data/mine
 
-Inputs: .txt (one document per file, or split on --txt-separator), .jsonl (one JSON object per line with
+Inputs: .txt (one document per file, or split on --txt_separator), .jsonl (one JSON object per line with
 a `text` field), .parquet (a `text` column, FineWeb-Edu's layout; needs `pip install pyarrow`), or
 directories searched recursively for those. Each document is tokenised with the exact GPT-2 BPE and sent
 to the train or val split by a hash of its text (stable across runs and input order). The output
@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from laplace_jax import cli
 from laplace_jax import data as data_lib
 from laplace_jax import tokenizer as tok
 
@@ -145,7 +146,7 @@ def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
                            '{"text": "..."}') from e
       if not isinstance(record, dict) or not isinstance(record.get(field), str):
         raise PrepareError(f"{where}: no string field {field!r}; each line must be an object like "
-                           f'{{"{field}": "..."}} (or pass --text-field NAME)')
+                           f'{{"{field}": "..."}} (or pass --text_field NAME)')
       yield record[field], len(line)
 
 
@@ -162,7 +163,7 @@ def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
     raise PrepareError(f"{path}: not a readable parquet file ({e}); re-download or re-export it") from e
   if field not in pf.schema_arrow.names:
     raise PrepareError(f"{path}: no column {field!r}; it has {pf.schema_arrow.names} "
-                       "(pass --text-field NAME)")
+                       "(pass --text_field NAME)")
   per_row = max(1, path.stat().st_size // max(1, pf.metadata.num_rows))
   for batch in pf.iter_batches(columns=[field], batch_size=1024):
     for text in batch.column(0).to_pylist():
@@ -302,9 +303,9 @@ def prepare(inputs: list[str], output, *, corpus: str | None = None,
   if corpus is not None and corpus not in CORPORA:
     raise PrepareError(f"--corpus {corpus!r} is unknown; choose one of {CORPORA}")
   if not 0.0 <= val_fraction < 1.0:
-    raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    raise PrepareError(f"--val_fraction {val_fraction} must be in [0, 1)")
   if shard_tokens <= 0:
-    raise PrepareError(f"--shard-tokens {shard_tokens} must be positive")
+    raise PrepareError(f"--shard_tokens {shard_tokens} must be positive")
   output = Path(output)
   _check_output(output, overwrite)
   threads = threads or min(8, os.cpu_count() or 1)
@@ -375,7 +376,7 @@ def _swap_into_place(tmp: Path, output: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = cli.FlagParser(
       prog="python -m train.prepare", description=__doc__.split("\n\n")[0],
       epilog="Without inputs, prepares the built-in corpus (--corpus kjv) into data/kjv.")
   p.add_argument("inputs", nargs="*", metavar="PATH",
@@ -389,21 +390,21 @@ def build_parser() -> argparse.ArgumentParser:
                       "required with PATHs)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace an existing prepared --output (swapped in only when the new one is complete)")
-  p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+  p.add_argument("--val_fraction", type=float, default=DEFAULT_VAL_FRACTION,
                  help="share of documents held out for eval, chosen by a hash of each text "
                       f"(default {DEFAULT_VAL_FRACTION})")
-  p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+  p.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                  help=f"start a new shard after this many tokens (default {DEFAULT_SHARD_TOKENS:,})")
-  p.add_argument("--text-field", default="text",
+  p.add_argument("--text_field", default="text",
                  help="the JSON field (.jsonl) or column (.parquet) that holds the text (default text)")
-  p.add_argument("--txt-separator", default=None,
+  p.add_argument("--txt_separator", default=None,
                  help="split .txt files into documents on this string (default: one document per file); "
                       "backslash escapes such as \\n are understood")
-  p.add_argument("--max-documents", type=int, default=None,
+  p.add_argument("--max_documents", type=int, default=None,
                  help="stop after this many non-empty documents (quick runs)")
   p.add_argument("--threads", type=int, default=None,
                  help="tokeniser threads (default min(8, CPU count))")
-  p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  p.add_argument("--no_progress", action="store_true", help="hide the progress bar")
   return p
 
 
