@@ -126,6 +126,11 @@ class Engine(EngineCacheMixin):
       raise ValueError(f"mixers={cfg.mixers!r} has attention layers: the engine serves pure-GLA models only "
                        "(mixers='G'), whose per-slot state is fixed; an attention layer's KV cache grows with "
                        "the context. Use laplace_jax.model.prefill/decode_step with init_state(max_len=N).")
+    if set(cfg.mixers) != {"G"}:
+      raise ValueError(f"mixers={cfg.mixers!r}: the engine serves pure-GLA models only (mixers='G'); "
+                       "sliding-window layers ('S') keep a constant-size ring per slot but the slot table does not "
+                       "handle their per-sequence position yet (issue 17). Use laplace_jax.model.prefill/"
+                       "decode_step directly.")
     for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
                     ("prefill_chunks_per_step", prefill_chunks_per_step), ("snapshot_every", snapshot_every),
                     ("cache_min_tokens", cache_min_tokens)):

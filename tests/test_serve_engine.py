@@ -189,3 +189,5 @@ def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
 def test_attention_patterns_are_refused_with_the_reason(cfg, params):
   with pytest.raises(ValueError, match="grows with the context"):
     Engine(params, cfg.replace(n_layers=2, mixers="GA"), n_slots=8)
+  with pytest.raises(ValueError, match="sliding-window layers"):  # not an IndexError on the first insert
+    Engine(params, cfg.replace(n_layers=2, mixers="GS", window=16), n_slots=8)
