@@ -1,7 +1,7 @@
 """The command lines' one flag style: words joined by underscores, the names of the config fields
 (`--hlo_dir`, `--model.d_model`), with the dashed spelling (`--hlo-dir`) accepted everywhere as an alias.
-Help shows the underscore spelling only. Used by `python -m train`, `train.eval`, `train.recall` and
-`python -m serve`.
+Help shows the underscore spelling only. Used by `python -m train`, `train.prepare`, `train.eval`,
+`train.recall` and `python -m serve`.
 
 A dataclass's field help is the string literal on the line after the field (the attribute-docstring
 convention of PEP 257, which Sphinx and editors read), so each field is described once, beside it:
