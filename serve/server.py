@@ -40,6 +40,11 @@ def allowed_hosts(bind: str, extra) -> set | None:
   return names | {bind}
 
 
+def _engine_down() -> ApiError:
+  """The refusal of every request while the engine's loop is not running (the reason is in the server log)."""
+  return ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
+
+
 def _hostname(value: str, scheme: bool = False) -> str | None:
   """'Example.com:8000', '[::1]:8000' (or with scheme, 'http://example.com') -> 'example.com', '::1'."""
   try:
@@ -260,7 +265,7 @@ class Server:
     """Refuse at once (503, 429) what the engine could not take now, before any prompt is tokenized.
     A count over the per-request cap is left to the parser's 400."""
     if not self.engine.serving:
-      raise ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
+      raise _engine_down()
     if choices <= protocol.choice_cap(self.limits)[0]:
       try:
         self.engine.check_room(choices, tenant)
@@ -288,13 +293,13 @@ class Server:
       members[0].siblings = members[1:]
       leaders.append(members[0])
     if not self.engine.serving:
-      raise ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
+      raise _engine_down()
     try:
       self.engine.submit_all(leaders)
     except QueueFull as e:
       raise ApiError(429, f"server busy: {e}. Retry later.") from None
     except EngineStopped:
-      raise ApiError(503, "the engine is not running; see the server log. Retry later.", kind="server_error")
+      raise _engine_down()
     except ValueError as e:
       raise ApiError(400, str(e)) from None
     meta = {"id": f"{id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.limits.model_name}
