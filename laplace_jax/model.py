@@ -362,13 +362,20 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
   return state
 
 
+def state_batch_axes(state) -> dict:
+  """Each decode-state leaf's sequence (batch) axis, by the layout contract every consumer relies on (the
+  serving engine's slot table, its state cache, the train step's carry): `pos` is [B] (axis 0); every other
+  leaf is layer-major [L_x, B, ...] (axis 1)."""
+  return {name: 0 if name == "pos" else 1 for name in state}
+
+
 def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int:
   """Raise ValueError unless `state` is a decode state of this config; return its batch size."""
   keys = sorted(jax.eval_shape(lambda: init_state(cfg, 1, 1)))
   if not isinstance(state, dict) or sorted(state) != keys:
     raise ValueError(f"state has keys {sorted(state) if isinstance(state, dict) else type(state)}: expected "
                      f"{keys} (mixers={cfg.mixers!r}) from laplace_jax.model.init_state(cfg, batch).")
-  B = state["conv"].shape[1] if state["conv"].ndim == 4 else -1
+  B = state["conv"].shape[state_batch_axes(state)["conv"]] if state["conv"].ndim == 4 else -1
   S = state["k"].shape[2] if "k" in state and state["k"].ndim == 5 else 1
   want = jax.eval_shape(lambda: init_state(cfg, max(B, 1), S))
   for name in keys:

@@ -287,3 +287,13 @@ def test_laplace_3b_window_rings_cost_what_a_kv_cache_of_w_tokens_does():
       lambda: model.init_state(gggs, 1))))
   assert gggs_bytes == state_bytes_per_sequence(gggs) == state_bytes_per_sequence(gggs.replace(mixers="GGGA"), 2048)
   assert state_bytes_per_sequence(gggs.replace(window=512)) < gggs_bytes
+
+
+@pytest.mark.parametrize("mixers", ["G", "GS", "GA"])
+def test_state_batch_axes_name_every_leafs_sequence_axis(mixers):
+  """The layout contract the engine's slot table and the train step's carry rely on."""
+  cfg = get_config("tiny", mixers=mixers)
+  state = jax.eval_shape(lambda: model.init_state(cfg, 3, 5))
+  axes = model.state_batch_axes(state)
+  assert sorted(axes) == sorted(state)
+  assert {name: state[name].shape[a] for name, a in axes.items()} == {name: 3 for name in state}
