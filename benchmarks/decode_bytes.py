@@ -5,8 +5,8 @@
 
 Compiles `model.decode_step` (jitted, state donated, weights in the compute dtype as the server holds them)
 from abstract shapes, so nothing is allocated, and counts with `laplace_jax.hlo_bytes` (loop bodies once per
-layer). The minimum: every state array read once and written once (a window ring: read once, one row
-written), every weight read once (the embedding: only the looked-up rows), the logits written once. Also
+layer). The minimum: every state array read once and written once (a ring, the conv windows' or a sliding-window
+layer's: read once, one row written), every weight read once (the embedding: only the looked-up rows), the logits written once. Also
 prints the compiled memory: arguments, the part of the outputs aliased to the donated state, and
 temporaries (one state table means temp << state).
 """
@@ -36,10 +36,11 @@ def minimum_bytes(cfg, params, state, slots) -> dict:
   nbytes = lambda t: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(t))
   embed = params["embed"]
   weights = nbytes(params) - nbytes(embed) + slots * embed.shape[1] * jnp.dtype(embed.dtype).itemsize
-  # a sliding-window layer's rings are read whole but written one row (slot pos mod W) per step
-  rings = {k: v for k, v in state.items() if k.startswith("ring_")}
-  rest = {k: v for k, v in state.items() if k not in rings}
-  ring_bytes = nbytes(rings) * (1 + 1 / cfg.window) if rings else 0
+  # rings (the conv windows, a sliding-window layer's keys and values) are read whole but written one row
+  # (slot pos mod its length) per step
+  ring_len = {"conv": cfg.conv_size, "ring_k": cfg.window, "ring_v": cfg.window}
+  ring_bytes = sum(nbytes(state[k]) * (1 + 1 / n) for k, n in ring_len.items() if k in state)
+  rest = {k: v for k, v in state.items() if k not in ring_len}
   return {"state_read_and_written": 2 * nbytes(rest) + ring_bytes, "weights_read": weights,
           "logits_written": slots * cfg.vocab_size * 4, "tokens_read": slots * 4}
 

@@ -260,12 +260,12 @@ def window_ring_bytes(cfg: LaplaceConfig) -> int:
 
 
 def state_bytes_per_sequence(cfg: LaplaceConfig, context: int | None = None) -> int:
-  """Decode state per sequence: fp32 GLA matrices [H, d_k, d_v] per GLA layer, an fp32 conv window
+  """Decode state per sequence: fp32 GLA matrices [H, d_k, d_v] per GLA layer, an fp32 conv ring
   [conv, D] per layer, for sliding-window layers a ring of `window` keys and values, and for attention
-  layers a KV cache of `context` tokens; + a 4-byte position when there is any attention."""
+  layers a KV cache of `context` tokens; + a 4-byte position (tokens consumed)."""
   gla = cfg.n_mixer_layers("G") * cfg.n_heads * cfg.d_k * cfg.d_v * 4
   conv = cfg.n_layers * cfg.conv_size * cfg.d_model * 4
-  fixed = gla + conv + window_ring_bytes(cfg) + (4 if set("AS") & set(cfg.mixers) else 0)
+  fixed = gla + conv + window_ring_bytes(cfg) + 4
   if "A" not in cfg.mixers:
     return fixed
   if context is None:

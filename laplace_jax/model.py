@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, fsdp, gla, gla_decode, platform, window_attention
+from laplace_jax import attention, fsdp, gla, gla_decode, platform, short_conv, window_attention
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, layers_scanned, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
@@ -170,21 +170,19 @@ class Block(nn.Module):
     B, T, _ = x_BxTxD.shape
     mm = lambda a, w: _batch_sharded(jnp.dot(a.astype(cdt), w.astype(cdt)))
 
-    # Causal depth-wise conv over [previous W-1 inputs | this segment]; the decode state keeps the last W.
+    # Causal depth-wise conv (laplace_jax/short_conv.py); the decode state keeps a ring of the last W inputs.
     h = _batch_sharded(_layer_norm(x_BxTxD, ln1, cfg.norm_eps))
-    win_BxWxD = jnp.zeros((B, W, D), F32) if state is None else state["conv"][layer_idx]
     decoding = T == 1 and state is not None and mask_BxT is None
-    put = lambda s, n, i: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
-    if decoding:
-      # One token: the conv reads exactly the new window. Written in place first and read back after, so
-      # nothing reads the old window once it is overwritten (else XLA copies every layer's windows twice).
-      new_win = jnp.concatenate([win_BxWxD[:, 1:], h.astype(F32)], axis=1)  # [B, W, D]
-      state = dict(state, conv=put(state["conv"], new_win, layer_idx))
-      ext = state["conv"][layer_idx].astype(cdt)
-      conv = sum(ext[:, i:i + 1] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
+    n_B = jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
+    if state is None:
+      conv, _ = short_conv.conv_sequence(h, conv_k.astype(cdt), conv_b)
+    elif decoding:
+      conv, table = short_conv.conv_decode(h, conv_k.astype(cdt), conv_b, state["conv"], layer_idx, state["pos"])
+      state = dict(state, conv=table)
     else:
-      ext = jnp.concatenate([win_BxWxD.astype(cdt), h], axis=1)            # [B, W+T, D]
-      conv = sum(ext[:, 1 + i:1 + i + T] * conv_k[i].astype(cdt) for i in range(W)) + conv_b.astype(cdt)
+      conv, ring = short_conv.conv_sequence(h, conv_k.astype(cdt), conv_b, state["conv"][layer_idx],
+                                            state["pos"], n_B)
+      state = dict(state, conv=jax.lax.dynamic_update_index_in_dim(state["conv"], ring, layer_idx, 0))
     u = nn.silu(conv)
 
     if self.mixer == "G":
@@ -203,19 +201,13 @@ class Block(nn.Module):
                                                                state["pos"])
       mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
       if kv is not None:
-        state = dict(state, k=put(state["k"], kv[0], mix_idx), v=put(state["v"], kv[1], mix_idx))
+        put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), mix_idx, 0)
+        state = dict(state, k=put(state["k"], kv[0]), v=put(state["v"], kv[1]))
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
 
     h2 = _layer_norm(x, ln2, cfg.norm_eps)
     x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
 
-    if state is None:
-      return (x, None), None
-    if not decoding:  # new conv window: the last W real inputs (rows are right-padded: real tokens first)
-      n_B = jnp.full((B,), T) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
-      ext32 = jnp.concatenate([win_BxWxD, h.astype(F32)], axis=1)
-      new_win = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, W, axis=0))(ext32, n_B)
-      state = dict(state, conv=put(state["conv"], new_win, layer_idx))
     return (x, state), None
 
 
@@ -270,7 +262,7 @@ class LaplaceLM(nn.Module):
                       unroll=1 if scan else 0)(*args, name="layers")
     (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT)
     over_B = None
-    if new_state is not None and "pos" in new_state:
+    if new_state is not None:
       n_B = jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)
       new_state = {**new_state, "pos": new_state["pos"] + n_B.astype(jnp.int32)}
       if "k" in new_state:  # full attention: the cache dropped some of this row's keys
@@ -320,12 +312,13 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
 
 
 def init_carry(cfg: LaplaceConfig, batch_size: int) -> dict:
-  """Zero training carry for state passing: init_state's GLA states and conv windows, no attention cache
-  (attention layers carry nothing across segments)."""
+  """Zero training carry for state passing: init_state's GLA states, conv rings and positions, no attention
+  cache or window rings (attention layers carry nothing across segments). Same layout as init_state."""
   state = {}
   if "G" in cfg.mixers:
     state["gla"] = jnp.zeros((cfg.n_mixer_layers("G"), batch_size, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
   state["conv"] = jnp.zeros((cfg.n_layers, batch_size, cfg.conv_size, cfg.d_model), F32)
+  state["pos"] = jnp.zeros((batch_size,), jnp.int32)
   return state
 
 
@@ -339,10 +332,11 @@ def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig):
 
 
 def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> dict:
-  """Zero decode state for `batch_size` sequences, layer-major, fp32: gla [L_gla,B,H,d_k,d_v] (GLA layers)
-  and conv [L,B,conv,D] (every layer). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
+  """Zero decode state for `batch_size` sequences: pos [B] int32 (tokens consumed), and layer-major, fp32,
+  gla [L_gla,B,H,d_k,d_v] (GLA layers) and conv [L,B,conv,D] (every layer: a ring of the last conv_size
+  inputs, laplace_jax/short_conv.py). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
   compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
-  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd], and either adds pos [B] int32 (tokens consumed)."""
+  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd]. state_batch_axes gives each leaf's batch axis."""
   B = batch_size
   state = init_carry(cfg, B)
   if "A" in cfg.mixers:
@@ -357,8 +351,6 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
     ring = (cfg.n_mixer_layers("S"), B, cfg.n_heads, cfg.window, cfg.attn_head_dim)
     state["ring_k"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
     state["ring_v"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
-  if set("AS") & set(cfg.mixers):
-    state["pos"] = jnp.zeros((B,), jnp.int32)
   return state
 
 

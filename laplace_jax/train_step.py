@@ -1,7 +1,8 @@
 """The training step: token-weighted loss, micro-batch accumulation, skip on non-finite, AOT compile on a mesh.
 
     state = {"params", "opt_state", "step": int32, "rng": key data uint32[2], "bad_steps": int32,
-             with state passing "carry": {"gla": f32 [B, L_gla, H, K, V], "conv": f32 [B, L, conv, D]}}
+             with state passing "carry": {"gla": f32 [B, L_gla, H, K, V], "conv": f32 [B, L, conv, D],
+                                          "pos": int32 [B]}}
     batch = {"inputs": int32 [B, T], "targets": int32 [B, T], optional "weights": f32 [B, T]}
 
 State passing (truncated BPTT): row b of every batch continues row b's token stream of the previous step,
@@ -44,13 +45,20 @@ class StepConfig:
 
 
 def init_carry(cfg: LaplaceConfig, batch: int) -> dict:
-  """The zero carry of `batch` rows, batch-major (model.init_carry's layer-major leaves transposed)."""
-  return _swap_batch(model.init_carry(cfg, batch))
+  """The zero carry of `batch` rows, batch-major (model.init_carry's leaves with their batch axis first)."""
+  return _batch_major(model.init_carry(cfg, batch))
 
 
-def _swap_batch(carry):
-  """Batch-major ⇄ layer-major carry (the model's state is layer-major)."""
-  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), carry)
+def _batch_major(carry):
+  """The model's carry (layout: model.state_batch_axes) with every leaf's batch axis moved first."""
+  axes = model.state_batch_axes(carry)
+  return {k: jnp.moveaxis(x, axes[k], 0) for k, x in carry.items()}
+
+
+def _model_layout(carry):
+  """The inverse of _batch_major: back to the model's layout."""
+  axes = model.state_batch_axes(carry)
+  return {k: jnp.moveaxis(x, 0, axes[k]) for k, x in carry.items()}
 
 
 def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
@@ -59,7 +67,7 @@ def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   A batch with a "carry" (state passing) starts from it, and aux["carry"] is the state after the batch."""
   carry = None
   if "carry" in batch:
-    logits_BxTxV, carry = model.forward_carry(params, batch["inputs"], _swap_batch(batch["carry"]), cfg=cfg)
+    logits_BxTxV, carry = model.forward_carry(params, batch["inputs"], _model_layout(batch["carry"]), cfg=cfg)
     logits_BxTxV = logits_BxTxV.astype(F32)
   else:
     logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg).astype(F32)
@@ -70,7 +78,7 @@ def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
   aux = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
   if carry is not None:
-    aux["carry"] = jax.lax.stop_gradient(_swap_batch(carry))
+    aux["carry"] = jax.lax.stop_gradient(_batch_major(carry))
   return ce + z_loss * z, aux
 
 
@@ -136,7 +144,7 @@ def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTra
   }
   if carry_MxR is not None:
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
-    new_state["carry"] = jax.tree.map(lambda c: jnp.where(ok, merge(c), 0.0), carry_MxR)
+    new_state["carry"] = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_MxR)
   metrics = {"loss": loss, "z_loss": aux["z"] / n_tok, "grad_norm": grad_norm, "tokens": aux["tokens"],
              "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
   if lr_schedule is not None:

@@ -51,7 +51,7 @@ def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int):
   return o.reshape(B, N * C, H, -1)[:, :T]
 
 
-def _slot_positions(pos_B, W):
+def slot_positions(pos_B, W):
   """[B, W]: the position each ring slot holds when pos_B tokens have been consumed (negative: empty)."""
   s = jnp.arange(W)[None, :]
   last = pos_B[:, None] - 1
@@ -66,7 +66,7 @@ def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxHxWxd, v_ring
   dt = k_ring_BxHxWxd.dtype
   t_T = jnp.arange(T)
   q_pos_BxT = pos_B[:, None] + t_T[None]
-  ring_pos_BxW = _slot_positions(pos_B, W)
+  ring_pos_BxW = slot_positions(pos_B, W)
   ring_vis = (ring_pos_BxW[:, None, :] >= 0) & (q_pos_BxT[:, :, None] - ring_pos_BxW[:, None, :] < W)
   own_vis = (t_T[None, :] <= t_T[:, None]) & (t_T[:, None] - t_T[None, :] < W)   # padding keys sit after
   visible_BxTx_WT = jnp.concatenate([ring_vis, jnp.broadcast_to(own_vis, ring_vis.shape[:2] + (T,))], -1)
@@ -76,7 +76,7 @@ def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxHxWxd, v_ring
   values = jnp.concatenate([v_ring_BxHxWxd, v_BxHxTxd], axis=2)
   o = _attend_rings(q_BxTxHxd.astype(dt), keys, values, visible_BxTx_WT)
   # New rings by gather: slot s takes the chunk's token j = p'_s − pos if its newest position p'_s is new.
-  j_BxW = _slot_positions(pos_B + n_B, W) - pos_B[:, None]
+  j_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None]
   fresh = (j_BxW >= 0)[:, None, :, None]
   take = lambda x: jnp.take_along_axis(x, jnp.clip(j_BxW, 0, T - 1)[:, None, :, None], axis=2)
   k_ring = jnp.where(fresh, take(k_BxHxTxd), k_ring_BxHxWxd)
@@ -92,6 +92,6 @@ def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, lay
   # one [H, hd] row per sequence; every index is in range by construction
   write = lambda t, x: t.at[layer, rows, :, slots].set(x[:, 0].astype(t.dtype), mode="promise_in_bounds")
   k_table, v_table = write(k_table, k_Bx1xHxd), write(v_table, v_Bx1xHxd)
-  visible_Bx1xW = (_slot_positions(pos_B + 1, W) >= 0)[:, None, :]
+  visible_Bx1xW = (slot_positions(pos_B + 1, W) >= 0)[:, None, :]
   o = _attend_rings(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xW)
   return o, k_table, v_table

@@ -38,11 +38,13 @@ class EngineCacheMixin:
     if all(f is None for f in found):
       return None
     template = next(f for f in found if f is not None)
-    host = {k: np.zeros((a.shape[0], self.prefill_batch, *a.shape[1:]), a.dtype) for k, a in template.items()}
+    axes = self.fns.model.state_batch_axes(template)  # where each leaf's sequence axis goes back in
+    host = {k: np.zeros(np.insert(a.shape, axes[k], self.prefill_batch).astype(int), a.dtype)
+            for k, a in template.items()}
     for i, f in enumerate(found):
       if f is not None:
         for k in host:
-          host[k][:, i] = f[k]
+          np.moveaxis(host[k], axes[k], 0)[i] = f[k]
     for r in reqs:
       for sib in r.siblings:
         sib.cached_tokens = r.cached_tokens
@@ -98,8 +100,10 @@ class EngineCacheMixin:
         return
       self._copies.popleft()
       host = {k: np.asarray(v) for k, v in out.items()}
+      axes = self.fns.model.state_batch_axes(host)
       for i, ((tenant, salt), seq) in enumerate(ids):
-        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()}, tenant=tenant, salt=salt)
+        self.cache.put(seq, {k: np.take(v, i, axis=axes[k]).copy() for k, v in host.items()}, tenant=tenant,
+                       salt=salt)
 
   def flush_cache(self, timeout: float = 30.0) -> bool:
     """Land every state still being copied and wait for the cache's file writes (shutdown): a finished

@@ -2,7 +2,7 @@
 advance every slot by one sampled token. All shapes are fixed at construction; nothing here recompiles.
 
 Slot table (one pytree, leading slot axis S after the model state's layer axis):
-  model: the model's decode state [L, S, ...];  tokens [S] (next input);  pos [S] (index of the last
+  model: the model's decode state [L, S, ...] (pos [S]; model.state_batch_axes);  tokens [S] (next input);  pos [S] (index of the last
   generated token);  temperature, top_p f32 [S];  top_k, max_tokens i32 [S];  seed, seed_hi u32 [S] (a 64-bit
   seed's two words);  logprobs i32 [S] (-1: off, else top-n wanted);  stop_ids i32 [S, N_STOP] (-1 pads).
 
@@ -149,17 +149,18 @@ class SlotFunctions:
         return big.at[:, slot_w].set(jnp.where(any_real, small, big[:, :1]), mode="promise_in_bounds")
       return big.at[slot_w].set(jnp.where(any_real, small, big[:1]), mode="promise_in_bounds")
 
-    rows = jax.tree.map(lambda x: x[:, row_E[src]], pf["model"])
-    new = {"model": jax.tree.map(lambda b, s: put(b, s, 1), table["model"], rows),
+    axes = self.model.state_batch_axes(pf["model"])  # each leaf's sequence axis: 1 (layer-major) or 0 (pos)
+    rows = {k: jnp.take(x, row_E[src], axis=axes[k]) for k, x in pf["model"].items()}
+    new = {"model": {k: put(table["model"][k], rows[k], axes[k]) for k in rows},
            "tokens": put(table["tokens"], tok[src], 0), "pos": put(table["pos"], zero, 0)}
     for name in SAMPLING_FIELDS:
       new[name] = put(table[name], settings[name][src].astype(table[name].dtype), 0)
     return new, self._pack(logits, tok, done, settings["logprobs"])
 
-  @staticmethod
-  def _gather(state, rows_E):
-    """Rows rows_E of a layer-major model state ([L, S, ...] -> [L, E, ...])."""
-    return jax.tree.map(lambda x: x[:, rows_E], state)
+  def _gather(self, state, rows_E):
+    """Rows rows_E of a model state, along each leaf's sequence axis ([L, S, ...] -> [L, E, ...], pos [E])."""
+    axes = self.model.state_batch_axes(state)
+    return {k: jnp.take(x, rows_E, axis=axes[k]) for k, x in state.items()}
 
   def _load_prefill(self, state):
     """A prefill batch that starts from the given (host) state rows instead of zeros."""

@@ -70,7 +70,8 @@ def layout_for(cfg, model=None) -> dict:
   if model is None:
     from laplace_jax import model
   shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
-  return {k: (str(a.dtype), (a.shape[0], *a.shape[2:]) if a.ndim > 1 else ()) for k, a in shapes.items()}
+  axes = model.state_batch_axes(shapes)
+  return {k: (str(a.dtype), tuple(np.delete(a.shape, axes[k]).tolist())) for k, a in shapes.items()}
 
 
 def scope_of(tenant: str = "", salt: str | None = None) -> str:
@@ -88,7 +89,7 @@ def _ids_bytes(ids) -> bytes:
 @dataclasses.dataclass
 class Entry:
   ids: np.ndarray    # int32 [n]: exactly the tokens the state has consumed
-  state: dict        # {"gla": [L, ...], "conv": [L, ...]} numpy, one sequence (no slot axis)
+  state: dict        # {"gla": [L, ...], "conv": [L, ...], "pos": []} numpy, one sequence (no slot axis)
   key: str           # hash of (model, scope, ids): the file name on disk
   scope: str = ""    # scope_of(tenant, salt) of the requests that may restore it
 

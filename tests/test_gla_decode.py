@@ -192,3 +192,15 @@ def _multi_operand_reduces(text):
 def test_neuron_lowered_decode_has_no_variadic_reduce():
   assert _multi_operand_reduces(_decode_text("cpu"))  # the check sees the CPU form's two-operand readout
   assert _multi_operand_reduces(_decode_text("neuron")) == []
+
+
+def test_compiled_decode_step_writes_one_row_of_each_conv_ring_and_copies_none():
+  # The conv window is a ring (laplace_jax/short_conv.py): one row per sequence written in place, then read
+  # once with the taps rotated. The shifted window (concatenate(win[:, 1:], h)) wrote two ring-sized buffers
+  # per layer: the old window copied out, and the new one written over it from that copy.
+  _, state, compiled = _compiled_tiny_decode()
+  L, B, W, D = state["conv"].shape
+  ring = B * W * D * 4
+  per_layer = [o for o in hlo_bytes.memory_traffic(compiled.as_text()) if o.count == L]
+  assert not [o.name for o in per_layer if 0.9 * ring <= o.written_bytes <= 1.1 * ring]
+  assert [o.written_bytes for o in per_layer if "scatter" in o.name] == [B * D * 4]

@@ -24,7 +24,7 @@ def test_laplace_3b_counts_match_published():
   assert c["muon"] == 2_717_908_992
   assert f"{c['total'] / 1e9:.3f}" == "3.028"
   assert f"{c['adamw'] / 1e6:.1f}" == "309.6"
-  assert state_bytes_per_sequence(cfg) == 29_491_200
+  assert state_bytes_per_sequence(cfg) == 29_491_200 + 4  # GLA matrices and conv rings; the position
   assert cfg.qkvg_width == 9216
 
 
@@ -100,8 +100,28 @@ def test_prefill_ragged_rows_match_separate_prefills(params):
   logits, state = model.prefill(params, model.init_state(CFG, 2), toks, lengths, cfg=CFG)
   l1, s1 = model.prefill(params, model.init_state(CFG, 1), toks[1:, :61], cfg=CFG)
   np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
+  axes = model.state_batch_axes(state)
   for k in state:
-    np.testing.assert_allclose(state[k][:, 1], s1[k][:, 0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.take(np.asarray(state[k]), 1, axes[k]), np.take(np.asarray(s1[k]), 0, axes[k]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_in_odd_pieces_then_decode_equals_forward(params):
+  """Pieces of 37 and (per row) 0 or 54 tokens, off the chunk and conv grids, then decode: the conv rings,
+  GLA states and positions carry over exactly as one forward pass sees them; a 0-token piece keeps the row."""
+  toks = jax.random.randint(jax.random.key(7), (2, 96), 0, CFG.vocab_size)
+  full = model.forward(params, toks, cfg=CFG)
+  _, state = model.prefill(params, model.init_state(CFG, 2), toks[:, :37], cfg=CFG)
+  _, kept = model.prefill(params, state, toks[:, 37:91], np.array([54, 0]), cfg=CFG)
+  for k in state:
+    np.testing.assert_array_equal(np.take(np.asarray(kept[k]), 1, model.state_batch_axes(state)[k]),
+                                  np.take(np.asarray(state[k]), 1, model.state_batch_axes(state)[k]))
+  _, state = model.prefill(params, state, toks[:, 37:91], cfg=CFG)
+  assert state["pos"].tolist() == [91, 91]
+  step = jax.jit(model.decode_step, static_argnames="cfg")
+  for t in range(91, 96):
+    logits, state = step(params, state, toks[:, t], cfg=CFG)
+    np.testing.assert_allclose(logits, full[:, t], atol=1e-4, rtol=1e-4)
 
 
 def test_state_size_independent_of_context(params):

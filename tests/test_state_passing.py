@@ -28,13 +28,14 @@ def test_two_segments_with_carried_state_equal_the_full_sequence():
   step = ts.compile_train_step(CFG, opt, mesh, global_batch=B, seq_len=T, state_passing=True,
                                step_cfg=ts.StepConfig(micro_batches=micro_batches))
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=B)
-  assert set(state["carry"]) == {"gla", "conv"} and state["carry"]["gla"].shape[0] == B
+  assert set(state["carry"]) == {"gla", "conv", "pos"} and state["carry"]["gla"].shape[0] == B
   tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (B, 2 * T + 1)).astype(np.int32)
   losses = []
   for s in range(2):
     seg = tokens[:, s * T:(s + 1) * T + 1]
     state, m = step(state, {"inputs": seg[:, :-1], "targets": seg[:, 1:]})
     losses.append(float(m["loss"]))
+  assert np.asarray(state["carry"]["pos"]).tolist() == [2 * T] * B  # batch-major like every carry leaf
   ce = _per_token_ce(jax.device_get(state["params"]), tokens, CFG)
   np.testing.assert_allclose(losses, [ce[:, :T].mean(), ce[:, T:].mean()], rtol=2e-5)
   # Without the carry the second segment scores differently (the test can tell the two apart).
@@ -50,8 +51,8 @@ def test_attention_layers_carry_nothing():
   opt = optax.adam(1e-2)
   step = ts.compile_train_step(cfg, opt, mesh, global_batch=8, seq_len=16, state_passing=True)
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0, carry_batch=8)
-  assert set(state["carry"]) == {"gla", "conv"} and state["carry"]["gla"].shape[1] == 1  # one GLA layer
-  assert set(ts.init_carry(CFG.replace(mixers="A"), 2)) == {"conv"}
+  assert set(state["carry"]) == {"gla", "conv", "pos"} and state["carry"]["gla"].shape[1] == 1  # one GLA layer
+  assert set(ts.init_carry(CFG.replace(mixers="A"), 2)) == {"conv", "pos"}
   tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
   for _ in range(2):
     state, m = step(state, {"inputs": tok[:, :-1], "targets": tok[:, 1:]})

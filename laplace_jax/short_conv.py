@@ -1,0 +1,62 @@
+"""The causal depth-wise short convolution in front of every mixer (k = conv_size taps, W below), and its
+decode state: a ring of the last W inputs per layer, written one row per token in place.
+
+    out_t = bias + Σ_i kernel[i] ⊙ x_{t−(W−1)+i}        (kernel [W, D]: tap W−1 applies to the newest input)
+
+Ring layout (fp32): [B, W, D] per layer, stacked [L, B, W, D] in the decode state. After pos_B tokens, slot s
+holds the input of the newest consumed position p ≡ s (mod W) (window_attention.slot_positions); slots whose
+p would be negative hold zeros (a fresh state), which is the zero padding a sequence starts with.
+  conv_sequence(h, kernel, bias, ring, pos_B, n_B) -> (out [B, T, D], ring)
+      T tokens per row after pos_B consumed ones, the first n_B real (a right-padded prefill chunk; a row with
+      n_B = 0 keeps its ring exactly). ring None: a sequence from position 0 (training), no ring returned.
+  conv_decode(h, kernel, bias, table, layer, pos_B) -> (out [B, 1, D], table)
+      one token per row: written into slot pos mod W of ring `layer` of the table (an in-range one-row
+      scatter), then the ring read once with the taps rotated by pos per row (selects on the [W, D] kernel:
+      the window itself is never shifted nor copied).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from laplace_jax.window_attention import slot_positions
+
+F32 = jnp.float32
+
+
+def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=None):
+  """See the module doc. Output in h's dtype; the returned ring is fp32 (the ring's dtype)."""
+  B, T, D = h_BxTxD.shape
+  W = kernel_WxD.shape[0]
+  dt = h_BxTxD.dtype
+  if ring_BxWxD is None:
+    past_BxWxD = jnp.zeros((B, W, D), F32)
+  else:  # the ring in position order, oldest first: position pos − W + j sits in slot (pos + j) mod W
+    order_BxW = jnp.mod(pos_B[:, None] + jnp.arange(W)[None], W)
+    past_BxWxD = jnp.take_along_axis(ring_BxWxD, order_BxW[:, :, None], axis=1)
+  ext = jnp.concatenate([past_BxWxD.astype(dt), h_BxTxD], axis=1)            # [B, W+T, D]; pos p at p−pos+W
+  out = sum(ext[:, 1 + i:1 + i + T] * kernel_WxD[i].astype(dt) for i in range(W)) + bias_D.astype(dt)
+  if ring_BxWxD is None:
+    return out, None
+  # New ring by gather: slot s takes the newest real position p'_s ≡ s (mod W), at index p'_s − pos + W.
+  j_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None] + W
+  ext32 = jnp.concatenate([past_BxWxD, h_BxTxD.astype(F32)], axis=1)
+  return out, jnp.take_along_axis(ext32, j_BxW[:, :, None], axis=1).astype(ring_BxWxD.dtype)
+
+
+def conv_decode(h_Bx1xD, kernel_WxD, bias_D, table, layer, pos_B):
+  """See the module doc. `table` is every layer's ring [L, B, W, D]; only ring `layer` changes."""
+  B, W = table.shape[1], table.shape[2]
+  dt = h_Bx1xD.dtype
+  # Written first and read back after, so nothing reads the old ring once it is overwritten (a reader of
+  # the old rows unordered with the in-place write makes XLA copy the table).
+  table = table.at[layer, jnp.arange(B), jnp.mod(pos_B, W)].set(h_Bx1xD[:, 0].astype(table.dtype),
+                                                                 mode="promise_in_bounds")
+  ring = table[layer]
+  # Position pos − (W−1) + i sits in slot (pos + 1 + i) mod W, so slot s takes tap (s − pos − 1) mod W.
+  tap_BxW = jnp.mod(jnp.arange(W)[None] - pos_B[:, None] - 1, W)
+  out = bias_D.astype(dt)
+  for s in range(W):
+    kernel_s_BxD = sum(jnp.where(tap_BxW[:, s, None] == i, kernel_WxD[i].astype(dt), 0)
+                       for i in range(W))
+    out = out + ring[:, s].astype(dt) * kernel_s_BxD
+  return out[:, None], table
