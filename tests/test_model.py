@@ -350,3 +350,19 @@ def test_state_batch_axes_name_every_leafs_sequence_axis(mixers):
   axes = model.state_batch_axes(state)
   assert sorted(axes) == sorted(state)
   assert {name: state[name].shape[a] for name, a in axes.items()} == {name: 3 for name in state}
+
+
+@pytest.mark.parametrize("mixers", ["G", "GS", "GA"])
+def test_param_tree_and_init_values_pinned(mixers):
+  """Paths, shapes, dtypes and init values (bitwise, seed 0) of tiny G / GS / GA as collected before the
+  mixer refactor (tests/data/param_tree_tiny.json): checkpoints, FSDP shardings and Muon's 2-D selection
+  depend on them. A change here is a checkpoint-format change."""
+  import hashlib
+  import json
+  import pathlib
+  pinned = json.loads((pathlib.Path(__file__).parent / "data" / "param_tree_tiny.json").read_text())[mixers]
+  params = model.init_params(get_config("tiny", mixers=mixers, window=16), jax.random.key(0))
+  got = {jax.tree_util.keystr(path): f"{np.asarray(x).dtype}{list(x.shape)} "
+         + hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+         for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  assert got == pinned

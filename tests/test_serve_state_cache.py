@@ -136,7 +136,8 @@ def engines(cfg, params):
 
 def _full_state(params, cfg, ids):
   _, st = model.prefill(params, model.init_state(cfg, 1), np.array([ids]), cfg=cfg)
-  return {k: np.asarray(v)[:, 0] for k, v in st.items()}
+  axes = model.state_batch_axes(st)
+  return {k: np.take(np.asarray(v), 0, axes[k]) for k, v in st.items()}
 
 
 def test_finished_state_equals_a_full_prefill_of_prompt_and_output(engines, cfg, params):

@@ -74,7 +74,8 @@ def test_insert_writes_the_real_entries_and_nothing_else():
     for e, (r, s) in enumerate(zip(row_E, slot_E)):
       if s >= S:
         continue
-      jax.tree.map(lambda w, p: w.__setitem__((slice(None), s), np.asarray(p)[:, r]), want["model"], pf["model"])
+      for k, a in model.state_batch_axes(pf["model"]).items():  # each leaf's sequence axis
+        np.moveaxis(want["model"][k], a, 0)[s] = np.moveaxis(np.asarray(pf["model"][k]), a, 0)[r]
       want["tokens"][s], want["pos"][s] = out[0, e], 0
       for name in settings:
         want[name][s] = settings[name][e]
