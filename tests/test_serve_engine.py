@@ -126,7 +126,7 @@ def test_queue_bound_and_cancel_free_slots(engine):
     (dict(prompt_ids=[1], max_tokens=-1), "max_tokens"), (dict(prompt_ids=[1], top_p=0.0), "top_p"),
     (dict(prompt_ids=[1], seed=2**64), "seed"), (dict(prompt_ids=[1], stop_ids=list(range(9))), "stop ids"),
     (dict(prompt_ids=[1], logprobs=6), "logprobs"),
-    (dict(prompt_ids=[1], siblings=8), "--n-slots")])
+    (dict(prompt_ids=[1], siblings=8), "--n_slots")])
 def test_bad_requests_are_refused(engine, bad, message):
   if "siblings" in bad:  # built here: a Request held by the parameter list would outlive the test
     bad = dict(bad, siblings=[Request(prompt_ids=[1]) for _ in range(bad["siblings"])])
