@@ -1,6 +1,7 @@
 """The engine's side of the state cache (serve.state_cache): restore a prompt's longest cached prefix into
 its prefill row, and copy states out of the device without stalling the step: a jitted gather of the
-rows into a small [L, E, ...] array (each leaf along its own sequence axis, `model.state_batch_axes`), `copy_to_host_async`, and a read once it has landed.
+rows into a small [L, E, ...] array (each leaf along its own sequence axis, `model.state_batch_axes`),
+`copy_to_host_async`, and a read once it has landed.
 
 When a slot's state is copied: its request finished (read back) or was cancelled (a stop string), before
 anything can be inserted over it; the state has then consumed the prompt and one output token per generate
@@ -105,7 +106,8 @@ class EngineCacheMixin:
       host = {k: np.asarray(v) for k, v in out.items()}
       axes = self.fns.axes
       for i, ((tenant, salt), seq) in enumerate(ids):
-        self.cache.put(seq, {k: v[_row(axes[k], i)].copy() for k, v in host.items()}, tenant=tenant, salt=salt)
+        row = {k: v[_row(axes[k], i)].copy() for k, v in host.items()}
+        self.cache.put(seq, row, tenant=tenant, salt=salt)
 
   def flush_cache(self, timeout: float = 30.0) -> bool:
     """Land every state still being copied and wait for the cache's file writes (shutdown): a finished

@@ -10,7 +10,7 @@ import pytest
 import serve_fixtures as sf
 from laplace_jax import model, sharding
 from serve import sampling
-from serve.engine import Engine, QueueFull, Request
+from serve.engine import QueueFull, Request
 from serve_fixtures import GPT2_VOCAB
 
 
@@ -184,10 +184,3 @@ def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
     assert b.sharding.is_fully_replicated and len(b.sharding.device_set) == 8
   with pytest.raises(ValueError, match="preset small"):  # --preset with --checkpoint only checks the config
     loading.load_model(checkpoint=str(tmp_path / "export"), preset="small")
-
-
-def test_attention_patterns_are_refused_with_the_reason(cfg, params):
-  with pytest.raises(ValueError, match="grows with the context"):
-    Engine(params, cfg.replace(n_layers=2, mixers="GA"), n_slots=8)
-  with pytest.raises(ValueError, match="sliding-window layers"):  # not an IndexError on the first insert
-    Engine(params, cfg.replace(n_layers=2, mixers="GS", window=16), n_slots=8)

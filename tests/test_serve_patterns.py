@@ -147,3 +147,9 @@ def test_patterns_are_checked_at_start():
     Engine(params, cfg.replace(mixers="GS", window=WINDOW), n_slots=2, max_context=64)
   with pytest.raises(ValueError, match="state cache"):
     Engine(params, cfg.replace(mixers="GA"), n_slots=2, max_context=64, state_cache=StateCache("m", 1 << 20))
+
+
+def test_the_server_refuses_max_context_without_attention_before_loading_weights():
+  from serve.__main__ import main
+  with pytest.raises(SystemExit, match="leave --max_context unset"):
+    main(["--preset", "tiny", "--random_init", "--max-context", "64"])  # the dashed spelling is accepted too
