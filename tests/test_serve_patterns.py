@@ -107,7 +107,7 @@ def test_the_context_bound_is_a_400_naming_the_flag(engines):
     status, text = sf.call(url, method="GET", path="/metrics")
   per_slot = dict(l.split(" ") for l in text.splitlines() if not l.startswith("#"))
   cfg = eng.cfg
-  kv = 2 * cfg.n_mixer_layers("A") * CONTEXT * cfg.n_heads * cfg.attn_head_dim * 4  # fp32 keys and values
+  kv = 2 * cfg.n_mixer_layers("A") * CONTEXT * cfg.attn_width * 4  # fp32 keys and values
   assert int(per_slot["laplace_serve_state_bytes_per_slot"]) == eng.fns.state_bytes_per_slot
   assert eng.fns.state_bytes_per_slot == _state_bytes(cfg, CONTEXT) and eng.fns.state_bytes_per_slot > kv
   assert int(per_slot["laplace_serve_slot_table_bytes"]) >= 2 * eng.fns.state_bytes_per_slot
