@@ -39,6 +39,9 @@ class LaplaceConfig:
   """value width per head (published ratio: d_model / n_heads)"""
   d_ff: int = 8192
   """GLU inner width"""
+  ffn: bool = True
+  """each layer's GLU FFN after its mixer (true/false); false: mixer-only layers, as Zoology's MQAR models
+  (no ln2_scale, w1, w2, w3; d_ff unused)"""
   conv_size: int = 4
   """causal depth-wise conv kernel; the decode state keeps this many inputs"""
   decay_t_min: float = 1.0
@@ -71,6 +74,9 @@ class LaplaceConfig:
   softmax attention (e.g. GGGA, GGGS)"""
   rope_base: float = 10000.0
   """RoPE base of the attention layers"""
+  attn_heads: int = 0
+  """heads of the attention layers (A, S); 0: n_heads. Any count splits the same width, n_heads times the
+  head width at n_heads (Zoology's MQAR attention: 1 head)"""
   window: int = 2048
   """tokens a sliding-window attention layer (S) sees, itself included; its decode state is a ring of this many
   keys and values"""
@@ -115,9 +121,16 @@ class LaplaceConfig:
     if self.n_layers % len(self.mixers):
       bad("mixers", self.mixers, f"a pattern whose length {len(self.mixers)} divides n_layers={self.n_layers}",
           "Layers are scanned in repeating groups: choose a pattern length that divides n_layers.")
+    if not isinstance(self.ffn, (bool, np.bool_)):
+      bad("ffn", self.ffn, "true or false", "true keeps each layer's GLU FFN; false drops it.")
+    if not isinstance(self.attn_heads, (int, np.integer)) or isinstance(self.attn_heads, bool) or self.attn_heads < 0:
+      bad("attn_heads", self.attn_heads, "an integer >= 0", "0 uses n_heads; e.g. 1 for one attention head.")
+    if self.attn_width % self.attn_n_heads:
+      bad("attn_heads", self.attn_heads, f"a divisor of the attention width {self.attn_width} (n_heads · "
+          f"{self._attn_base_head_dim})", "Choose a head count that splits the width evenly, or 0 for n_heads.")
     if set("AS") & set(self.mixers) and self.attn_head_dim % 2:
       bad("mixers", self.mixers, f"an even attention head width for RoPE (got {self.attn_head_dim})",
-          "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width.")
+          "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width, or attn_heads.")
     if self.max_seq_len % self.chunk_size:
       bad("max_seq_len", self.max_seq_len, f"a multiple of chunk_size={self.chunk_size}",
           "Training sequences are split into whole chunks.")
@@ -136,9 +149,24 @@ class LaplaceConfig:
     return 2 * self.qk_width + 2 * self.v_width
 
   @property
-  def attn_head_dim(self) -> int:
-    """Attention head width: W_qkv [D, 3·H·hd] + W_o [H·hd, D] spend W_qkvg + W_out's budget, 4·D·H·hd."""
+  def _attn_base_head_dim(self) -> int:
+    """Head width at n_heads heads: W_qkv [D, 3·H·hd] + W_o [H·hd, D] spend W_qkvg + W_out's budget, 4·D·H·hd."""
     return max(2, round((2 * self.d_k + 3 * self.d_v) / 4))
+
+  @property
+  def attn_width(self) -> int:
+    """Width of the attention layers' queries (keys, values): n_heads · the head width at n_heads heads."""
+    return self.n_heads * self._attn_base_head_dim
+
+  @property
+  def attn_n_heads(self) -> int:
+    """Heads of the attention layers (A, S): attn_heads, or n_heads when it is 0."""
+    return self.attn_heads or self.n_heads
+
+  @property
+  def attn_head_dim(self) -> int:
+    """Attention head width: the attention width split over attn_n_heads heads."""
+    return self.attn_width // self.attn_n_heads
 
   @property
   def n_groups(self) -> int:
@@ -219,11 +247,11 @@ def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, .
     mix = {"w_qkvg": (D, cfg.qkvg_width), "aug_balance": (H, cfg.d_k),
            "head_norm_scale": (cfg.n_decay_tiers, cfg.d_v), "w_out": (cfg.v_width, D)}
   elif mixer in ("A", "S"):
-    mix = {"w_qkv": (D, 3 * H * cfg.attn_head_dim), "w_o": (H * cfg.attn_head_dim, D)}
+    mix = {"w_qkv": (D, 3 * cfg.attn_width), "w_o": (cfg.attn_width, D)}
   else:
     raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
-  return {"ln1_scale": (D,), "conv_kernel": (cfg.conv_size, D), "conv_bias": (D,), **mix, "ln2_scale": (D,),
-          "w1": (D, cfg.d_ff), "w2": (D, cfg.d_ff), "w3": (cfg.d_ff, D)}
+  ffn = {"ln2_scale": (D,), "w1": (D, cfg.d_ff), "w2": (D, cfg.d_ff), "w3": (cfg.d_ff, D)} if cfg.ffn else {}
+  return {"ln1_scale": (D,), "conv_kernel": (cfg.conv_size, D), "conv_bias": (D,), **mix, **ffn}
 
 
 def param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
@@ -251,12 +279,12 @@ def _compute_itemsize(cfg: LaplaceConfig) -> int:
 
 def kv_cache_bytes_per_token(cfg: LaplaceConfig) -> int:
   """Keys and values that the attention layers keep per token of context, in the compute dtype."""
-  return cfg.n_mixer_layers("A") * 2 * cfg.n_heads * cfg.attn_head_dim * _compute_itemsize(cfg)
+  return cfg.n_mixer_layers("A") * 2 * cfg.attn_width * _compute_itemsize(cfg)
 
 
 def window_ring_bytes(cfg: LaplaceConfig) -> int:
   """Keys and values that the sliding-window layers keep per sequence: a ring of `window` tokens each."""
-  return cfg.n_mixer_layers("S") * cfg.window * 2 * cfg.n_heads * cfg.attn_head_dim * _compute_itemsize(cfg)
+  return cfg.n_mixer_layers("S") * cfg.window * 2 * cfg.attn_width * _compute_itemsize(cfg)
 
 
 def state_bytes_per_sequence(cfg: LaplaceConfig, context: int | None = None) -> int:
@@ -281,9 +309,9 @@ def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
   C, K, V = cfg.chunk_size, cfg.d_k, cfg.d_v
   gla = cfg.n_mixer_layers("G") * cfg.n_heads * (2 * C * (K + V) + 4 * K * V)
   # causal attention over a training sequence of max_seq_len: QKᵀ and PV, half of them masked on average
-  attn = cfg.n_mixer_layers("A") * cfg.n_heads * 2 * cfg.max_seq_len * cfg.attn_head_dim
+  attn = cfg.n_mixer_layers("A") * 2 * cfg.max_seq_len * cfg.attn_width
   # windowed attention: QKᵀ and PV over the keys each query sees, min(t + 1, window), averaged over the sequence
   seen = np.minimum(np.arange(1, cfg.max_seq_len + 1), cfg.window).mean()
-  attn += cfg.n_mixer_layers("S") * cfg.n_heads * 4 * seen * cfg.attn_head_dim
+  attn += cfg.n_mixer_layers("S") * 4 * seen * cfg.attn_width
   fwd = 2 * matmul_params + gla + attn
   return 3 * fwd if training else fwd

@@ -2,8 +2,8 @@
 
 One layer (REFERENCE.md): x → LayerNorm → causal depth-wise conv (k=4) + SiLU → W_qkvg → q, k, v, g →
 simple GLA with a fixed geometric decay → + σ(q·(a⊙k))·v → Head RMSNorm per decay tier → ⊙ SiLU(g) → W_out
-→ + x; then LayerNorm → GLU(SiLU) FFN → + x. Layers run under `nn.scan` (one compiled body), or the same
-scan unrolled (`cfg.scan_layers`, the default on Neuron) with the same parameters.
+→ + x; then LayerNorm → GLU(SiLU) FFN → + x (cfg.ffn false: no FFN, a mixer-only layer). Layers run under
+`nn.scan` (one compiled body), or the same scan unrolled (`cfg.scan_layers`, the default on Neuron) with the same parameters.
 `cfg.mixers` may swap the mixer (W_qkvg … W_out) for causal softmax attention with RoPE ('A', same heads,
 W_qkv and W_o of the same parameter budget) or sliding-window attention over the last cfg.window tokens ('S',
 the same weights; laplace_jax/window_attention.py) in a pattern repeated over the layers; the scan then runs
@@ -104,7 +104,7 @@ def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, wind
   this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd] and this
   layer's index (k_rings, v_rings, idx, pos_B). Returns (output [B, T, D], the updated pair or None)."""
   B, T, _ = u_BxTxD.shape
-  H, hd = cfg.n_heads, cfg.attn_head_dim
+  H, hd = cfg.attn_n_heads, cfg.attn_head_dim
   cdt = jnp.dtype(cfg.compute_dtype)
   mm = lambda a, m: _batch_sharded(jnp.dot(a.astype(cdt), m.astype(cdt)))
   q, k, v = jnp.split(mm(u_BxTxD, w["w_qkv"]).reshape(B, T, 3 * H, hd), 3, axis=2)
@@ -155,7 +155,8 @@ class Block(nn.Module):
     out_init = nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers))
     ones, zeros = nn.initializers.ones, nn.initializers.zeros
     p = lambda name, init, shape: self.param(name, init, shape, pdt)
-    ln1, ln2 = p("ln1_scale", ones, (D,)), p("ln2_scale", ones, (D,))
+    ln1 = p("ln1_scale", ones, (D,))
+    ln2 = p("ln2_scale", ones, (D,)) if cfg.ffn else None  # parameters made in a fixed order (the init RNG's)
     conv_k = p("conv_kernel", _uniform(1 / np.sqrt(W)), (W, D))
     conv_b = p("conv_bias", zeros, (D,))
     if self.mixer == "G":
@@ -163,10 +164,11 @@ class Block(nn.Module):
                "head_norm_scale": p("head_norm_scale", ones, (cfg.n_decay_tiers, V)),
                "w_out": p("w_out", out_init, (cfg.v_width, D))}
     else:
-      hd = cfg.attn_head_dim
-      mix_w = {"w_qkv": p("w_qkv", normal, (D, 3 * H * hd)), "w_o": p("w_o", out_init, (H * hd, D))}
-    w1, w2 = p("w1", normal, (D, cfg.d_ff)), p("w2", normal, (D, cfg.d_ff))
-    w3 = p("w3", out_init, (cfg.d_ff, D))
+      aw = cfg.attn_width
+      mix_w = {"w_qkv": p("w_qkv", normal, (D, 3 * aw)), "w_o": p("w_o", out_init, (aw, D))}
+    if cfg.ffn:
+      w1, w2 = p("w1", normal, (D, cfg.d_ff)), p("w2", normal, (D, cfg.d_ff))
+      w3 = p("w3", out_init, (cfg.d_ff, D))
     B, T, _ = x_BxTxD.shape
     mm = lambda a, w: _batch_sharded(jnp.dot(a.astype(cdt), w.astype(cdt)))
 
@@ -206,8 +208,9 @@ class Block(nn.Module):
         state = dict(state, k=put(state["k"], kv[0], mix_idx), v=put(state["v"], kv[1], mix_idx))
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
 
-    h2 = _layer_norm(x, ln2, cfg.norm_eps)
-    x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
+    if cfg.ffn:  # else a mixer-only layer (cfg.ffn false)
+      h2 = _layer_norm(x, ln2, cfg.norm_eps)
+      x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
 
     if state is None:
       return (x, None), None
@@ -350,11 +353,11 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
       raise ValueError(f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "
                        "KV cache length is fixed when the state is made; pass max_len=N, the longest context "
                        "(prompt + generated tokens) the state must hold.")
-    kv = (cfg.n_mixer_layers("A"), B, int(max_len), cfg.n_heads, cfg.attn_head_dim)
+    kv = (cfg.n_mixer_layers("A"), B, int(max_len), cfg.attn_n_heads, cfg.attn_head_dim)
     state["k"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
     state["v"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
   if "S" in cfg.mixers:
-    ring = (cfg.n_mixer_layers("S"), B, cfg.n_heads, cfg.window, cfg.attn_head_dim)
+    ring = (cfg.n_mixer_layers("S"), B, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim)
     state["ring_k"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
     state["ring_v"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
   if set("AS") & set(cfg.mixers):

@@ -9,20 +9,24 @@ Layout as in attention.py: q, k, v, o [B, T, H, hd], RoPE applied by the caller;
       T new tokens per row at positions pos_B … pos_B+T−1, of which the first n_B are real (a prefill chunk):
       queries attend to [ring | the chunk's own keys]; the returned ring holds the last W real keys.
   ring_decode_attention(q, k, v, k_table, v_table, layer, pos_B) -> (o, k_table, v_table)
-      one token per row: its key and value are written into slot pos mod W of this layer's ring in the
-      layer-stacked tables [L_S, B, H, W, hd] (an in-range scatter of one row, in place), then read back.
+      one token per row, over ring `layer` of the layer-stacked tables [L_S, B, H, W, hd] and its own key:
+      the ring is read in place, once per table, then the token's key and value are written into slot
+      pos mod W (an in-range scatter of one row, in place). That slot held position pos − W, outside the
+      token's window, so reading the ring before the write loses nothing.
 
-Rings are head-major, [B, H, W, hd] per layer: the decode matmuls' operand layout, no transpose needed.
-XLA:CPU still copies a layer's rings out of the stacked tables before each matmul (benchmarks/decode_bytes.py
---mixers GGGGS --window 2048 at `small`, 1,280 slots: 107 GB per step with either layout, 2.96× the
-minimum). Slot s holds the newest consumed position p ≡ s (mod W); a slot whose p would be negative (a
-context shorter than W) is empty and masked. Every index is in range: no scatter relies on dropping.
+Rings are head-major, [B, H, W, hd] per layer. Slot s holds the newest consumed position p ≡ s (mod W); a slot
+whose p would be negative (a context shorter than W) is empty and masked. Every index is in range: no scatter
+relies on dropping.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from laplace_jax import platform
 from laplace_jax.attention import _attend
+
+F32 = jnp.float32
 
 
 def _attend_rings(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS):
@@ -85,13 +89,66 @@ def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxHxWxd, v_ring
 
 
 def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
-  """One token at position pos_B per row: write it into slot pos_B mod W of ring `layer` of the tables
-  [L, B, H, W, hd], then attend over that ring. Returns (o [B, 1, H, hd] fp32, k_table, v_table)."""
+  """One token at position pos_B per row over ring `layer` of the tables [L, B, H, W, hd] and its own key;
+  then its key and value are written into slot pos_B mod W of that ring. Returns (o [B, 1, H, hd] fp32,
+  k_table, v_table). On Neuron the matmul form (_decode_matmuls), elsewhere the in-place one (_decode_reduces)."""
+  decode = _decode_matmuls if platform.backend() == "neuron" else _decode_reduces
+  return decode(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B)
+
+
+def _write_rows(k_table, v_table, layer, pos_B, k_BxHxd, v_BxHxd):
+  """Each row's key and value into slot pos mod W of ring `layer` (one [H, hd] row per sequence, in range)."""
   B, W = k_table.shape[1], k_table.shape[3]
   rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
-  # one [H, hd] row per sequence; every index is in range by construction
-  write = lambda t, x: t.at[layer, rows, :, slots].set(x[:, 0].astype(t.dtype), mode="promise_in_bounds")
-  k_table, v_table = write(k_table, k_Bx1xHxd), write(v_table, v_Bx1xHxd)
+  write = lambda t, x: t.at[layer, rows, :, slots].set(x.astype(t.dtype), mode="promise_in_bounds")
+  return write(k_table, k_BxHxd), write(v_table, v_BxHxd)
+
+
+def _decode_matmuls(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
+  """Write the token into the ring, then attend over the ring with two batched matmuls. XLA:CPU copies the
+  layer's rings out of the stacked tables before each matmul (no fusion takes a dynamic slice into a dot):
+  three passes over each ring per step (docs/BENCHMARKS.md, the sliding-window layers)."""
+  W = k_table.shape[3]
+  k_table, v_table = _write_rows(k_table, v_table, layer, pos_B, k_Bx1xHxd[:, 0], v_Bx1xHxd[:, 0])
   visible_Bx1xW = (_slot_positions(pos_B + 1, W) >= 0)[:, None, :]
   o = _attend_rings(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xW)
   return o, k_table, v_table
+
+
+def _sum_pairs(a, b):
+  return a[0] + b[0], a[1] + b[1]
+
+
+def _decode_reduces(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
+  """The same step in one read of each ring, in place (XLA:CPU; the idiom of gla_decode._xla).
+
+  Scores and the weighted sum of values are elementwise products summed by two-operand reduces: XLA fuses a
+  dynamic slice of the table into such a reduce and reads the layer's ring where it lies, where a dot (or a
+  one-operand sum, which XLA:CPU splits into a reduce-window over a materialised product) reads a copy. The
+  second operands are used: the new key's score q·k (broadcast over the ring, read at slot 0) and the
+  softmax weights (their sum over the ring, the denominator). The ring is read before the new row is
+  written (slot pos mod W held pos − W, outside the window); the write reads o through a select that is
+  never true, so it is ordered after the reads and the tables need no copy. Scores, softmax and sums in fp32;
+  q, k, v rounded to the rings' dtype first, as the matmul form and prefill see them."""
+  W, dt = k_table.shape[3], k_table.dtype
+  as_ring = lambda x: x[:, 0].astype(dt).astype(F32)                          # [B, H, hd]
+  q, k_new, v_new = as_ring(q_Bx1xHxd), as_ring(k_Bx1xHxd), as_ring(v_Bx1xHxd)
+  q = q * q.shape[-1] ** -0.5
+  k1 = jax.lax.dynamic_slice_in_dim(k_table, layer, 1, 0)                     # [1, B, H, W, hd]
+  v1 = jax.lax.dynamic_slice_in_dim(v_table, layer, 1, 0)
+  qk_new = jnp.broadcast_to((q * k_new)[None, :, :, None, :], k1.shape)
+  s, s_new = jax.lax.reduce((q[None, :, :, None, :] * k1.astype(F32), qk_new), (F32(0), F32(0)), _sum_pairs,
+                            (4,))                                             # over hd: [1, B, H, W]
+  s_BxHxW, s_new_BxH = s[0], s_new[0, :, :, 0]
+  held_BxW = _slot_positions(pos_B, W)                                        # before the write
+  visible_BxW = (held_BxW >= 0) & (held_BxW > pos_B[:, None] - W)
+  s_BxHxW = jnp.where(visible_BxW[:, None, :], s_BxHxW, -jnp.inf)
+  m_BxH = jnp.maximum(s_BxHxW.max(-1), s_new_BxH)
+  p_BxHxW, p_new_BxH = jnp.exp(s_BxHxW - m_BxH[..., None]), jnp.exp(s_new_BxH - m_BxH)
+  p = jnp.broadcast_to(p_BxHxW[None, ..., None], v1.shape)
+  pv, p_sum = jax.lax.reduce((p * v1.astype(F32), p), (F32(0), F32(0)), _sum_pairs, (3,))  # over W: [1, B, H, hd]
+  o_BxHxd = (pv[0] + p_new_BxH[..., None] * v_new) / (p_sum[0] + p_new_BxH[..., None])
+  never = o_BxHxd[:, :1, :1] > jnp.inf                                        # false, also for NaN
+  k_table, v_table = _write_rows(k_table, v_table, layer, pos_B, jnp.where(never, 0, k_Bx1xHxd[:, 0]),
+                                 jnp.where(never, 0, v_Bx1xHxd[:, 0]))
+  return o_BxHxd[:, None], k_table, v_table

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--max_reply_entries", type=int, default=1 << 19, help="most token entries one reply may "
                  "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
                  "that could exceed it gets 400 before it runs")
+  e.add_argument("--max_context", type=int, metavar="N", help="models with attention layers (mixers with "
+                 "'A'; required for them, refused otherwise): the most tokens, prompt + output, a sequence may "
+                 "hold; each slot keeps a KV cache of N tokens. A longer prompt gets 400; a reply that reaches N "
+                 "ends with finish_reason 'length'. GLA ('G') and sliding-window ('S') layers need no bound")
   e.add_argument("--mesh_devices", type=int, help="devices that split the slots (default 1: no mesh; with "
                  "--target, 64: a trn2.48xlarge)")
   c = p.add_argument_group("state cache")
@@ -130,8 +134,9 @@ def lower_target(args) -> int:
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made
   from serve import lowering
-  from serve.engine import Engine
+  from serve.engine import Engine, check_max_context
   cfg = get_config(args.preset)
+  check_max_context(cfg, args.max_context)
   n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
   from serve import loading
   mesh = loading.make_serving_mesh(args.mesh_devices)
@@ -139,7 +144,7 @@ def lower_target(args) -> int:
   texts = lowering.lower_for_target(
       cfg, target=args.target, n_slots=n_slots, prefill_batch=args.prefill_batch,
       n_stop=inspect.signature(Engine.__init__).parameters["max_stop_ids"].default,
-      valid_vocab=tokenizer.VOCAB_SIZE, mesh=mesh, params_dtype=args.params_dtype)
+      valid_vocab=tokenizer.VOCAB_SIZE, mesh=mesh, params_dtype=args.params_dtype, max_context=args.max_context)
   lower_s = time.perf_counter() - t
   reports, text = neuron_check.check_programs(texts, args.hlo_dir)
   print(f"{len(texts)} programs of {args.preset} ({n_slots} slots, {args.mesh_devices} devices) lowered for "
@@ -147,12 +152,24 @@ def lower_target(args) -> int:
   return 1 if any(r.violations for r in reports.values()) else 0
 
 
+def model_config(args):
+  """The config the server will build: the one saved with --checkpoint, else --preset's."""
+  if args.checkpoint:
+    from laplace_jax import checkpoint
+    return checkpoint.export_config(args.checkpoint, preset=args.preset)
+  return get_config(args.preset)
+
+
+def _size(n: int) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
 def build(args):
   """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
   from laplace_jax import platform
   from serve import loading, protocol
   from serve.chat import ChatTemplate
-  from serve.engine import Engine
+  from serve.engine import Engine, check_max_context
   from serve.server import Server
 
   tenants = tenant_keys(args)  # a bad keys file fails before the weights load
@@ -160,13 +177,17 @@ def build(args):
   mesh = loading.make_serving_mesh(args.mesh_devices)
   tok = loading.gpt2_tokenizer()
   template = ChatTemplate.from_file(args.chat_template, tok)  # a bad file fails before the weights load
+  check_max_context(model_config(args), args.max_context)  # before the weights load
   params, cfg = loading.load_model(checkpoint=args.checkpoint, preset=args.preset, seed=args.seed, mesh=mesh,
                                    dtype=args.params_dtype)
   n_slots = args.n_slots or (1280 if cfg == get_config("laplace-3b") else 64)
   name = args.model_name or (f"laplace-{args.preset}" if args.random_init
                              else f"laplace-{os.path.basename(os.path.normpath(args.checkpoint))}")
   cache = None
-  if args.state_cache_gb > 0:
+  if args.state_cache_gb > 0 and "A" in cfg.mixers:
+    logging.info("state cache off: mixers=%r has attention layers, whose state (a KV cache of --max_context "
+                 "tokens) is not the constant-size state the cache keeps", cfg.mixers)
+  elif args.state_cache_gb > 0:
     from serve.state_cache import StateCache, layout_for, model_identity
     t = time.perf_counter()
     ident = model_identity(cfg, params)
@@ -178,10 +199,13 @@ def build(args):
                   prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
                   max_queue_per_tenant=share,
                   valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache,
-                  snapshot_every=args.state_snapshot_every)
+                  snapshot_every=args.state_snapshot_every, max_context=args.max_context)
   t = time.perf_counter()
   engine.warmup()
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", name, n_slots, time.perf_counter() - t)
+  logging.info("state: mixers=%r%s, %s per slot, slot table %s", cfg.mixers,
+               "" if args.max_context is None else f", --max_context={args.max_context}",
+               _size(engine.fns.state_bytes_per_slot), _size(engine.fns.table_bytes))
   limits = protocol.Limits(model_name=name, vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id, max_tokens=args.max_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,

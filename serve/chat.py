@@ -50,7 +50,7 @@ def _raise(message):
 class ChatTemplate:
   """A compiled chat template and the special tokens it may name."""
 
-  def __init__(self, source: str | None, tokenizer, *, where: str = "--chat-template"):
+  def __init__(self, source: str | None, tokenizer, *, where: str = "--chat_template"):
     self.source = DEFAULT_TEMPLATE if source is None else source
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
@@ -71,14 +71,14 @@ class ChatTemplate:
       with open(path, encoding="utf-8") as f:
         source = f.read()
     except (OSError, UnicodeDecodeError) as e:
-      raise ValueError(f"--chat-template {path}: cannot read it ({e}). Pass a UTF-8 Jinja file.") from None
+      raise ValueError(f"--chat_template {path}: cannot read it ({e}). Pass a UTF-8 Jinja file.") from None
     if source.lstrip().startswith("{") and path.endswith(".json"):  # a tokenizer_config.json
       try:
         source = json.loads(source)["chat_template"]
       except (ValueError, KeyError, TypeError):
-        raise ValueError(f"--chat-template {path}: a JSON file without a 'chat_template' string. Pass the "
+        raise ValueError(f"--chat_template {path}: a JSON file without a 'chat_template' string. Pass the "
                          "template itself or a tokenizer_config.json that has one.") from None
-    return cls(source, tokenizer, where=f"--chat-template {path}")
+    return cls(source, tokenizer, where=f"--chat_template {path}")
 
   def render(self, messages: list, add_generation_prompt: bool = True) -> str:
     try:

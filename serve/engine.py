@@ -38,6 +38,18 @@ MAX_STEP_FAILURES = 3  # failed steps in a row (each followed by a reset) before
 INT32_MAX = 2**31 - 1
 
 
+def check_max_context(cfg, max_context):
+  """Attention layers ('A') need a per-slot context bound, and only they use one (ValueError otherwise)."""
+  if "A" in cfg.mixers:
+    if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 2:
+      raise ValueError(f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: pass "
+                       f"--max_context N (got {max_context!r}), the most tokens (prompt + output) a sequence may "
+                       "hold; each slot keeps a KV cache of N tokens, so memory grows with N x --n_slots.")
+  elif max_context is not None:
+    raise ValueError(f"--max_context={max_context} bounds attention layers' KV cache, but mixers={cfg.mixers!r} "
+                     "has none ('G' and 'S' layers keep a constant-size state): leave --max_context unset.")
+
+
 @dataclasses.dataclass
 class Request:
   """One completion. The engine fills `output_ids`, `finish_reason` ('stop', 'length', 'cancelled',
@@ -119,18 +131,14 @@ class Engine(EngineCacheMixin):
                max_queue: int = 256, max_queue_per_tenant: int | None = None, max_stop_ids: int = 8, valid_vocab: int | None = None,
                prefill_chunks_per_step: int = 4, mesh=None,
                on_deliver: Callable[[list[Delivery]], None] | None = None,
-               state_cache=None, snapshot_every: int = 8, cache_min_tokens: int = 128):
+               state_cache=None, snapshot_every: int = 8, cache_min_tokens: int = 128,
+               max_context: int | None = None):
     if model is None:
       from laplace_jax import model
-    if "A" in cfg.mixers:
-      raise ValueError(f"mixers={cfg.mixers!r} has attention layers: the engine serves pure-GLA models only "
-                       "(mixers='G'), whose per-slot state is fixed; an attention layer's KV cache grows with "
-                       "the context. Use laplace_jax.model.prefill/decode_step with init_state(max_len=N).")
-    if set(cfg.mixers) != {"G"}:
-      raise ValueError(f"mixers={cfg.mixers!r}: the engine serves pure-GLA models only (mixers='G'); "
-                       "sliding-window layers ('S') keep a constant-size ring per slot but the slot table does not "
-                       "handle their per-sequence position yet (issue 17). Use laplace_jax.model.prefill/"
-                       "decode_step directly.")
+    check_max_context(cfg, max_context)
+    if state_cache is not None and "A" in cfg.mixers:
+      raise ValueError(f"mixers={cfg.mixers!r}: the state cache keeps constant-size states, and an attention "
+                       "layer's KV cache is not one; pass state_cache=None (--state_cache_gb 0).")
     for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
                     ("prefill_chunks_per_step", prefill_chunks_per_step), ("snapshot_every", snapshot_every),
                     ("cache_min_tokens", cache_min_tokens)):
@@ -145,8 +153,10 @@ class Engine(EngineCacheMixin):
     self.n_slots, self.prefill_batch, self.max_queue = n_slots, prefill_batch, max_queue
     self.max_queue_per_tenant = max_queue if max_queue_per_tenant is None else max_queue_per_tenant
     self.chunks_per_step = prefill_chunks_per_step
+    self.max_context = max_context  # tokens (prompt + output) a slot's KV cache holds; None: no 'A' layers
     self.fns = SlotFunctions(model, cfg, n_slots=n_slots, prefill_batch=prefill_batch,
-                             n_stop=max_stop_ids, valid_vocab=self.valid_vocab, mesh=mesh)
+                             n_stop=max_stop_ids, valid_vocab=self.valid_vocab, mesh=mesh,
+                             max_context=max_context)
     self.on_deliver = on_deliver or (lambda deliveries: None)
     self.table = self.fns.empty_table()
     self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
@@ -252,11 +262,16 @@ class Engine(EngineCacheMixin):
     if not isinstance(req.max_tokens, int) or not 0 <= req.max_tokens <= INT32_MAX:
       raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer in [0, 2**31) (0: score the prompt "
                        "only).")
+    if self.max_context is not None and n + (req.max_tokens > 0) > self.max_context:
+      raise ValueError(f"the prompt has {n} tokens: this server's attention layers hold --max_context="
+                       f"{self.max_context} tokens per sequence (prompt + output), so a prompt may have at most "
+                       f"{self.max_context - 1} to leave room for one new token. Shorten the prompt, or restart "
+                       "the server with a larger --max_context.")
     if req.logprobs is not None and not 0 <= req.logprobs <= 5:
       raise ValueError(f"logprobs={req.logprobs!r}: expected None or an integer in [0, 5].")
     if 1 + len(req.siblings) > self.n_slots:
       raise ValueError(f"{1 + len(req.siblings)} choices of one prompt: at most the {self.n_slots} slots "
-                       "(--n-slots) can decode at once.")
+                       "(--n_slots) can decode at once.")
     for sib in req.siblings:
       if (list(sib.prompt_ids) != list(req.prompt_ids) or sib.siblings or sib.echo != req.echo
           or (sib.tenant, sib.cache_salt) != (req.tenant, req.cache_salt)):
@@ -447,7 +462,7 @@ class Engine(EngineCacheMixin):
     for g in range(0, len(entries), E):
       part = entries[g:g + E]
       rows = [{"temperature": m.temperature, "top_k": m.top_k, "top_p": m.top_p, "seed": m.seed & 0xFFFFFFFF,
-               "seed_hi": m.seed >> 32, "max_tokens": m.max_tokens, "stop_ids": list(m.stop_ids),
+               "seed_hi": m.seed >> 32, "max_tokens": self._token_budget(m), "stop_ids": list(m.stop_ids),
                "logprobs": -1 if m.logprobs is None else m.logprobs} for _, _, m in part]
       settings = host_settings(rows, E, self.fns.n_stop)
       row_idx = np.zeros((E,), np.int32)
@@ -471,6 +486,13 @@ class Engine(EngineCacheMixin):
     self.prefill = None
     if done:
       self.on_deliver(done)
+
+  def _token_budget(self, m: Request) -> int:
+    """The most tokens `m` may generate: its max_tokens, and with attention layers no more than the KV cache
+    has room for (prompt + output <= max_context; reaching it finishes the request with 'length')."""
+    if self.max_context is None:
+      return m.max_tokens
+    return min(m.max_tokens, self.max_context - len(m.prompt_ids))
 
   def _score_prompts(self, pf):
     """Echo: each prompt token's logprob given the tokens before it, and the top-n there."""

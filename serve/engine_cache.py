@@ -1,6 +1,7 @@
 """The engine's side of the state cache (serve.state_cache): restore a prompt's longest cached prefix into
 its prefill row, and copy states out of the device without stalling the step: a jitted gather of the
-rows into a small [L, E, ...] array, `copy_to_host_async`, and a read once it has landed.
+rows into a small [L, E, ...] array (each leaf along its own sequence axis, `model.state_batch_axes`),
+`copy_to_host_async`, and a read once it has landed.
 
 When a slot's state is copied: its request finished (read back) or was cancelled (a stop string), before
 anything can be inserted over it; the state has then consumed the prompt and one output token per generate
@@ -14,6 +15,8 @@ import numpy as np
 
 class EngineCacheMixin:
   """Methods of `serve.engine.Engine` that touch `self.cache` (None: every entry point is a no-op)."""
+
+  _fresh_rows = None  # a fresh prefill batch's model state on the host, made at the first restore
 
 
   def _restore(self, reqs):
@@ -37,12 +40,15 @@ class EngineCacheMixin:
       found.append(state)
     if all(f is None for f in found):
       return None
-    template = next(f for f in found if f is not None)
-    host = {k: np.zeros((a.shape[0], self.prefill_batch, *a.shape[1:]), a.dtype) for k, a in template.items()}
+    # Rows without a cached prefix start from a fresh state, as an uncached prefill batch does.
+    if self._fresh_rows is None:
+      self._fresh_rows = jax.tree.map(np.asarray, self.fns.empty_prefill()["model"])
+    host = {k: a.copy() for k, a in self._fresh_rows.items()}
+    axes = self.fns.axes
     for i, f in enumerate(found):
       if f is not None:
         for k in host:
-          host[k][:, i] = f[k]
+          host[k][_row(axes[k], i)] = f[k]
     for r in reqs:
       for sib in r.siblings:
         sib.cached_tokens = r.cached_tokens
@@ -98,12 +104,14 @@ class EngineCacheMixin:
         return
       self._copies.popleft()
       host = {k: np.asarray(v) for k, v in out.items()}
+      axes = self.fns.axes
       for i, ((tenant, salt), seq) in enumerate(ids):
-        self.cache.put(seq, {k: v[:, i].copy() for k, v in host.items()}, tenant=tenant, salt=salt)
+        row = {k: v[_row(axes[k], i)].copy() for k, v in host.items()}
+        self.cache.put(seq, row, tenant=tenant, salt=salt)
 
   def flush_cache(self, timeout: float = 30.0) -> bool:
     """Land every state still being copied and wait for the cache's file writes (shutdown): a finished
-    conversation reaches --state-cache-dir. False if the writes did not finish within `timeout`."""
+    conversation reaches --state_cache_dir. False if the writes did not finish within `timeout`."""
     if self.cache is None:
       return True
     self._collect_copies(block=True)
@@ -117,3 +125,8 @@ class EngineCacheMixin:
     rows = self.fns.gather(self.fns.empty_prefill()["model"], idx)
     jax.block_until_ready((self.fns.gather(self.table["model"], idx),
                            self.fns.load_prefill(jax.tree.map(np.asarray, rows))))
+
+
+def _row(axis: int, i: int) -> tuple:
+  """The index of sequence i in a leaf whose sequence axis is `axis`."""
+  return (slice(None),) * axis + (i,)

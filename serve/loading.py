@@ -32,7 +32,7 @@ def make_serving_mesh(n_devices: int | None):
   if not n_devices or n_devices == 1:
     return None
   if n_devices > len(jax.devices()):
-    raise ValueError(f"--mesh-devices={n_devices} but only {len(jax.devices())} {jax.default_backend()} devices "
+    raise ValueError(f"--mesh_devices={n_devices} but only {len(jax.devices())} {jax.default_backend()} devices "
                      "are present. Use fewer.")
   return sharding.make_mesh(data=1, fsdp=n_devices)
 
@@ -62,7 +62,7 @@ def load_model(*, checkpoint: str | None = None, preset: str | None = None, seed
     params, cfg = ckpt.load_export(checkpoint, target, preset=preset)
     return cast_params(params, cfg, dtype), cfg
   if preset is None:
-    raise ValueError("random weights need a model: pass --preset NAME with --random-init.")
+    raise ValueError("random weights need a model: pass --preset NAME with --random_init.")
   cfg = get_config(preset)
   init = jax.jit(model.init_params, static_argnums=0, out_shardings=target)
   return cast_params(init(cfg, jax.random.key(seed)), cfg, dtype), cfg

@@ -64,11 +64,11 @@ def lower_engine(fns: SlotFunctions, params) -> dict:
 
 
 def lower_for_target(cfg, *, target: str, n_slots: int, prefill_batch: int, n_stop: int, valid_vocab: int,
-                     mesh=None, params_dtype: str = "compute") -> dict:
+                     mesh=None, params_dtype: str = "compute", max_context: int | None = None) -> dict:
   """{program name: StableHLO text} of the engine's programs with every choice made as on `target`."""
   from laplace_jax import platform
   with platform.lowering_for(target):
     fns = SlotFunctions(model, cfg, n_slots=n_slots, prefill_batch=prefill_batch, n_stop=n_stop,
-                        valid_vocab=valid_vocab, mesh=mesh)
+                        valid_vocab=valid_vocab, mesh=mesh, max_context=max_context)
     lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype))
   return {name: low.as_text() for name, low in lowered.items()}

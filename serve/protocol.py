@@ -31,8 +31,8 @@ class Limits:
   max_prompt_tokens: int
   max_stop_ids: int          # device-side stop ids per request, EOS included
   max_prompts: int = 64      # prompts x n per request (the slots plus the queue)
-  max_choices: int = 16      # prompts x n per request, by policy (--max-choices): one request is not the server
-  max_reply_entries: int = 1 << 19  # (--max-reply-entries) see reply_entries()
+  max_choices: int = 16      # prompts x n per request, by policy (--max_choices): one request is not the server
+  max_reply_entries: int = 1 << 19  # (--max_reply_entries) see reply_entries()
 
 
 MAX_STOPS = 4              # stop strings per request (OpenAI's bound)
@@ -129,8 +129,8 @@ def count_choices(obj: dict) -> int:
 def choice_cap(limits: Limits) -> tuple[int, str]:
   """The most choices one request may ask for, and the flags that set it."""
   if limits.max_choices <= limits.max_prompts:
-    return limits.max_choices, "--max-choices"
-  return limits.max_prompts, "--n-slots plus --max-queue"
+    return limits.max_choices, "--max_choices"
+  return limits.max_prompts, "--n_slots plus --max_queue"
 
 
 def reply_entries(c: Completion) -> int:
@@ -173,7 +173,7 @@ def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
     raise ApiError(400, f"'prompt' is a {type(p).__name__}: expected a string or a list of token ids.", "prompt")
   if len(ids) > limits.max_prompt_tokens:
     raise ApiError(400, f"the prompt has {len(ids)} tokens: at most {limits.max_prompt_tokens} are allowed "
-                   "(--max-prompt-tokens).", "prompt")
+                   "(--max_prompt_tokens).", "prompt")
   return ids, p if isinstance(p, str) else None
 
 
@@ -198,7 +198,7 @@ def with_prompts(c: Completion, prompts: list, texts: list, limits: Limits) -> C
     raise ApiError(400, f"this reply could hold {entries} token entries ({len(prompts) * c.n} choices x "
                    f"(max_tokens {c.max_tokens}{' + the echoed prompt' if c.echo else ''})"
                    f"{'' if c.logprobs is None else f' x {3 + c.logprobs} with logprobs {c.logprobs}'}): at most "
-                   f"{limits.max_reply_entries} per request (--max-reply-entries). Ask for fewer choices, tokens "
+                   f"{limits.max_reply_entries} per request (--max_reply_entries). Ask for fewer choices, tokens "
                    "or logprobs, or split the request.", "max_tokens")
   return c
 

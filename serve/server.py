@@ -29,8 +29,8 @@ WILDCARD = frozenset({"", "0.0.0.0", "::"})
 
 def allowed_hosts(bind: str, extra) -> set | None:
   """Host names a request's Host (and a browser's Origin) may name: the bind address, its localhost aliases
-  when it is a loopback one, and `extra` (--allowed-host). None: not checked (bound to every address with
-  no --allowed-host: the server cannot know its public names)."""
+  when it is a loopback one, and `extra` (--allowed_host). None: not checked (bound to every address with
+  no --allowed_host: the server cannot know its public names)."""
   names = {h.strip("[]").lower() for h in extra}
   bind = (bind or "").strip("[]").lower()
   if bind in WILDCARD:
@@ -146,13 +146,13 @@ class Server:
     host = request.headers.get("Host")
     if host is not None and self.allowed is not None and _hostname(host) not in self.allowed:
       raise ApiError(421, f"Host {protocol.show(host, 60)} is not a name of this server: call it by "
-                     f"{sorted(self.allowed)[0]!r} or start it with --allowed-host NAME.")
+                     f"{sorted(self.allowed)[0]!r} or start it with --allowed_host NAME.")
     origin = request.headers.get("Origin")
     if origin is not None:
       ok = self.allowed if self.allowed is not None else {_hostname(host or "")}
       if _hostname(origin, scheme=True) not in ok - {None}:
         raise ApiError(403, f"Origin {protocol.show(origin, 60)} is not this server: browser pages of other "
-                       "sites may not call it (--allowed-host NAME names more of its own hosts).")
+                       "sites may not call it (--allowed_host NAME names more of its own hosts).")
     if request.method == "POST" and request.content_type != "application/json":
       raise ApiError(415, f"Content-Type is {protocol.show(request.headers.get('Content-Type', ''), 60)}: send "
                      "JSON with 'Content-Type: application/json' (curl: -H 'Content-Type: application/json').")
@@ -200,6 +200,11 @@ class Server:
          [("", round(e.tokens_per_second(), 3))]),
         ("active_slots", "gauge", "Slots decoding a request.", [("", e.active_slots)]),
         ("slots", "gauge", "Slots in the engine.", [("", e.n_slots)]),
+        ("state_bytes_per_slot", "gauge", "Bytes of one slot's decode state (GLA states, conv windows, "
+         "sliding-window rings, KV cache of --max_context tokens), measured from its layout.",
+         [("", e.fns.state_bytes_per_slot)]),
+        ("slot_table_bytes", "gauge", "Bytes of the whole slot table: every slot's state and sampling settings.",
+         [("", e.fns.table_bytes)]),
         ("open_connections", "gauge", "Open HTTP connections.", [("", self.open_connections)]),
         ("queue_depth", "gauge", "Requests waiting for a slot.", [("", e.queue_depth)]),
         ("generated_tokens_total", "counter", "Output tokens produced.", [("", s["tokens"])]),
@@ -236,7 +241,7 @@ class Server:
              [("", c.stats["evictions"])]),
             ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
             ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
-            ("state_cache_files_written_total", "counter", "State files written to --state-cache-dir.",
+            ("state_cache_files_written_total", "counter", "State files written to --state_cache_dir.",
              [("", c.stats["files_written"])])]
 
   async def completions(self, request):

@@ -1,8 +1,10 @@
 """The compiled pieces of the engine: prefill a small batch chunk by chunk, insert it into slots, and
 advance every slot by one sampled token. All shapes are fixed at construction; nothing here recompiles.
 
-Slot table (one pytree, leading slot axis S after the model state's layer axis):
-  model: the model's decode state [L, S, ...];  tokens [S] (next input);  pos [S] (index of the last
+Slot table (one pytree; the slot axis S of each model-state leaf where `model.state_batch_axes` puts it):
+  model: the model's decode state, layer-major leaves [L_x, S, ...] and, for some mixer patterns, its own
+  pos [S] (tokens consumed; an insert writes the prefilled row's, so a reused slot starts over);
+  tokens [S] (next input);  pos [S] (index of the last
   generated token);  temperature, top_p f32 [S];  top_k, max_tokens i32 [S];  seed, seed_hi u32 [S] (a 64-bit
   seed's two words);  logprobs i32 [S] (-1: off, else top-n wanted);  stop_ids i32 [S, N_STOP] (-1 pads).
 
@@ -44,8 +46,11 @@ class SlotFunctions:
   """Jitted prefill / insert / generate for one model, slot count, prefill batch and mesh."""
 
   def __init__(self, model, cfg, *, n_slots: int, prefill_batch: int, n_stop: int, valid_vocab: int,
-               mesh=None, branch_free: bool | None = None):
+               mesh=None, branch_free: bool | None = None, max_context: int | None = None):
     self.model, self.cfg = model, cfg
+    self.max_context = max_context  # attention layers' KV cache length per slot (None: no 'A' layers)
+    self.state_shape = jax.eval_shape(lambda: self._init_state(1))  # one sequence's decode state
+    self.axes = model.state_batch_axes(self.state_shape)             # each leaf's sequence axis
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
     # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
     self.branch_free = branch_free
@@ -54,6 +59,9 @@ class SlotFunctions:
     self.mesh = mesh
     table_shape = jax.eval_shape(self._empty_table)
     pf_shape = jax.eval_shape(self._empty_prefill)
+    # Measured from the real layout (not a formula): one slot's decode state, and the whole slot table.
+    self.state_bytes_per_slot = _nbytes(self.state_shape)
+    self.table_bytes = _nbytes(table_shape)
     if mesh is None:
       table_sh = pf_sh = rep = None
     else:
@@ -82,10 +90,19 @@ class SlotFunctions:
 
   # ---- the traced functions ----
 
+  def _init_state(self, batch: int):
+    if "A" in self.cfg.mixers:
+      return self.model.init_state(self.cfg, batch, max_len=self.max_context)
+    return self.model.init_state(self.cfg, batch)
+
+  def _take(self, state, rows):
+    """Rows `rows` of a model state, each leaf along its own sequence axis."""
+    return {k: jnp.take(x, rows, axis=self.axes[k]) for k, x in state.items()}
+
   def _empty_table(self):
     S = self.n_slots
     z = lambda dt, *shape: jnp.zeros((S, *shape), dt)
-    return {"model": self.model.init_state(self.cfg, S), "tokens": z(jnp.int32), "pos": z(jnp.int32),
+    return {"model": self._init_state(S), "tokens": z(jnp.int32), "pos": z(jnp.int32),
             "temperature": z(jnp.float32), "top_k": z(jnp.int32), "top_p": jnp.ones((S,), jnp.float32),
             "seed": z(jnp.uint32), "seed_hi": z(jnp.uint32), "max_tokens": jnp.ones((S,), jnp.int32),
             "logprobs": jnp.full((S,), -1, jnp.int32),
@@ -94,7 +111,7 @@ class SlotFunctions:
   def _empty_prefill(self):
     """Zero state and logits for one prefill batch (rows are fresh sequences)."""
     Pb = self.prefill_batch
-    return {"model": self.model.init_state(self.cfg, Pb),
+    return {"model": self._init_state(Pb),
             "logits": jnp.zeros((Pb, self.cfg.vocab_size), jnp.float32)}
 
   def _prefill_chunk(self, params, pf, tokens_PxC, lengths_P):
@@ -149,17 +166,18 @@ class SlotFunctions:
         return big.at[:, slot_w].set(jnp.where(any_real, small, big[:, :1]), mode="promise_in_bounds")
       return big.at[slot_w].set(jnp.where(any_real, small, big[:1]), mode="promise_in_bounds")
 
-    rows = jax.tree.map(lambda x: x[:, row_E[src]], pf["model"])
-    new = {"model": jax.tree.map(lambda b, s: put(b, s, 1), table["model"], rows),
+    # Every leaf of the prefilled row, its pos included, replaces the slot's: nothing of the slot's last
+    # sequence (its rings, KV cache, position) survives into the next.
+    rows = self._take(pf["model"], row_E[src])
+    new = {"model": {k: put(b, rows[k], self.axes[k]) for k, b in table["model"].items()},
            "tokens": put(table["tokens"], tok[src], 0), "pos": put(table["pos"], zero, 0)}
     for name in SAMPLING_FIELDS:
       new[name] = put(table[name], settings[name][src].astype(table[name].dtype), 0)
     return new, self._pack(logits, tok, done, settings["logprobs"])
 
-  @staticmethod
-  def _gather(state, rows_E):
-    """Rows rows_E of a layer-major model state ([L, S, ...] -> [L, E, ...])."""
-    return jax.tree.map(lambda x: x[:, rows_E], state)
+  def _gather(self, state, rows_E):
+    """Rows rows_E of a model state (the slot table's or a prefill batch's: [L, S, ...] -> [L, E, ...])."""
+    return self._take(state, rows_E)
 
   def _load_prefill(self, state):
     """A prefill batch that starts from the given (host) state rows instead of zeros."""
@@ -198,6 +216,10 @@ def entry_writes(slot_E, n_slots: int):
   src = jnp.where(real, jnp.arange(slot_E.shape[0]), jnp.argmax(real))
   any_real = real.any()
   return src, jnp.where(any_real, slot_E[src], 0), any_real
+
+
+def _nbytes(shapes) -> int:
+  return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(shapes))
 
 
 def _jit(f, donate=(), out=None):

@@ -66,11 +66,13 @@ def model_identity(cfg, params, extra: str = "") -> str:
 
 
 def layout_for(cfg, model=None) -> dict:
-  """{name: (dtype, shape)} of one sequence's decode state (init_state's, without the batch axis)."""
+  """{name: (dtype, shape)} of one sequence's decode state: every leaf of init_state's (GLA states, conv
+  windows, sliding-window rings, pos), without its sequence axis (`model.state_batch_axes`)."""
   if model is None:
     from laplace_jax import model
   shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
-  return {k: (str(a.dtype), (a.shape[0], *a.shape[2:]) if a.ndim > 1 else ()) for k, a in shapes.items()}
+  axes = model.state_batch_axes(shapes)
+  return {k: (str(a.dtype), tuple(n for i, n in enumerate(a.shape) if i != axes[k])) for k, a in shapes.items()}
 
 
 def scope_of(tenant: str = "", salt: str | None = None) -> str:
@@ -88,7 +90,7 @@ def _ids_bytes(ids) -> bytes:
 @dataclasses.dataclass
 class Entry:
   ids: np.ndarray    # int32 [n]: exactly the tokens the state has consumed
-  state: dict        # {"gla": [L, ...], "conv": [L, ...]} numpy, one sequence (no slot axis)
+  state: dict        # {"gla": [L, ...], "conv": [L, ...], ...} numpy, one sequence (no slot axis)
   key: str           # hash of (model, scope, ids): the file name on disk
   scope: str = ""    # scope_of(tenant, salt) of the requests that may restore it
 
@@ -105,7 +107,7 @@ class StateCache:
 
   def __init__(self, model_id: str, budget_bytes: int, directory: str | None = None, layout: dict | None = None):
     if budget_bytes < 0:
-      raise ValueError(f"--state-cache-gb gives {budget_bytes} bytes: expected >= 0 (0 disables the cache).")
+      raise ValueError(f"--state_cache_gb gives {budget_bytes} bytes: expected >= 0 (0 disables the cache).")
     self.model_id, self.budget = model_id, int(budget_bytes)
     self.layout = None if layout is None else _norm_layout(layout)
     self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest first
@@ -233,17 +235,17 @@ class StateCache:
       os.makedirs(directory, mode=0o700, exist_ok=True)
       names = os.listdir(directory)
       if names and MARKER not in names:
-        raise ValueError(f"--state-cache-dir={directory} holds {len(names)} other files and no {MARKER}: it "
+        raise ValueError(f"--state_cache_dir={directory} holds {len(names)} other files and no {MARKER}: it "
                          "is not a state cache. Pass an empty or new directory.")
       os.chmod(directory, 0o700)  # the files hold prompts' token ids
       if MARKER in names:
         try:
           owner = json.loads(_read_regular(marker, MAX_HEADER)).get("model_id")
         except (ValueError, AttributeError) as e:
-          raise ValueError(f"--state-cache-dir={directory}: {MARKER} is damaged ({e}). Remove the directory "
+          raise ValueError(f"--state_cache_dir={directory}: {MARKER} is damaged ({e}). Remove the directory "
                            "(it only holds cached states) or pass another one.") from None
         if owner != self.model_id:
-          raise ValueError(f"--state-cache-dir={directory} holds states of another model ({owner}, this one "
+          raise ValueError(f"--state_cache_dir={directory} holds states of another model ({owner}, this one "
                            f"is {self.model_id}). Use one directory per model.")
       else:
         _atomic_write(marker, json.dumps({"model_id": self.model_id, "format": 1}).encode())
@@ -252,7 +254,7 @@ class StateCache:
       _atomic_write(probe, b"ok")
       os.remove(probe)
     except OSError as e:
-      raise ValueError(f"--state-cache-dir={directory} is not a writable directory ({e}). Pass a directory "
+      raise ValueError(f"--state_cache_dir={directory} is not a writable directory ({e}). Pass a directory "
                        "this process can create and write.") from None
     self._load_dir(directory)
     self._writes = queue.Queue()

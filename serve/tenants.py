@@ -2,9 +2,9 @@
 
 Each key belongs to one tenant: its own state-cache scope (a prefix cached for one tenant is never restored
 for another), its own cache counters on /metrics, and its share of the slots (serve.engine admits the
-waiting tenant holding the fewest slots first). Keys come from `--api-key KEY` (repeatable; the tenant is
+waiting tenant holding the fewest slots first). Keys come from `--api_key KEY` (repeatable; the tenant is
 named `key-` + 12 hex digits of the key's SHA-256, stable across restarts and reorderings) and from
-`--api-keys-file FILE`, one `tenant:key` a line (`#` comments and blank lines ignored; several keys may
+`--api_keys_file FILE`, one `tenant:key` a line (`#` comments and blank lines ignored; several keys may
 name one tenant, e.g. while rotating). No keys: one anonymous tenant and no authentication.
 
 Keys are kept only as SHA-256 digests and a presented key is compared with every one of them in constant
@@ -60,7 +60,7 @@ def _digest(key: bytes) -> bytes:
 
 
 def name_of_key(key: str) -> str:
-  """The tenant of a bare `--api-key KEY`."""
+  """The tenant of a bare `--api_key KEY`."""
   return "key-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
@@ -70,7 +70,7 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
     with open(path, encoding="utf-8") as f:
       lines = f.read().splitlines()
   except (OSError, UnicodeDecodeError) as e:
-    raise ValueError(f"--api-keys-file={path} cannot be read ({type(e).__name__}: {getattr(e, 'strerror', '')})."
+    raise ValueError(f"--api_keys_file={path} cannot be read ({type(e).__name__}: {getattr(e, 'strerror', '')})."
                      " Pass a UTF-8 text file of 'tenant:key' lines.") from None
   out = []
   for n, line in enumerate(lines, 1):
@@ -79,10 +79,10 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
       continue
     tenant, sep, key = line.partition(":")
     if not sep or not TENANT_NAME.fullmatch(tenant.strip()) or not key.strip():
-      raise ValueError(f"--api-keys-file={path}, line {n}: expected 'tenant:key' with a tenant name of 1 to 64 "
+      raise ValueError(f"--api_keys_file={path}, line {n}: expected 'tenant:key' with a tenant name of 1 to 64 "
                        "of A-Z a-z 0-9 _ . - and a non-empty key.")
     out.append((tenant.strip(), key.strip()))
   if not out:
-    raise ValueError(f"--api-keys-file={path} holds no 'tenant:key' line: with no keys the server would be "
+    raise ValueError(f"--api_keys_file={path} holds no 'tenant:key' line: with no keys the server would be "
                      "open to anyone. Add keys, or leave the flag out to serve without keys.")
   return out

@@ -9,7 +9,8 @@
 
 Messages are rendered by the chat route's template (serve.chat), so /tokenize of messages gives exactly the
 prompt ids /v1/chat/completions runs. max_model_len is the longest prompt plus the most output tokens a
-request may ask for (--max-prompt-tokens + --max-tokens): the state has no context limit of its own.
+request may ask for (--max_prompt_tokens + --max_tokens): GLA and sliding-window states have no context limit
+of their own; with attention layers it is at most --max_context.
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ class TokenizerRoutes:
 
   @property
   def max_model_len(self) -> int:
-    return self.server.limits.max_prompt_tokens + self.server.limits.max_tokens
+    most = self.server.limits.max_prompt_tokens + self.server.limits.max_tokens
+    context = getattr(self.server.engine, "max_context", None)  # attention layers' KV cache per slot
+    return most if context is None else min(most, context)
 
   def _tokenize(self, obj: dict) -> dict:
     _check_model(obj, self.server.limits)
@@ -62,8 +65,8 @@ class TokenizerRoutes:
       ids = self.template.encode(self.template.render(chat.parse_messages(obj), gen))
     if len(ids) > self.max_model_len:
       raise ApiError(400, f"the {'prompt' if 'prompt' in obj else 'rendered messages'} hold {len(ids)} tokens: at "
-                     f"most {self.max_model_len} (max_model_len: --max-prompt-tokens + --max-tokens) are "
-                     "tokenized per request.", "prompt" if "prompt" in obj else "messages")
+                     f"most {self.max_model_len} (max_model_len: --max_prompt_tokens + --max_tokens, at most "
+                     "--max_context) are tokenized per request.", "prompt" if "prompt" in obj else "messages")
     out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
     if strs:
       out["token_strs"] = [self.server.tok.token_bytes([t]).decode("utf-8", "replace") for t in ids]

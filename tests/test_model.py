@@ -50,6 +50,9 @@ def test_small_preset_size():
     (dict(compute_dtype="int8"), "floating dtype"),
     (dict(max_seq_len=100), "multiple of chunk_size"),
     (dict(gla_form="fused"), "gla_form"),
+    (dict(attn_heads=5), "divisor of the attention width"),
+    (dict(attn_heads=-1), "attn_heads"),
+    (dict(ffn="no"), "ffn"),
 ])
 def test_invalid_configs_rejected(bad, match):
   with pytest.raises(ValueError, match=match):
@@ -223,6 +226,36 @@ def test_hybrid_param_tree_one_block_per_pattern_letter():
   labels = param_labels(params)
   assert labels["layers"]["block2"]["w_qkv"] == labels["layers"]["block2"]["w_o"] == "muon"
   assert labels["layers"]["block2"]["ln1_scale"] == "adamw"
+
+
+def test_mixer_only_layers_with_one_attention_head():
+  """Zoology's MQAR models: no FFN (the tree drops exactly its leaves, which a zero W3 makes a no-op in the
+  FFN model) and one attention head over the whole attention width (its KV cache: one head, same bytes)."""
+  cfg = CFG.replace(mixers="GS", window=8, ffn=False, attn_heads=1)
+  with_ffn = cfg.replace(ffn=True)
+  params, full = (model.init_params(c, jax.random.key(0)) for c in (cfg, with_ffn))
+  ffn_leaves = {"ln2_scale", "w1", "w2", "w3"}
+  for b in ("block0", "block1"):
+    assert set(full["layers"][b]) - set(params["layers"][b]) == ffn_leaves
+  assert params["layers"]["block1"]["w_qkv"].shape == (1, 64, 3 * 64) and cfg.attn_head_dim == 64
+  assert sum(x.size for x in jax.tree.leaves(params)) == param_counts(cfg)["total"]
+  per_layer_ffn = 64 + 3 * 64 * CFG.d_ff  # ln2_scale, w1, w2, w3
+  assert param_counts(with_ffn)["total"] - param_counts(cfg)["total"] == 2 * per_layer_ffn
+  toks = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.vocab_size)
+  zero_w3 = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.zeros_like(x) if path[-1].key == "w3" else x, full)
+  mixer_only = {**full, "layers": {b: {n: w for n, w in ws.items() if n not in ffn_leaves}
+                                   for b, ws in full["layers"].items()}}
+  np.testing.assert_allclose(model.forward(zero_w3, toks, cfg=with_ffn),
+                             model.forward(mixer_only, toks, cfg=cfg), atol=1e-5, rtol=1e-5)
+  state = _check_prefill_then_decode(params, cfg, B=2, T=40, P=20)
+  assert state["ring_k"].shape == (1, 2, 1, 8, 64)
+  assert sum(x.nbytes for x in jax.tree.leaves(state)) // 2 == state_bytes_per_sequence(cfg)
+  attn = CFG.replace(mixers="A", ffn=False)
+  sharp = jax.tree_util.tree_map_with_path(  # peaked attention, where the head split shows
+      lambda path, x: 30 * x if path[-1].key == "w_qkv" else x, model.init_params(attn, jax.random.key(0)))
+  one, four = (model.forward(sharp, toks, cfg=attn.replace(attn_heads=h)) for h in (1, 0))
+  assert np.abs(one - four).max() > 0.05  # the same weights read as 1 head or as 4
 
 
 @pytest.mark.parametrize("preset", ["laplace-3b", "small", "tiny"])

@@ -91,3 +91,12 @@ def test_set_and_patterns_shape_the_grid_and_bad_values_are_refused(tmp_path, ca
   (out / "results.json").write_text(json.dumps({"grid": "smoke", "sets": [], "prng": "rbg", "cells": []}))
   assert recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2  # another PRNG's results
   assert "initialised with the 'rbg' PRNG, not 'threefry'; pass --prng rbg" in capsys.readouterr().err
+
+
+def test_window_is_a_setting_every_grid_takes_and_reaches_the_model(tmp_path):
+  grid = recall_prog.with_overrides({**recall_prog.OPTIONAL, **recall_prog.GRIDS["smoke"]}, ["window=16"])
+  assert grid["window"] == 16
+  assert recall_prog.model_config("GS", 32, "passkey:64", grid["window"]).window == 16
+  assert recall_prog.model_config("GS", 32, "passkey:64").window == recall_prog.OPTIONAL["window"]
+  assert recall_prog.main(["--grid", "smoke", "--patterns", "GS", "--set", "window=0", "-o", str(tmp_path / "w"),
+                           "--no-progress"]) == 2          # the config's own check names the window

@@ -155,5 +155,5 @@ def test_hugging_face_style_templates_render_sandboxed(tok, tmp_path):
 
 def test_a_bad_chat_template_stops_the_server_before_it_loads(tmp_path):
   from serve.__main__ import main
-  with pytest.raises(SystemExit, match="--chat-template .*cannot read"):
+  with pytest.raises(SystemExit, match="--chat_template .*cannot read"):
     main(["--preset", "tiny", "--random-init", "--chat-template", str(tmp_path / "missing.jinja")])

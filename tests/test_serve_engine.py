@@ -10,7 +10,7 @@ import pytest
 import serve_fixtures as sf
 from laplace_jax import model, sharding
 from serve import sampling
-from serve.engine import Engine, QueueFull, Request
+from serve.engine import QueueFull, Request
 from serve_fixtures import GPT2_VOCAB
 
 
@@ -126,7 +126,7 @@ def test_queue_bound_and_cancel_free_slots(engine):
     (dict(prompt_ids=[1], max_tokens=-1), "max_tokens"), (dict(prompt_ids=[1], top_p=0.0), "top_p"),
     (dict(prompt_ids=[1], seed=2**64), "seed"), (dict(prompt_ids=[1], stop_ids=list(range(9))), "stop ids"),
     (dict(prompt_ids=[1], logprobs=6), "logprobs"),
-    (dict(prompt_ids=[1], siblings=8), "--n-slots")])
+    (dict(prompt_ids=[1], siblings=8), "--n_slots")])
 def test_bad_requests_are_refused(engine, bad, message):
   if "siblings" in bad:  # built here: a Request held by the parameter list would outlive the test
     bad = dict(bad, siblings=[Request(prompt_ids=[1]) for _ in range(bad["siblings"])])
@@ -184,10 +184,3 @@ def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
     assert b.sharding.is_fully_replicated and len(b.sharding.device_set) == 8
   with pytest.raises(ValueError, match="preset small"):  # --preset with --checkpoint only checks the config
     loading.load_model(checkpoint=str(tmp_path / "export"), preset="small")
-
-
-def test_attention_patterns_are_refused_with_the_reason(cfg, params):
-  with pytest.raises(ValueError, match="grows with the context"):
-    Engine(params, cfg.replace(n_layers=2, mixers="GA"), n_slots=8)
-  with pytest.raises(ValueError, match="sliding-window layers"):  # not an IndexError on the first insert
-    Engine(params, cfg.replace(n_layers=2, mixers="GS", window=16), n_slots=8)

@@ -225,9 +225,9 @@ def test_stop_matching_costs_linear_time():
 def test_choices_per_request_are_capped(served):
   url, _ = served
   st, err = call(url, body={"prompt": ["a", "b"], "n": 4, "max_tokens": 2})  # 8: fits the slots + queue
-  assert st == 400 and err["error"]["param"] == "n" and "--max-choices" in err["error"]["message"], err
+  assert st == 400 and err["error"]["param"] == "n" and "--max_choices" in err["error"]["message"], err
   st, err = call(url, body={"prompt": ["a"] * 7, "max_tokens": 2})
-  assert st == 400 and err["error"]["param"] == "prompt" and "--max-choices" in err["error"]["message"], err
+  assert st == 400 and err["error"]["param"] == "prompt" and "--max_choices" in err["error"]["message"], err
   st, out = call(url, body={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
   assert st == 200 and len(out["choices"]) == MAX_CHOICES
 
@@ -237,7 +237,7 @@ def test_a_reply_too_big_to_build_is_refused_upfront(served):
   ids = list(range(1000, 2000))
   # 6 choices x (1,000 echoed + 64 new tokens) x (1 + 1 + 5 logprobs) entries: 44,688 > 20,000.
   st, err = call(url, body={"prompt": [ids, ids], "n": 3, "echo": True, "logprobs": 5, "max_tokens": 64})
-  assert st == 400 and err["error"]["param"] == "max_tokens" and "--max-reply-entries" in err["error"]["message"]
+  assert st == 400 and err["error"]["param"] == "max_tokens" and "--max_reply_entries" in err["error"]["message"]
   st, out = call(url, body={"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1})  # 3,003
   assert st == 200 and len(out["choices"][0]["logprobs"]["tokens"]) == 1001
 
@@ -319,7 +319,7 @@ def test_host_and_origin_must_name_this_server(served):
   body = {"prompt": "hi", "max_tokens": 1}
   for host in ("evil.example", f"evil.example:{port}", "10.0.0.1"):  # DNS rebinding: a name that resolves here
     st, err = call(url, body=body, headers={**AUTH, "Host": host})
-    assert st == 421 and "--allowed-host" in err["error"]["message"], (host, err)
+    assert st == 421 and "--allowed_host" in err["error"]["message"], (host, err)
     assert call(url, "GET", "/health", headers={"Host": host})[0] == 421
   for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST", f"[::1]:{port}"):
     assert call(url, body=body, headers={**AUTH, "Host": host})[0] == 200, host

@@ -100,14 +100,14 @@ def test_directory_round_trip_and_a_damaged_file_is_skipped(tmp_path, caplog):
 
 def test_bad_directories_are_refused(tmp_path):
   StateCache("model-a", ENTRY_BYTES, directory=str(tmp_path / "a"))
-  with pytest.raises(ValueError, match="another model.*--state-cache-dir|--state-cache-dir.*another model"):
+  with pytest.raises(ValueError, match="another model.*--state_cache_dir|--state_cache_dir.*another model"):
     StateCache("model-b", ENTRY_BYTES, directory=str(tmp_path / "a"))
   (tmp_path / "b").mkdir()
   (tmp_path / "b" / "notes.txt").write_text("mine")
-  with pytest.raises(ValueError, match="--state-cache-dir.*not a state cache"):
+  with pytest.raises(ValueError, match="--state_cache_dir.*not a state cache"):
     StateCache("m", ENTRY_BYTES, directory=str(tmp_path / "b"))
   (tmp_path / "file").write_text("x")  # a path under a plain file cannot be created, not even by root
-  with pytest.raises(ValueError, match="--state-cache-dir.*writable"):
+  with pytest.raises(ValueError, match="--state_cache_dir.*writable"):
     StateCache("m", ENTRY_BYTES, directory=str(tmp_path / "file" / "sub"))
 
 
@@ -224,7 +224,7 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
 def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
   from serve.__main__ import main
   (tmp_path / "notes.txt").write_text("not a cache")
-  with pytest.raises(SystemExit, match="--state-cache-dir=.*not a state cache"):
+  with pytest.raises(SystemExit, match="--state_cache_dir=.*not a state cache"):
     main(["--preset", "tiny", "--random-init", "--state-cache-dir", str(tmp_path)])
   with pytest.raises(SystemExit):  # argparse: a negative budget
     main(["--preset", "tiny", "--random-init", "--state-cache-gb", "-1"])

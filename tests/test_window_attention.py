@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from laplace_jax import hlo_bytes, platform
 from laplace_jax import window_attention as wa
 
 
@@ -101,3 +102,45 @@ def test_window_attention_gradients_match_masked_reference():
   loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * r), argnums=(0, 1, 2))(q, k, v)
   for got, want in zip(loss(lambda q, k, v: wa.window_attention(q, k, v, W)), loss(naive)):
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_forms_agree_on_short_and_full_rings(dtype):
+  """The in-place reduce form (CPU, GPU) equals the matmul form (Neuron): rings partly filled (pos < W), just
+  full and wrapped, other layers untouched; the tables they return are identical."""
+  L, B, H, W, d = 2, 3, 2, 8, 4
+  q, k, v = jax.random.normal(jax.random.key(7), (3, B, 1, H, d), dtype)
+  kt, vt = jax.random.normal(jax.random.key(8), (2, L, B, H, W, d), dtype)
+  pos = jnp.array([2, 7, 29])
+  got, want = wa._decode_reduces(q, k, v, kt, vt, 1, pos), wa._decode_matmuls(q, k, v, kt, vt, 1, pos)
+  # bf16: the matmul form rounds the softmax weights to bf16 before the sum, the reduce form keeps them fp32
+  np.testing.assert_allclose(got[0], want[0], atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+  for g, w in zip(got[1:], want[1:]):
+    np.testing.assert_array_equal(g, w)
+  # a new function each time: a traced function is cached without the lowering target in its key
+  primitives = lambda: str(jax.make_jaxpr(lambda *a: wa.ring_decode_attention(*a, 1, pos))(q, k, v, kt, vt))
+  with platform.lowering_for("neuron"):   # variadic reductions are unsupported on Neuron: the matmul form
+    assert "dot_general" in primitives() and " reduce[" not in primitives()
+  with platform.lowering_for("cpu"):
+    assert "dot_general" not in primitives() and " reduce[" in primitives()
+
+
+def test_compiled_decode_reads_each_ring_once_in_place():
+  """Scanned over the layers with the tables donated, a decode step moves each ring about once (read once,
+  one row written): the matmul form copies the layer's slice out first (≈ 3 passes)."""
+  L, B, H, W, d = 2, 4, 2, 256, 64
+
+  def moved(decode):
+    def step(kt, vt, q, pos):
+      def body(c, i):
+        o, kt, vt = decode(q, q, q, c[1], c[2], i, pos)
+        return (c[0] + o, kt, vt), None
+      return jax.lax.scan(body, (jnp.zeros_like(q), kt, vt), jnp.arange(L))[0]
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(f32(L, B, H, W, d), f32(L, B, H, W, d), f32(B, 1, H, d),
+                                                          jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
+    return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (2 * L * B * H * W * d * 4)
+
+  with platform.lowering_for("cpu"):
+    assert moved(wa.ring_decode_attention) < 1.2
+  assert moved(wa._decode_matmuls) > 2.5          # the check can tell the two apart

@@ -74,6 +74,10 @@ GRIDS = {
 }
 
 
+# Settings a grid may leave out (--set adds them): the sliding-window layers' window (patterns with S).
+OPTIONAL = {"window": 2048}
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
   task: str
@@ -91,15 +95,16 @@ class Cell:
     return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}{seed}{sp}"
 
 
-def model_config(pattern: str, width: int, task: str):
-  """The grid's 2-layer model: the published ratios (d_k = D/2H, d_v = D/H) at 4 heads, GLU 2·D."""
+def model_config(pattern: str, width: int, task: str, window: int = OPTIONAL["window"]):
+  """The grid's 2-layer model: the published ratios (d_k = D/2H, d_v = D/H) at 4 heads, GLU 2·D; S layers
+  see the last `window` tokens."""
   from laplace_jax import recall
   from laplace_jax.config import get_config
   seq = recall.parse_task(task)[1][0]
   return get_config("tiny").replace(
       vocab_size=recall.task_vocab(task), d_model=width, n_layers=2, n_heads=4, d_k=width // 8,
       d_v=width // 4, d_ff=2 * width, max_seq_len=seq, chunk_size=min(64, seq), mixers=pattern,
-      gla_form="scan", remat=False, compute_dtype="float32")
+      gla_form="scan", remat=False, compute_dtype="float32", window=window)
 
 
 def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
@@ -125,7 +130,7 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   from laplace_jax import model, recall
   from laplace_jax import optimizer as optim
 
-  cfg = model_config(cell.pattern, cell.width, cell.task)
+  cfg = model_config(cell.pattern, cell.width, cell.task, grid.get("window", OPTIONAL["window"]))
   adamw_lr = grid["passkey_adamw_lr" if cell.task.startswith("passkey") else "adamw_lr"]
   ocfg = optim.OptimizerConfig(total_steps=cell.steps, warmup_steps=max(1, cell.steps // 20),
                                adamw_lr=adamw_lr, muon_lr=grid["muon_lr"])
@@ -371,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--seeds", default="0", help="comma list of seeds: each cell is trained once per seed "
                   "(plots show the mean)")
   ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of mixer patterns for the "
-                  "2-layer models (G = GLA, A = attention; a pattern's length divides 2: G, A, GA, AG)")
+                  "2-layer models (G = GLA, A = attention, S = sliding-window attention over --set window=N "
+                  "tokens; a pattern's length divides 2: G, A, S, GA, GS)")
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
                   "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)")
@@ -403,12 +409,12 @@ def main(argv=None) -> int:
     return 2
   patterns = tuple(p for p in args.patterns.split(",") if p)
   try:
-    grid = with_overrides(GRIDS[grid_name], args.sets)
+    grid = with_overrides({**OPTIONAL, **GRIDS[grid_name]}, args.sets)
     if not patterns:
       raise ValueError(f"--patterns {args.patterns!r}: no pattern given; e.g. G,GA,A")
     cells = cells_of(grid, sections, seeds, patterns)
     for cell in cells:  # the model config checks each pattern, width and task, naming the value and the fix
-      model_config(cell.pattern, cell.width, cell.task)
+      model_config(cell.pattern, cell.width, cell.task, grid["window"])
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
