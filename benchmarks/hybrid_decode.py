@@ -6,7 +6,8 @@
 
 The bare compiled step, as the server runs it: `model.decode_step` jitted with the state donated, weights
 in the compute dtype, one token per slot per call. A case is a pattern with, for S layers, its window
-(`GGGS:64`). Every state is made "full" before timing: GLA matrices, conv windows and every ring slot hold
+(`GGGS:64`), and optionally `@matmuls`: the window layers' decode in the matmul form (Neuron's, and every
+backend's before the in-place form; `GGGS:2048@matmuls`), for a before/after in one run. Every state is made "full" before timing: GLA matrices, conv windows and every ring slot hold
 random values and `pos` is the context, so a window layer attends over all W slots; an attention (A) layer's
 KV cache is sized for the context plus the timed steps, and random too.
 
@@ -31,13 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import model
+from laplace_jax import model, window_attention
 from laplace_jax.config import get_config
 
 
 def parse_case(text: str) -> tuple[str, int | None]:
-  """'GGGS:64' -> ('GGGS', 64); 'G' -> ('G', None)."""
-  mixers, _, window = text.partition(":")
+  """'GGGS:64' -> ('GGGS', 64); 'G' -> ('G', None); a '@form' suffix is read by ring_form."""
+  mixers, _, window = text.partition("@")[0].partition(":")
   if window and not window.isdigit():
     raise SystemExit(f"case {text!r}: expected PATTERN or PATTERN:WINDOW, e.g. GGGS:2048")
   return mixers, int(window) if window else None
@@ -74,10 +75,24 @@ def full_state(cfg, slots: int, context: int, cache_len: int, seed: int = 0) -> 
   return filled
 
 
+def ring_form(case: str):
+  form = case.partition("@")[2]
+  if form not in ("", "matmuls"):
+    raise SystemExit(f"case {case!r}: the only form suffix is @matmuls")
+  return window_attention._decode_matmuls if form else window_attention.ring_decode_attention
+
+
 @functools.cache
-def compiled_step(cfg):
-  """One jitted step per config, so cases of the same shapes share a compilation."""
-  return jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=(1,))
+def compiled_step(cfg, ring_decode):
+  """One jitted step per config and ring form, so cases of the same shapes share a compilation."""
+  def step(params, state, tokens):
+    saved = window_attention.ring_decode_attention
+    window_attention.ring_decode_attention = ring_decode     # read when the step is traced
+    try:
+      return model.decode_step(params, state, tokens, cfg=cfg)
+    finally:
+      window_attention.ring_decode_attention = saved
+  return jax.jit(step, donate_argnums=(1,))
 
 
 class Case:
@@ -88,7 +103,7 @@ class Case:
     self.params = params
     self.state = full_state(cfg, slots, context, cache_len)
     self.tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, slots), jnp.int32)
-    self.step = compiled_step(cfg)
+    self.step = compiled_step(cfg, ring_form(label))
     self.times: list[float] = []
     self.calls_left = calls
 

@@ -9,16 +9,22 @@ even offset 2·g after the pairs, g drawn without replacement with P(g) ∝ g^(a
 short gaps are likely, long ones happen); the position holding the key is scored on predicting its value.
 Every other position holds a random token of the whole vocabulary. Needs seq_len >= 4·n_pairs.
 
+Zoology's MQAR ("zoology:SEQ,PAIRS", as HazyResearch/zoology's data/multiquery_ar.py builds its figure-2 data):
+keys distinct from [1, V/2), values distinct from [V/2, V); the pairs first, then each key once as a query at
+an even offset 2·g after them (g without replacement, P(g) ∝ g^(a−1)); every other input is 0, and only the
+query positions carry a label (the value: the query's value is never an input, unlike MQAR above).
+
 Passkey (Mohtashami & Jaggi 2023), in a small word vocabulary (PASSKEY_WORDS): filler sentences repeated
 to the context length, "the pass key is d d d d d . remember it ." inserted once at a depth in [0, 1]
 of the filler (or at a distance: that many filler tokens between it and the question), then "what is the
 pass key ? the pass key is" and the five digits as the answer.
 
   mqar_batch(seed, batch, seq_len, n_pairs, vocab_size=8192) -> batch (deterministic in its arguments)
+  zoology_batch(seed, batch, seq_len, n_pairs, vocab_size=8192) -> batch (Zoology's layout, vectorised)
   passkey_example(seed, context, depth=None, distance=None) -> (prompt ids, answer ids)
   passkey_batch(seed, batch, seq_len) -> batch (random depths; the answer's 5 tokens are scored)
   RecallStream(task, seq_len, global_batch, seed, ...) -> endless training iterator, resumable
-  parse_task("mqar:64,4" | "passkey:1024") -> (kind, settings)
+  parse_task("mqar:64,4" | "zoology:64,4" | "passkey:1024") -> (kind, settings)
   accuracy(logits_or_ids, targets, weights) -> scored positions answered right / scored positions
 """
 from __future__ import annotations
@@ -74,6 +80,44 @@ def mqar_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: in
   weights[rows, q_pos_BxN] = 1.0
   return {"inputs": x_BxW[:, :-1].astype(np.int32), "targets": x_BxW[:, 1:].astype(np.int32),
           "weights": weights}
+
+
+def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
+  """[n, k] ints from [low, high), distinct within each row: rows with a repeat are drawn again (rare when
+  k² ≪ high − low, so the whole set stays one vectorised draw)."""
+  out = rng.integers(low, high, (n, k))
+  while True:
+    s = np.sort(out, 1)
+    again = (s[:, 1:] == s[:, :-1]).any(1)
+    if not again.any():
+      return out
+    out[again] = rng.integers(low, high, (int(again.sum()), k))
+
+
+def zoology_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB,
+                  power_a: float = 0.01) -> dict[str, np.ndarray]:
+  """`batch` sequences in Zoology's MQAR layout (module doc); deterministic in its arguments. A data set of
+  100,000 is one call (the gaps drawn without replacement by the Gumbel top-k trick, which samples the same
+  law as drawing them one by one)."""
+  _check_mqar(seq_len, n_pairs, vocab_size)
+  rng = np.random.default_rng([seed, seq_len, n_pairs, vocab_size, 2])
+  half = vocab_size // 2
+  keys_BxN = _distinct_rows(rng, batch, n_pairs, 1, half)
+  vals_BxN = _distinct_rows(rng, batch, n_pairs, half, vocab_size)
+  space = (seq_len - 2 * n_pairs) // 2
+  log_p = (power_a - 1) * np.log(np.arange(1, space + 1, dtype=np.float64))
+  gumbel = -np.log(-np.log(rng.uniform(size=(batch, space))))
+  gaps_BxN = np.argsort(-(log_p + gumbel), axis=1)[:, :n_pairs]    # pair i is asked at gap gaps[:, i]
+  rows = np.arange(batch)[:, None]
+  x_BxT = np.zeros((batch, seq_len), np.int32)
+  x_BxT[:, 0:2 * n_pairs:2], x_BxT[:, 1:2 * n_pairs:2] = keys_BxN, vals_BxN
+  q_pos_BxN = 2 * n_pairs + 2 * gaps_BxN
+  x_BxT[rows, q_pos_BxN] = keys_BxN
+  targets = np.zeros((batch, seq_len), np.int32)
+  targets[rows, q_pos_BxN] = vals_BxN
+  weights = np.zeros((batch, seq_len), np.float32)
+  weights[rows, q_pos_BxN] = 1.0
+  return {"inputs": x_BxT, "targets": targets, "weights": weights}
 
 
 def _digits(rng) -> list[str]:
@@ -134,31 +178,33 @@ def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
 
 
 def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
-  """'mqar:SEQ,PAIRS[,VOCAB]' or 'passkey:SEQ' -> ("mqar", (seq, pairs[, vocab])) / ("passkey", (seq,))."""
+  """'mqar:SEQ,PAIRS[,VOCAB]', 'zoology:SEQ,PAIRS[,VOCAB]' or 'passkey:SEQ' -> (kind, (seq, pairs[, vocab]))
+  / ("passkey", (seq,))."""
   kind, _, rest = str(spec).partition(":")
   try:
     nums = tuple(int(v) for v in rest.split(",")) if rest else ()
   except ValueError:
     nums = None
-  if kind == "mqar" and nums and len(nums) in (2, 3):
+  if kind in ("mqar", "zoology") and nums and len(nums) in (2, 3):
     _check_mqar(*nums[:2], nums[2] if len(nums) == 3 else MQAR_VOCAB)
     return kind, nums
   if kind == "passkey" and nums and len(nums) == 1 and nums[0] >= MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS:
     return kind, nums
   raise ValueError(f"recall task {spec!r}: expected 'mqar:SEQ,PAIRS[,VOCAB]' (e.g. mqar:64,4; vocabulary "
-                   f"{MQAR_VOCAB} unless given) or 'passkey:SEQ' "
+                   f"{MQAR_VOCAB} unless given), 'zoology:SEQ,PAIRS[,VOCAB]' (Zoology's layout) or 'passkey:SEQ' "
                    f"(e.g. passkey:1024, at least {MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS} tokens).")
 
 
 def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
   kind, nums = parse_task(spec)
-  return mqar_batch(seed, batch, *nums) if kind == "mqar" else passkey_batch(seed, batch, nums[0])
+  make = {"mqar": mqar_batch, "zoology": zoology_batch, "passkey": passkey_batch}[kind]
+  return make(seed, batch, *nums)
 
 
 def task_vocab(spec: str) -> int:
   """Token ids a model needs for the task."""
   kind, nums = parse_task(spec)
-  if kind == "mqar":
+  if kind in ("mqar", "zoology"):
     return nums[2] if len(nums) == 3 else MQAR_VOCAB
   return len(PASSKEY_WORDS)
 

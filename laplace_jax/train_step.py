@@ -2,7 +2,8 @@
 
     state = {"params", "opt_state", "step": int32, "rng": key data uint32[2], "bad_steps": int32,
              with state passing "carry": {"gla": f32 [B, L_gla, H, K, V], "conv": f32 [B, L, conv, D]}}
-    batch = {"inputs": int32 [B, T], "targets": int32 [B, T], optional "weights": f32 [B, T]}
+    batch = {"inputs": int32 [B, T], "targets": int32 [B, T], optional "weights": f32 [B, T],
+             optional "positions": int32 [B, K] (only these positions are scored: the LM head runs there alone)}
 
 State passing (truncated BPTT): row b of every batch continues row b's token stream of the previous step,
 so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
@@ -56,16 +57,24 @@ def _swap_batch(carry):
 def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   """(Σ weighted token loss incl. z-loss, {"ce": Σ ce, "z": Σ z, "tokens": Σ weights}), all fp32.
 
-  A batch with a "carry" (state passing) starts from it, and aux["carry"] is the state after the batch."""
+  A batch with a "carry" (state passing) starts from it, and aux["carry"] is the state after the batch. A batch
+  with "positions" [B, K] scores those positions only (targets and weights read there): recall tasks answer
+  at a few positions per row, and the LM head's cost falls by T/K."""
   carry = None
+  pos_BxK = batch.get("positions")
   if "carry" in batch:
     logits_BxTxV, carry = model.forward_carry(params, batch["inputs"], _swap_batch(batch["carry"]), cfg=cfg)
     logits_BxTxV = logits_BxTxV.astype(F32)
+    if pos_BxK is not None:
+      logits_BxTxV = jnp.take_along_axis(logits_BxTxV, pos_BxK[..., None], axis=1)
   else:
-    logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg).astype(F32)
-  w_BxT = batch.get("weights", jnp.ones(batch["targets"].shape, F32)).astype(F32)
+    logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg, positions_BxK=pos_BxK).astype(F32)
+  targets_BxT = batch["targets"]
+  w_BxT = batch.get("weights", jnp.ones(targets_BxT.shape, F32)).astype(F32)
+  if pos_BxK is not None:  # [B, K] from here on
+    targets_BxT, w_BxT = (jnp.take_along_axis(x, pos_BxK, axis=1) for x in (targets_BxT, w_BxT))
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-  target_logit = jnp.take_along_axis(logits_BxTxV, batch["targets"][..., None], axis=-1)[..., 0]
+  target_logit = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
   ce = jnp.sum((lse_BxT - target_logit) * w_BxT)
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
   aux = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}

@@ -23,6 +23,44 @@ def test_mqar_shapes_answers_and_causality(T, N):
     assert not w[r, :2 * N].any()                                        # the pairs themselves are not scored
 
 
+@pytest.mark.parametrize("T, N", [(64, 4), (256, 16)])
+def test_zoology_layout_zero_filler_labels_only_at_queries(T, N):
+  b = recall.zoology_batch(3, 50, T, N)
+  x, y, w = b["inputs"], b["targets"], b["weights"]
+  assert x.shape == y.shape == w.shape == (50, T) and x.dtype == y.dtype == np.int32
+  half = recall.MQAR_VOCAB // 2
+  for r in range(50):
+    keys, vals = x[r, 0:2 * N:2], x[r, 1:2 * N:2]
+    assert len(set(keys)) == len(set(vals)) == N                        # distinct keys, distinct values
+    assert (keys >= 1).all() and (keys < half).all() and (vals >= half).all() and (vals < 2 * half).all()
+    q = np.flatnonzero(w[r])
+    assert len(q) == N and (q >= 2 * N).all() and ((q - 2 * N) % 2 == 0).all()
+    assert sorted(x[r, q]) == sorted(keys)                               # each key asked once
+    assert [y[r, t] for t in q] == [dict(zip(keys, vals))[x[r, t]] for t in q]  # labelled with its value
+    rest = np.ones(T, bool)
+    rest[:2 * N], rest[q] = False, False
+    assert not x[r, rest].any() and not y[r, w[r] == 0].any()            # zero filler, no other labels
+  again, other = recall.zoology_batch(3, 50, T, N), recall.zoology_batch(4, 50, T, N)
+  assert all(np.array_equal(b[k], again[k]) for k in b) and not np.array_equal(x, other["inputs"])
+  assert recall.task_batch(f"zoology:{T},{N}", 3, 50)["inputs"].tolist() == x.tolist()
+
+
+def test_zoology_gaps_follow_numpy_choice_without_replacement():
+  """The vectorised gap draw (Gumbel top-k) against Zoology's own way, np.random.choice(replace=False, p):
+  how often each gap is asked, over 4,000 sequences each."""
+  T, N, a = 64, 4, 0.01
+  space = (T - 2 * N) // 2
+  w = recall.zoology_batch(0, 4000, T, N)["weights"]
+  ours = w[:, 2 * N::2].mean(0)
+  p = np.arange(1, space + 1) ** (a - 1.0)
+  rng = np.random.default_rng(0)
+  ref = np.zeros(space)
+  for _ in range(4000):
+    ref[rng.choice(space, N, replace=False, p=p / p.sum())] += 1 / 4000
+  np.testing.assert_allclose(ours, ref, atol=0.035)
+  assert ours[0] > 2 * ours[-1]  # short gaps are asked more often
+
+
 def test_mqar_deterministic_by_seed():
   a, b, c = (recall.mqar_batch(s, 4, 64, 4) for s in (1, 1, 2))
   for k in a:

@@ -35,19 +35,36 @@ def test_train_program_takes_a_recall_data_source(tmp_path):
     run(load_config([a if a != "256" else "128" for a in args[:-6]] + ["--out_dir", str(tmp_path / "r2")]))
 
 
-def test_recall_grid_runs_end_to_end_and_resumes(tmp_path):
+# Zoology's protocol on a toy: vocabulary 64, width 16, 16 training sequences, one learning rate; an early
+# stop below any accuracy ends every cell after its first epoch.
+ZOOLOGY_TOY = ["--grid", "zoology-cpu", "--patterns", "A,GS", "--set", "tasks=zoology:64,4,64", "--set", "batches=8",
+               "--set", "widths=16", "--set", "lrs=0.01", "--set", "train_examples=16", "--set", "test_examples=8",
+               "--set", "early_stop=-1"]
+
+
+@pytest.mark.parametrize("args, results", [(["--grid", "smoke", "--sections", "mqar,passkey"], "results.json"),
+                                           (ZOOLOGY_TOY, "zoology.json")], ids=["smoke", "zoology"])
+def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
   out = tmp_path / "grid"
-  assert recall_prog.main(["--grid", "smoke", "--sections", "mqar,passkey", "-o", str(out), "--no-progress"]) == 0
-  res = json.loads((out / "results.json").read_text())
-  assert {r["pattern"] for r in res["cells"]} == {"G", "GA", "A"}
+  assert recall_prog.main([*args, "-o", str(out), "--no-progress"]) == 0
+  res = json.loads((out / results).read_text())
   assert all(0 <= r["accuracy"] <= 1 for r in res["cells"] if "accuracy" in r)
-  assert all(set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS} or
-             set(r["passkey"]["64"]) == set(recall_prog.DEPTHS) for r in res["cells"] if "passkey" in r)
-  assert (out / "mqar_pairs.png").exists() and (out / "passkey.png").exists()
+  if results == "zoology.json":  # docs/eval/zoology.json's records, the command beside them
+    assert res["command"].startswith("python -m train.recall --grid zoology-cpu") and "CPU" in res["machine"]
+    a, gs = sorted(res["cells"], key=lambda r: r["pattern"])
+    assert (a["pattern"], a["window"], gs["pattern"], gs["window"]) == ("A", None, "GS", 16)
+    assert {r["epochs"] for r in res["cells"]} == {1} and {r["vocab"] for r in res["cells"]} == {64}
+    assert a["state_bytes_per_seq"] > gs["state_bytes_per_seq"] > 0  # A's KV cache of 64 tokens > GS's ring
+  else:
+    assert {r["pattern"] for r in res["cells"]} == {"G", "GA", "A"}
+    assert all(set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS} or
+               set(r["passkey"]["64"]) == set(recall_prog.DEPTHS) for r in res["cells"] if "passkey" in r)
+    assert (out / "mqar_pairs.png").exists() and (out / "passkey.png").exists()
   n = len(res["cells"])
-  assert recall_prog.main(["--grid", "smoke", "--sections", "mqar,passkey", "-o", str(out), "--no-progress"]) == 0
-  assert len(json.loads((out / "results.json").read_text())["cells"]) == n  # finished cells are skipped
-  assert recall_prog.main(["--grid", "quick", "-o", str(out), "--no-progress"]) == 2  # another grid's results
+  assert recall_prog.main([*args, "-o", str(out), "--no-progress"]) == 0
+  assert len(json.loads((out / results).read_text())["cells"]) == n  # finished cells are skipped
+  other = ["--grid", "quick"] if results == "results.json" else [*ZOOLOGY_TOY, "--set", "epochs=3"]
+  assert recall_prog.main([*other, "-o", str(out), "--no-progress"]) == 2  # another grid's results
 
 
 def test_passkey_with_state_passing_scored_by_distance(tmp_path):

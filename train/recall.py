@@ -122,12 +122,25 @@ def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
   return list(dict.fromkeys(dataclasses.replace(c, seed=s, state_passing=sp) for s in seeds for c in cells))
 
 
-def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
-  """Train one cell; returns (params, cfg, {final_loss, train_s, losses})."""
+def _progress_bar(progress: bool, total: int, desc: str):
+  if not progress:
+    return None
+  from tqdm import tqdm
+  return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=False)
+
+
+def _jit_step(cfg, opt):
+  """The library's train step (laplace_jax/train_step.py) for this model and optimizer, compiled once."""
+  import functools
   import jax
-  import jax.numpy as jnp
-  import optax
-  from laplace_jax import model, recall
+  from laplace_jax import train_step
+  return jax.jit(functools.partial(train_step.train_step, cfg=cfg, optimizer=opt), donate_argnums=0)
+
+
+def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
+  """Train one cell through the library's train step (each batch scored at its answer positions only);
+  returns (params, cfg, {final_loss, train_s, losses})."""
+  from laplace_jax import recall, train_step
   from laplace_jax import optimizer as optim
 
   cfg = model_config(cell.pattern, cell.width, cell.task, grid.get("window", OPTIONAL["window"]))
@@ -135,84 +148,56 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   ocfg = optim.OptimizerConfig(total_steps=cell.steps, warmup_steps=max(1, cell.steps // 20),
                                adamw_lr=adamw_lr, muon_lr=grid["muon_lr"])
   opt = optim.make_optimizer(ocfg)
-  params = model.init_params(cfg, jax.random.key(cell.seed))
-  opt_state = opt.init(params)
-
-  def loss_fn(p, inputs, targets_BxK, pos_BxK):
-    logits = model.forward(p, inputs, cfg=cfg, positions_BxK=pos_BxK)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxK).mean()
-
-  def carried_loss_fn(p, carry, inputs, targets_BxK, pos_BxK):
-    logits, carry = model.forward_carry(p, inputs, carry, cfg=cfg)
-    logits = jnp.take_along_axis(logits, pos_BxK[..., None], axis=1)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxK).mean(), carry
-
-  @jax.jit
-  def step(p, o, carry, inputs, targets_BxK, pos_BxK):
-    if carry is None:
-      loss, g = jax.value_and_grad(loss_fn)(p, inputs, targets_BxK, pos_BxK)
-    else:  # state passing: the row's state after its previous batch, returned for the next
-      (loss, carry), g = jax.value_and_grad(carried_loss_fn, has_aux=True)(p, carry, inputs, targets_BxK, pos_BxK)
-    updates, o = opt.update(g, o, p)
-    return optax.apply_updates(p, updates), o, carry, loss
-
+  # state passing: each row's recurrent state after its previous batch starts its next (train_step's carry)
+  state = train_step.init_train_state(cfg, opt, cell.seed, carry_batch=cell.batch if cell.state_passing else 0)
+  step = _jit_step(cfg, opt)
   stream = recall.RecallStream(cell.task, seq_len=cfg.max_seq_len, global_batch=cell.batch, seed=cell.seed)
-  bar = None
-  if progress:
-    from tqdm import tqdm
-    bar = tqdm(total=cell.steps, desc=f"{cell.pattern:>3} {cell.task} d{cell.width}", unit="step",
-               dynamic_ncols=True, leave=False)
+  bar = _progress_bar(progress, cell.steps, f"{cell.pattern:>3} {cell.task} d{cell.width}")
   losses, t0 = [], time.perf_counter()
-  carry = model.init_carry(cfg, cell.batch) if cell.state_passing else None
   for i in range(cell.steps):
     b = next(stream)
-    pos = recall.scored_positions(b["weights"])
-    params, opt_state, carry, loss = step(params, opt_state, carry, b["inputs"], jnp.take_along_axis(
-        jnp.asarray(b["targets"]), pos, 1), pos)
+    state, metrics = step(state, {**b, "positions": recall.scored_positions(b["weights"])})
     if i % 10 == 9 or i == cell.steps - 1:
-      losses.append((i + 1, float(loss)))
+      losses.append((i + 1, float(metrics["loss"])))
       if bar:
         bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
     if bar:
       bar.update(1)
   if bar:
     bar.close()
-  return params, cfg, {"final_loss": losses[-1][1], "train_s": time.perf_counter() - t0, "losses": losses}
+  return state["params"], cfg, {"final_loss": losses[-1][1], "train_s": time.perf_counter() - t0,
+                                "losses": losses}
 
 
-def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> float:
-  """Accuracy over the query positions of a fixed held-out set (seeds apart from training's)."""
-  import jax
-  from laplace_jax import model, recall
-  fwd = jax.jit(lambda p, x, pos: model.forward(p, x, cfg=cfg, positions_BxK=pos).argmax(-1))
+def answer_accuracy(params, cfg, batches) -> float:
+  """Share of scored positions whose greedy next token (laplace_jax.generate.greedy_next) is the answer."""
+  import numpy as np
+  from laplace_jax import generate, recall
   right = total = 0
-  for b in recall.eval_batches(task, global_batch=batch, n_batches=max(1, n_examples // batch)):
+  for b in batches:
     pos = recall.scored_positions(b["weights"])
-    pred = fwd(params, b["inputs"], pos)
-    import numpy as np
-    right += int((np.asarray(pred) == np.take_along_axis(b["targets"], pos, 1)).sum())
+    pred = generate.greedy_next(params, b["inputs"], pos, cfg=cfg)
+    right += int((pred == np.take_along_axis(b["targets"], pos, 1)).sum())
     total += pos.size
   return right / total
 
 
+def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> float:
+  """Accuracy over the query positions of a fixed held-out set (seeds apart from training's)."""
+  from laplace_jax import recall
+  return answer_accuracy(params, cfg, recall.eval_batches(task, global_batch=batch,
+                                                          n_batches=max(1, n_examples // batch)))
+
+
 def _passkey_exact(params, cfg, ctx: int, n_examples: int, **place) -> float:
   """Exact-match rate of the greedy 5-digit answer over `n_examples` prompts (one batch) placed by
-  `depth=` or `distance=`, via the explicit-state prefill (in chunks: constant memory for GLA) + decode_step."""
-  import jax
-  import jax.numpy as jnp
+  `depth=` or `distance=`, generated by laplace_jax.generate (chunked prefill: constant memory for GLA)."""
   import numpy as np
-  from laplace_jax import model, recall
-  step = jax.jit(model.decode_step, static_argnames="cfg")
+  from laplace_jax import generate, recall
   ex = [recall.passkey_example(10**6 + e, ctx, **place) for e in range(n_examples)]
   prompts, answers = np.stack([p for p, _ in ex]), np.stack([a for _, a in ex])
-  state = model.init_state(cfg, n_examples, max_len=ctx + recall.PASSKEY_DIGITS)
-  logits, state = model.prefill(params, state, prompts, cfg=cfg)
-  got = []
-  for _ in range(recall.PASSKEY_DIGITS):
-    tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    got.append(np.asarray(tok))
-    logits, state = step(params, state, tok, cfg=cfg)
-  return float((np.stack(got, 1) == answers).all(1).mean())
+  got = generate.generate_batch(params, prompts, recall.PASSKEY_DIGITS, cfg=cfg)
+  return float((got == answers).all(1).mean())
 
 
 def _eval_config(cfg):
@@ -370,14 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
   from laplace_jax.platform import PRNG_CHOICES
   ap = cli.FlagParser(prog="python -m train.recall", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="the named grid of cells (GRIDS above)")
+  from train import zoology
+  ap.add_argument("--grid", choices=sorted(GRIDS) + sorted(zoology.GRIDS), default="full",
+                  help="the named grid of cells (GRIDS above; zoology, zoology-cpu: train/zoology.py)")
   ap.add_argument("--quick", action="store_true", help="the quick grid (same as --grid quick)")
   ap.add_argument("--sections", default="mqar,state,passkey", help="comma list of mqar, state, passkey")
   ap.add_argument("--seeds", default="0", help="comma list of seeds: each cell is trained once per seed "
                   "(plots show the mean)")
-  ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of mixer patterns for the "
-                  "2-layer models (G = GLA, A = attention, S = sliding-window attention over --set window=N "
-                  "tokens; a pattern's length divides 2: G, A, S, GA, GS)")
+  ap.add_argument("--patterns", default=None, help="comma list of mixer patterns for the 2-layer models (G = "
+                  "GLA, A = attention, S = sliding-window attention over --set window=N tokens; a pattern's length "
+                  f"divides 2: G, A, S, GA, GS); default {','.join(PATTERNS)}, for the zoology grids "
+                  f"{','.join(zoology.PATTERNS)} (S over a quarter of the sequence)")
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
                   "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)")
@@ -391,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   from laplace_jax import platform
+  from train import zoology
   args = build_parser().parse_args(argv)
   grid_name = "quick" if args.quick else args.grid
   sections = [s for s in args.sections.split(",") if s]
@@ -407,11 +396,22 @@ def main(argv=None) -> int:
     print(f"error: --seeds {args.seeds!r}: expected a comma list of integers in [0, 1000) (the held-out "
           "sets use seeds from 10^9 up, so training seeds stay apart from them)", file=sys.stderr)
     return 2
-  patterns = tuple(p for p in args.patterns.split(",") if p)
+  patterns = tuple(p for p in (args.patterns or "").split(",") if p)
+  if args.patterns is not None and not patterns:
+    print(f"error: --patterns {args.patterns!r}: no pattern given; e.g. G,GA,A", file=sys.stderr)
+    return 2
+  if grid_name in zoology.GRIDS:
+    try:
+      grid = with_overrides(zoology.GRIDS[grid_name], args.sets)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    platform.use_prng(args.prng)
+    return zoology.main(grid_name, grid, patterns, seeds, Path(args.out), args.progress,
+                        sys.argv[1:] if argv is None else list(argv))
+  patterns = patterns or PATTERNS
   try:
     grid = with_overrides({**OPTIONAL, **GRIDS[grid_name]}, args.sets)
-    if not patterns:
-      raise ValueError(f"--patterns {args.patterns!r}: no pattern given; e.g. G,GA,A")
     cells = cells_of(grid, sections, seeds, patterns)
     for cell in cells:  # the model config checks each pattern, width and task, naming the value and the fix
       model_config(cell.pattern, cell.width, cell.task, grid["window"])

@@ -1,0 +1,205 @@
+"""`python -m train.recall --grid zoology`: MQAR on Zoology's own protocol (Arora et al., ICLR 2024, figure 2).
+
+Taken from HazyResearch/zoology's figure-2 configs (experiments/paper_configs/iclr24_zoology_figure2) and its
+data/multiquery_ar.py, trainer and model defaults: vocabulary 8,192, keys from the lower half and values from
+the upper, zero filler, a label only at the query positions, power-law query gaps (a = 0.01); (sequence,
+pairs) ∈ {(64, 4), (128, 8), (256, 16)}; 100,000 training and 3,000 test sequences, fixed, in the same
+batches every epoch (512 sequences, 256 at 256 tokens); two mixer layers without MLPs, attention with one
+head; AdamW on every parameter (β = 0.9, 0.999, weight decay 0.1, no clipping, no warm-up), the learning rate
+cosine-annealed to 0 over the epochs (stepped once per epoch); learning rates logspace(−4, −2, 4), the best
+reported; at most 64 epochs, stopping after the first epoch whose test accuracy exceeds 0.99. A cell's
+accuracy is that of its last epoch (Zoology's figure reads the last value logged, best over learning rates).
+
+Each cell trains through the library's train step (laplace_jax/train_step.py, scored at the query positions
+only) and is scored by laplace_jax.generate.greedy_next. Where this differs from Zoology's models (docs/EVAL.md,
+"Zoology's protocol"): our layers keep the 4-tap short conv before every mixer, attention uses RoPE instead of
+learned absolute positions, the LM head is untied, there is no dropout, and an epoch drops the last partial
+batch. `S` windows are a quarter of the sequence (window_div = 4).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import platform as host_platform
+import sys
+import time
+from pathlib import Path
+
+CELL_KEYED = ("tasks", "batches", "widths", "lrs")  # settings each cell's key records
+PATTERNS = ("A", "G", "S", "GS")  # attention, Laplace (GLA), sliding window, GLA then sliding window
+LRS = tuple(10.0 ** (-4 + 2 * i / 3) for i in range(4))  # numpy.logspace(-4, -2, 4)
+
+GRIDS = {
+    # Zoology's figure-2 protocol at its own sizes: an accelerator's job (48 cells per width, ≤ 64 epochs).
+    "zoology": dict(
+        tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(512, 512, 256),
+        widths=(64, 128, 256, 512), lrs=LRS, epochs=64, train_examples=100_000, test_examples=3_000,
+        early_stop=0.99, weight_decay=0.1, window_div=4),
+    # The same protocol cut to fit a shared 2-core CPU in about 50 minutes for 4 patterns (docs/EVAL.md): one
+    # width (64), the two largest learning rates, 8 epochs of 4,096 training sequences (batch 64: 512 steps;
+    # Zoology's 64 epochs × 195 steps of 512 are 12,480 steps, 195× the sequences), 512 test sequences.
+    "zoology-cpu": dict(
+        tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(64, 64, 64),
+        widths=(64,), lrs=LRS[2:], epochs=8, train_examples=4_096, test_examples=512,
+        early_stop=0.99, weight_decay=0.1, window_div=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZCell:
+  task: str
+  pattern: str
+  width: int
+  lr: float
+  batch: int
+  seed: int = 0
+
+  @property
+  def key(self) -> str:
+    return f"{self.task}|{self.pattern}|d{self.width}|lr{self.lr:.3g}|b{self.batch}|s{self.seed}"
+
+
+def model_config(pattern: str, width: int, task: str, window_div: int):
+  """Zoology's MQAR model in our layers: 2 mixer-only layers (no FFN), attention with one head over d_model,
+  GLA with 4 heads at the published ratios, sliding windows of seq_len / window_div."""
+  from train.recall import model_config as recall_model
+  from laplace_jax import recall
+  seq = recall.parse_task(task)[1][0]
+  if seq % window_div:
+    raise ValueError(f"window_div={window_div}: expected a divisor of the sequence length {seq}.")
+  return recall_model(pattern, width, task, window=seq // window_div).replace(ffn=False, attn_heads=1)
+
+
+def cells_of(grid: dict, patterns, seeds=(0,)) -> list[ZCell]:
+  from laplace_jax import recall
+  if len(grid["batches"]) != len(grid["tasks"]):
+    raise ValueError(f"batches {grid['batches']} and tasks {grid['tasks']}: expected one batch size per task.")
+  for t in grid["tasks"]:
+    if recall.parse_task(t)[0] != "zoology":
+      raise ValueError(f"task {t!r}: the zoology grids take zoology:SEQ,PAIRS[,VOCAB] tasks.")
+  return [ZCell(t, p, w, lr, b, s) for s in seeds for t, b in zip(grid["tasks"], grid["batches"])
+          for p in patterns for w in grid["widths"] for lr in grid["lrs"]]
+
+
+@functools.lru_cache(maxsize=2)
+def data(task: str, n_train: int, n_test: int):
+  """The fixed training and test sets of a task (Zoology draws them once, from seeds apart)."""
+  from laplace_jax import recall
+  nums = recall.parse_task(task)[1]
+  return recall.zoology_batch(0, n_train, *nums), recall.zoology_batch(10**9, n_test, *nums)
+
+
+def epoch_cosine(peak: float, epochs: int, steps_per_epoch: int):
+  """Zoology's schedule: CosineAnnealingLR(T_max=epochs, eta_min=0) stepped once per epoch."""
+  import jax.numpy as jnp
+
+  def schedule(step):
+    epoch = jnp.floor(jnp.asarray(step, jnp.float32) / steps_per_epoch)
+    return peak * 0.5 * (1 + jnp.cos(jnp.pi * epoch / epochs))
+  return schedule
+
+
+def _batches(d: dict, size: int, drop_last: bool):
+  n = d["inputs"].shape[0]
+  stop = n - n % size if drop_last else n
+  return [{k: v[i:i + size] for k, v in d.items()} for i in range(0, stop, size)]
+
+
+def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
+  from laplace_jax import recall, train_step
+  from laplace_jax.adamw import adamw
+  from laplace_jax.config import param_counts, state_bytes_per_sequence
+  from train.recall import _jit_step, _progress_bar, answer_accuracy
+  cfg = model_config(cell.pattern, cell.width, cell.task, grid["window_div"])
+  train, test = data(cell.task, grid["train_examples"], grid["test_examples"])
+  batches = _batches(train, cell.batch, drop_last=True)
+  if not batches:
+    raise ValueError(f"train_examples={grid['train_examples']} < batch {cell.batch}: no full batch to train on.")
+  for b in batches:
+    b["positions"] = recall.scored_positions(b["weights"])
+  test_batches = _batches(test, min(512, grid["test_examples"]), drop_last=False)
+  opt = adamw(epoch_cosine(cell.lr, grid["epochs"], len(batches)), b1=0.9, b2=0.999, eps=1e-8,
+              weight_decay=grid["weight_decay"])  # every parameter decayed, as torch's AdamW(model.parameters())
+  state = train_step.init_train_state(cfg, opt, cell.seed)
+  step = _jit_step(cfg, opt)
+  history, losses, t0 = [], [], time.perf_counter()
+  bar = _progress_bar(progress, grid["epochs"] * len(batches), f"{cell.pattern:>3} {cell.task} lr {cell.lr:.2g}")
+  for epoch in range(grid["epochs"]):
+    for b in batches:
+      state, metrics = step(state, b)
+      if bar:
+        bar.update(1)
+    losses.append(float(metrics["loss"]))
+    history.append(answer_accuracy(state["params"], cfg, test_batches))
+    if bar:
+      bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{history[-1]:.3f}")
+    if history[-1] > grid["early_stop"]:
+      break
+  if bar:
+    bar.close()
+  seq, pairs = recall.parse_task(cell.task)[1][:2]
+  return {"key": cell.key, "pattern": cell.pattern, "window": cfg.window if "S" in cell.pattern else None,
+          "d_model": cell.width, "seq_len": seq, "pairs": pairs, "vocab": cfg.vocab_size, "lr": cell.lr,
+          "epochs": len(history), "accuracy": history[-1],
+          "state_bytes_per_seq": state_bytes_per_sequence(cfg, context=seq), "batch": cell.batch,
+          "train_examples": len(batches) * cell.batch, "steps": len(history) * len(batches),
+          "params": param_counts(cfg)["total"], "accuracy_by_epoch": history, "loss_by_epoch": losses,
+          "train_s": time.perf_counter() - t0}
+
+
+def machine() -> str:
+  import jax
+  return (f"{os.cpu_count()}-core {host_platform.machine()} {jax.default_backend().upper()}"
+          f" ({host_platform.processor() or host_platform.system()}), jax {jax.__version__}")
+
+
+def best_per_cell(cells: list[dict]) -> list[dict]:
+  """The best learning rate's record of each (pattern, d_model, seq_len, pairs)."""
+  best: dict = {}
+  for c in cells:
+    k = (c["pattern"], c["d_model"], c["seq_len"], c["pairs"])
+    if k not in best or c["accuracy"] > best[k]["accuracy"]:
+      best[k] = c
+  return list(best.values())
+
+
+def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool, argv) -> int:
+  import jax
+  patterns = patterns or PATTERNS
+  try:
+    cells = cells_of(grid, patterns, seeds)
+    for c in cells:  # every pattern, width and task checked before the first cell trains
+      model_config(c.pattern, c.width, c.task, grid["window_div"])
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  path = out / "zoology.json"
+  command = "python -m train.recall " + " ".join(argv)
+  # A cell's key names its task, pattern, width, lr and batch; the file keeps the rest of the settings one, so
+  # several invocations (e.g. the most wanted cells first) can fill one file.
+  settings = {k: v for k, v in json.loads(json.dumps(grid)).items() if k not in CELL_KEYED}
+  saved = json.loads(path.read_text()) if path.exists() else {"command": command, "machine": machine(),
+                                                              "grid": grid_name, "settings": settings, "cells": []}
+  if saved.get("grid") != grid_name or saved.get("settings") != settings:
+    print(f"error: {path} holds the {saved.get('grid')!r} grid with settings {saved.get('settings')}, not "
+          f"{grid_name!r} with {settings}; use another --out.", file=sys.stderr)
+    return 2
+  if command not in saved["command"].split(" && "):
+    saved["command"] += " && " + command
+  out.mkdir(parents=True, exist_ok=True)
+  done = {c["key"] for c in saved["cells"]}
+  todo = [c for c in cells if c.key not in done]
+  print(f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True)
+  for cell in todo:
+    row = run_cell(cell, grid, progress)
+    saved["cells"].append(row)
+    path.write_text(json.dumps(saved, indent=1))
+    print(f"{cell.key}: accuracy {row['accuracy']:.3f} after {row['epochs']} epochs "
+          f"({row['train_s']:.0f} s)", flush=True)
+  for c in sorted(best_per_cell(saved["cells"]), key=lambda c: (c["seq_len"], c["pattern"])):
+    print(f"best  {c['pattern']:>2} d{c['d_model']} ({c['seq_len']}, {c['pairs']}): {c['accuracy']:.3f} "
+          f"at lr {c['lr']:.3g}")
+  print(f"results: {path}")
+  return 0
