@@ -28,6 +28,21 @@ def data_dir(tmp_path_factory):
   return d
 
 
+STEPS = 8  # every run below is a prefix of this one: the same LR schedule (total_steps 8) whatever --steps is
+SCHEDULE = ["--optimizer.total_steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+  """step -> loss of one uninterrupted in-process run, the reference of both program tests (one compile)."""
+  ref = tmp_path_factory.mktemp("ref")
+  run(load_config(COMMON + SCHEDULE + ["--data_dir", str(data_dir), "--out_dir", str(ref), "--steps", str(STEPS),
+                                       "--save_every", "100"]))
+  want = _losses(ref)
+  assert sorted(want) == list(range(1, STEPS + 1))
+  return want
+
+
 def _losses(out_dir):
   """step -> loss, the last row for a step winning (a resumed run rewrites the steps after its checkpoint)."""
   rows = [json.loads(l) for l in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -41,17 +56,11 @@ def _cli(*args, **popen):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
-def test_kill_then_resume_equals_uninterrupted_run(data_dir, tmp_path):
-  steps = 8
-  ref = tmp_path / "ref"
-  run(load_config(COMMON + ["--data_dir", str(data_dir), "--out_dir", str(ref), "--steps", str(steps),
-                            "--save_every", "100"]))
-  want = _losses(ref)
-  assert sorted(want) == list(range(1, steps + 1))
-
+def test_kill_then_resume_equals_uninterrupted_run(data_dir, reference, tmp_path):
+  steps, want = STEPS, reference
   out = tmp_path / "killed"
-  args = COMMON + ["--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps),
-                   "--save_every", "2", "--simulate_devices", "8"]
+  args = COMMON + SCHEDULE + ["--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps),
+                              "--save_every", "2", "--simulate_devices", "8"]
   proc = _cli(*args)
   ckpts = out / "checkpoints"
   deadline = time.time() + 300
@@ -74,21 +83,19 @@ def test_kill_then_resume_equals_uninterrupted_run(data_dir, tmp_path):
     assert got[s] == want[s], (s, got[s], want[s])  # bit-identical
 
 
-def test_two_processes_match_one_process(data_dir, tmp_path):
+def test_two_processes_match_one_process(data_dir, reference, tmp_path):
   steps = 3
-  ref = tmp_path / "one"
-  run(load_config(COMMON + ["--data_dir", str(data_dir), "--out_dir", str(ref), "--steps", str(steps)]))
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   out = tmp_path / "two"
-  procs = [_cli(*COMMON, "--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps),
+  procs = [_cli(*COMMON, *SCHEDULE, "--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps),
                 "--simulate_devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num_processes", "2",
                 "--process_id", str(i)) for i in range(2)]
   logs = [p.communicate(timeout=400)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), "\n\n".join(logs)
   assert "2 process(es)" in logs[0]
-  one, two = _losses(ref), _losses(out)
+  one, two = reference, _losses(out)
   assert sorted(two) == [1, 2, 3]
   np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=1e-6)
 
