@@ -100,7 +100,15 @@ def _write_rows(k_table, v_table, layer, pos_B, k_BxHxd, v_BxHxd):
   """Each row's key and value into slot pos mod W of ring `layer` (one [H, hd] row per sequence, in range)."""
   B, W = k_table.shape[1], k_table.shape[3]
   rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
-  write = lambda t, x: t.at[layer, rows, :, slots].set(x.astype(t.dtype), mode="promise_in_bounds")
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and not mesh.manual_axes:
+    # Rows split over devices: a scatter batched over the rows stays per device (the explicit row index
+    # all-gathers every row's indices and updates), as in short_conv.conv_decode.
+    row = lambda t_LxHxWxd, x_Hxd, s: t_LxHxWxd.at[layer, :, s].set(x_Hxd.astype(t_LxHxWxd.dtype),
+                                                                    mode="promise_in_bounds")
+    write = lambda t, x: jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(t, x, slots)
+  else:
+    write = lambda t, x: t.at[layer, rows, :, slots].set(x.astype(t.dtype), mode="promise_in_bounds")
   return write(k_table, k_BxHxd), write(v_table, v_BxHxd)
 
 

@@ -129,11 +129,13 @@ def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
   assert passes == 3, [(o.name, o.read_bytes, o.written_bytes) for o in per_layer if o.read_bytes >= layer_state / 2]
 
 
-def test_decode_with_slots_split_over_devices_needs_no_collective():
+@pytest.mark.parametrize("mixers", ["G", "GS"])
+def test_decode_with_slots_split_over_devices_needs_no_collective(mixers):
   # The serving engine splits the slots over its devices; nothing in a slot's step may read another slot
-  # (the write is ordered after the readout per row: ordering on one element made one all-reduce per layer).
+  # (the write is ordered after the readout per row: ordering on one element made one all-reduce per layer;
+  # the conv and window rings' one-row writes with an explicit row index all-gathered indices and updates).
   from laplace_jax import hlo_traffic, sharding
-  cfg = get_config("tiny")
+  cfg = get_config("tiny", mixers=mixers, window=16)
   mesh = sharding.make_mesh(data=1, fsdp=8)
   with_sharding = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                                 tree, sh)
