@@ -55,6 +55,13 @@ def make_mesh(data: int = 1, fsdp: int | None = None, devices: Sequence[Any] | N
 
 # ---- parameters and optimizer state -------------------------------------------------------------
 
+def traced_under_auto_mesh() -> bool:
+  """True while tracing under a mesh (`jax.set_mesh`) outside any shard_map: arrays may then be split over
+  devices by the partitioner, so per-row writes must be expressed as scatters batched over the rows."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and not mesh.manual_axes
+
+
 def path_names(path) -> tuple[str, ...]:
   """A jax key path as plain strings: (DictKey('layers'), DictKey('w1')) -> ('layers', 'w1')."""
   out = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from laplace_jax import sharding
 from laplace_jax.window_attention import slot_positions
 
 F32 = jnp.float32
@@ -51,8 +52,7 @@ def conv_decode(h_Bx1xD, kernel_WxD, bias_D, table, layer, pos_B):
   # Written first and read back after, so nothing reads the old ring once it is overwritten (a reader of
   # the old rows unordered with the in-place write makes XLA copy the table).
   h_BxD, slot_B = h_Bx1xD[:, 0].astype(table.dtype), jnp.mod(pos_B, W)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and not mesh.manual_axes:
+  if sharding.traced_under_auto_mesh():
     # Rows split over devices: vmapped over the rows (a scatter whose batching dimension is the rows), so the
     # partitioner writes each device's rows locally; the explicit arange(B) row index below made it all-gather
     # every row's indices. Unsharded, that form is kept: XLA:CPU transposes the table for the batched one.

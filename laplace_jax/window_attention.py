@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from laplace_jax import platform
+from laplace_jax import platform, sharding
 from laplace_jax.attention import _attend
 
 F32 = jnp.float32
@@ -100,8 +100,7 @@ def _write_rows(k_table, v_table, layer, pos_B, k_BxHxd, v_BxHxd):
   """Each row's key and value into slot pos mod W of ring `layer` (one [H, hd] row per sequence, in range)."""
   B, W = k_table.shape[1], k_table.shape[3]
   rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and not mesh.manual_axes:
+  if sharding.traced_under_auto_mesh():
     # Rows split over devices: a scatter batched over the rows stays per device (the explicit row index
     # all-gathers every row's indices and updates), as in short_conv.conv_decode.
     row = lambda t_LxHxWxd, x_Hxd, s: t_LxHxWxd.at[layer, :, s].set(x_Hxd.astype(t_LxHxWxd.dtype),
