@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import attention, fsdp, gla, gla_decode, platform, short_conv, window_attention
-from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, layers_scanned, log_decays
+from laplace_jax.config import MIXERS, LaplaceConfig, gla_form_for_backend, layers_scanned, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
 F32 = jnp.float32
@@ -130,6 +130,65 @@ def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, wind
   return mm(o.reshape(B, T, H * hd), w["w_o"]), new_cache
 
 
+# ---- parameter declarations: {name: (initializer, unstacked shape)}, the one table of shapes ------------
+
+def _initializers(cfg: LaplaceConfig):
+  return (nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers)),
+          nn.initializers.ones, nn.initializers.zeros)
+
+
+def _norm_param_specs(cfg: LaplaceConfig) -> dict:
+  _, _, ones, _ = _initializers(cfg)
+  return {"ln1_scale": (ones, (cfg.d_model,)), **({"ln2_scale": (ones, (cfg.d_model,))} if cfg.ffn else {})}
+
+
+def _conv_param_specs(cfg: LaplaceConfig) -> dict:
+  D, W = cfg.d_model, cfg.conv_size
+  return {"conv_kernel": (_uniform(1 / np.sqrt(W)), (W, D)), "conv_bias": (nn.initializers.zeros, (D,))}
+
+
+def _mixer_param_specs(cfg: LaplaceConfig, mixer: str) -> dict:
+  normal, out_init, ones, zeros = _initializers(cfg)
+  D = cfg.d_model
+  if mixer == "G":
+    return {"w_qkvg": (normal, (D, cfg.qkvg_width)), "aug_balance": (zeros, (cfg.n_heads, cfg.d_k)),
+            "head_norm_scale": (ones, (cfg.n_decay_tiers, cfg.d_v)), "w_out": (out_init, (cfg.v_width, D))}
+  if mixer in ("A", "S"):  # full and windowed attention: the same weights
+    return {"w_qkv": (normal, (D, 3 * cfg.attn_width)), "w_o": (out_init, (cfg.attn_width, D))}
+  raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
+
+
+def _ffn_param_specs(cfg: LaplaceConfig) -> dict:
+  if not cfg.ffn:
+    return {}
+  normal, out_init, _, _ = _initializers(cfg)
+  D = cfg.d_model
+  return {"w1": (normal, (D, cfg.d_ff)), "w2": (normal, (D, cfg.d_ff)), "w3": (out_init, (cfg.d_ff, D))}
+
+
+def layer_param_specs(cfg: LaplaceConfig, mixer: str = "G") -> dict:
+  """One layer's parameters in creation order (which the init RNG's split follows: norms, conv, mixer, FFN):
+  {name: (initializer, unstacked shape)}. Block makes exactly these; config.layer_shapes reads them."""
+  return {**_norm_param_specs(cfg), **_conv_param_specs(cfg), **_mixer_param_specs(cfg, mixer),
+          **_ffn_param_specs(cfg)}
+
+
+def layer_param_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
+  """One layer's parameter shapes (unstacked), keyed by leaf name: config.layer_shapes."""
+  return {name: shape for name, (_, shape) in layer_param_specs(cfg, mixer).items()}
+
+
+def model_param_specs(cfg: LaplaceConfig) -> dict:
+  """LaplaceLM's own parameters around the layers: {name: (initializer, shape)}."""
+  normal, _, ones, _ = _initializers(cfg)
+  D, V = cfg.d_model, cfg.vocab_size
+  return {"embed": (normal, (V, D)), "final_norm_scale": (ones, (D,)), "lm_head": (normal, (D, V))}
+
+
+def model_param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
+  return {name: shape for name, (_, shape) in model_param_specs(cfg).items()}
+
+
 class Block(nn.Module):
   """One decoder layer whose mixer is GLA ('G'), attention ('A') or windowed attention ('S'), at position
   `slot` of the pattern.
@@ -148,26 +207,12 @@ class Block(nn.Module):
     pattern = cfg.mixers
     layer_idx = group_idx * len(pattern) + self.slot                     # index into state["conv"]
     mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)
-    D, H, K, V, W = cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.conv_size
-    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
-    normal = nn.initializers.normal(cfg.init_std)
-    out_init = nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers))
-    ones, zeros = nn.initializers.ones, nn.initializers.zeros
-    p = lambda name, init, shape: self.param(name, init, shape, pdt)
-    ln1 = p("ln1_scale", ones, (D,))
-    ln2 = p("ln2_scale", ones, (D,)) if cfg.ffn else None  # parameters made in a fixed order (the init RNG's)
-    conv_k = p("conv_kernel", _uniform(1 / np.sqrt(W)), (W, D))
-    conv_b = p("conv_bias", zeros, (D,))
-    if self.mixer == "G":
-      mix_w = {"w_qkvg": p("w_qkvg", normal, (D, cfg.qkvg_width)), "aug_balance": p("aug_balance", zeros, (H, K)),
-               "head_norm_scale": p("head_norm_scale", ones, (cfg.n_decay_tiers, V)),
-               "w_out": p("w_out", out_init, (cfg.v_width, D))}
-    else:
-      aw = cfg.attn_width
-      mix_w = {"w_qkv": p("w_qkv", normal, (D, 3 * aw)), "w_o": p("w_o", out_init, (aw, D))}
-    if cfg.ffn:
-      w1, w2 = p("w1", normal, (D, cfg.d_ff)), p("w2", normal, (D, cfg.d_ff))
-      w3 = p("w3", out_init, (cfg.d_ff, D))
+    cdt = jnp.dtype(cfg.compute_dtype)
+    # Parameters made in the declared order (the init RNG's): norms, conv, mixer, FFN.
+    w = {name: self.param(name, init, shape, jnp.dtype(cfg.param_dtype))
+         for name, (init, shape) in layer_param_specs(cfg, self.mixer).items()}
+    ln1, ln2, conv_k, conv_b = w["ln1_scale"], w.get("ln2_scale"), w["conv_kernel"], w["conv_bias"]
+    mix_w = {name: w[name] for name in _mixer_param_specs(cfg, self.mixer)}
     B, T, _ = x_BxTxD.shape
     mm = lambda a, w: _batch_sharded(jnp.dot(a.astype(cdt), w.astype(cdt)))
 
@@ -206,7 +251,7 @@ class Block(nn.Module):
 
     if cfg.ffn:  # else a mixer-only layer (cfg.ffn false)
       h2 = _layer_norm(x, ln2, cfg.norm_eps)
-      x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
+      x = _batch_sharded(x + mm(nn.silu(mm(h2, w["w1"])) * mm(h2, w["w2"]), w["w3"]).astype(x.dtype))
 
     return (x, state), None
 
@@ -218,7 +263,7 @@ def _layer(cfg: LaplaceConfig, initializing: bool, scanned: bool = True):
   loop the recomputation cannot be merged with the forward (prevent_cse=False is safe and cheaper); unrolled,
   straight-line code could be, so the barrier stays."""
   cdt = jnp.dtype(cfg.compute_dtype)
-  full = {n: s for letter in set(cfg.mixers) for n, s in layer_shapes(cfg, letter).items()}
+  full = {n: s for letter in set(cfg.mixers) for n, s in layer_param_shapes(cfg, letter).items()}
   block = nn.map_variables(Block, "params", lambda v: {c: fsdp.gather_tree(t, full, cdt) for c, t in v.items()},
                            init=initializing)
   return nn.remat(block, prevent_cse=not scanned) if cfg.remat else block
@@ -247,7 +292,8 @@ class LaplaceLM(nn.Module):
   def __call__(self, tokens_BxT, state=None, mask_BxT=None, last_only=False, positions_BxK=None):
     cfg = self.cfg
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
-    embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
+    top = model_param_specs(cfg)
+    embed = self.param("embed", *top["embed"], pdt)
     x = _batch_sharded(embed[tokens_BxT].astype(cdt))
     scan = layers_scanned(cfg, platform.backend())
     if len(cfg.mixers) == 1:
@@ -267,14 +313,13 @@ class LaplaceLM(nn.Module):
       new_state = {**new_state, "pos": new_state["pos"] + n_B.astype(jnp.int32)}
       if "k" in new_state:  # full attention: the cache dropped some of this row's keys
         over_B = new_state["pos"] > new_state["k"].shape[2]
-    x = _layer_norm(x, self.param("final_norm_scale", nn.initializers.ones, (cfg.d_model,), pdt),
-                    cfg.norm_eps)
+    x = _layer_norm(x, self.param("final_norm_scale", *top["final_norm_scale"], pdt), cfg.norm_eps)
     if last_only:  # logits of each row's last real token only: [B, D]
       last_B = (jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)) - 1
       x = jnp.take_along_axis(x, jnp.maximum(last_B, 0)[:, None, None], axis=1)[:, 0]
     elif positions_BxK is not None:  # logits at chosen positions only: [B, K, V] (the LM head's cost / T·K)
       x = jnp.take_along_axis(x, positions_BxK[..., None], axis=1)
-    head = self.param("lm_head", nn.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), pdt)
+    head = self.param("lm_head", *top["lm_head"], pdt)
     logits = _batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
     if over_B is not None:
       logits = jnp.where(over_B.reshape(-1, *[1] * (logits.ndim - 1)), jnp.nan, logits)
