@@ -241,24 +241,17 @@ ATTENTION_MUON_NAMES = ("w_qkv", "w_o")                    # an attention layer'
 
 def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
   """One layer's parameter shapes (unstacked) for mixer 'G' (GLA), 'A' or 'S' (attention, full or windowed: the
-  same weights), keyed by leaf name."""
-  D, H = cfg.d_model, cfg.n_heads
-  if mixer == "G":
-    mix = {"w_qkvg": (D, cfg.qkvg_width), "aug_balance": (H, cfg.d_k),
-           "head_norm_scale": (cfg.n_decay_tiers, cfg.d_v), "w_out": (cfg.v_width, D)}
-  elif mixer in ("A", "S"):
-    mix = {"w_qkv": (D, 3 * cfg.attn_width), "w_o": (cfg.attn_width, D)}
-  else:
-    raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
-  ffn = {"ln2_scale": (D,), "w1": (D, cfg.d_ff), "w2": (D, cfg.d_ff), "w3": (cfg.d_ff, D)} if cfg.ffn else {}
-  return {"ln1_scale": (D,), "conv_kernel": (cfg.conv_size, D), "conv_bias": (D,), **mix, **ffn}
+  same weights), keyed by leaf name: read from the parameters the layer declares and makes
+  (laplace_jax.model.layer_param_specs), not written here a second time."""
+  from laplace_jax import model  # imported here: model imports this module
+  return model.layer_param_shapes(cfg, mixer)
 
 
-def param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
-  """The GLA layer's parameter shapes (unstacked) plus the model-level ones, keyed by leaf name."""
-  D = cfg.d_model
-  model = {"embed": (cfg.vocab_size, D), "final_norm_scale": (D,), "lm_head": (D, cfg.vocab_size)}
-  return {"layer": layer_shapes(cfg, "G"), "model": model}
+def param_shapes(cfg: LaplaceConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+  """The GLA layer's parameter shapes (unstacked) plus the model-level ones, keyed by leaf name, from the
+  model's declarations (laplace_jax.model.layer_param_specs, model_param_specs)."""
+  from laplace_jax import model
+  return {"layer": layer_shapes(cfg, "G"), "model": model.model_param_shapes(cfg)}
 
 
 def param_counts(cfg: LaplaceConfig) -> dict[str, int]:

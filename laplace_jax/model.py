@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import attention, fsdp, gla, gla_decode, platform, short_conv, window_attention
-from laplace_jax.config import LaplaceConfig, gla_form_for_backend, layer_shapes, layers_scanned, log_decays
+from laplace_jax.config import MIXERS, LaplaceConfig, gla_form_for_backend, layers_scanned, log_decays
 from laplace_jax.sharding import BATCH_AXES
 
 F32 = jnp.float32
@@ -100,9 +100,9 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
 
 def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, windowed: bool = False):
   """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o, over every earlier position or, if
-  `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_cache, v_cache, pos_B):
-  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd] and this
-  layer's index (k_rings, v_rings, idx, pos_B). Returns (output [B, T, D], the updated pair or None)."""
+  `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_tables, v_tables, idx,
+  pos_B): every A layer's KV caches [L_A, B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd],
+  and this layer's index. Returns (output [B, T, D], the updated pair of tables or None)."""
   B, T, _ = u_BxTxD.shape
   H, hd = cfg.attn_n_heads, cfg.attn_head_dim
   cdt = jnp.dtype(cfg.compute_dtype)
@@ -116,19 +116,77 @@ def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, wind
     whole = attention.causal_attention if not windowed else (
         lambda q, k, v: window_attention.window_attention(q, k, v, cfg.window))
     o, new_cache = whole(q, k, v), None
-  elif windowed:
-    k_rings, v_rings, idx = cache[:3]
-    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the rings in place
-      o, k_rings, v_rings = window_attention.ring_decode_attention(q, k, v, k_rings, v_rings, idx, pos_B)
-    else:
-      o, k_ring, v_ring = window_attention.ring_chunk_attention(q, k, v, k_rings[idx], v_rings[idx], pos_B, n_B)
-      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
-      k_rings, v_rings = put(k_rings, k_ring), put(v_rings, v_ring)
-    new_cache = (k_rings, v_rings)
   else:
-    o, k_cache, v_cache = attention.cached_attention(q, k, v, cache[0], cache[1], pos_B, n_B)
-    new_cache = (k_cache, v_cache)
+    k_tables, v_tables, idx = cache[:3]
+    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the tables in place
+      decode = window_attention.ring_decode_attention if windowed else attention.cache_decode_attention
+      o, k_tables, v_tables = decode(q, k, v, k_tables, v_tables, idx, pos_B)
+    else:
+      chunk = window_attention.ring_chunk_attention if windowed else attention.cached_attention
+      o, k_one, v_one = chunk(q, k, v, k_tables[idx], v_tables[idx], pos_B, n_B)
+      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
+      k_tables, v_tables = put(k_tables, k_one), put(v_tables, v_one)
+    new_cache = (k_tables, v_tables)
   return mm(o.reshape(B, T, H * hd), w["w_o"]), new_cache
+
+
+# ---- parameter declarations: {name: (initializer, unstacked shape)}, the one table of shapes ------------
+
+def _initializers(cfg: LaplaceConfig):
+  return (nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers)),
+          nn.initializers.ones, nn.initializers.zeros)
+
+
+def _norm_param_specs(cfg: LaplaceConfig) -> dict:
+  _, _, ones, _ = _initializers(cfg)
+  return {"ln1_scale": (ones, (cfg.d_model,)), **({"ln2_scale": (ones, (cfg.d_model,))} if cfg.ffn else {})}
+
+
+def _conv_param_specs(cfg: LaplaceConfig) -> dict:
+  D, W = cfg.d_model, cfg.conv_size
+  return {"conv_kernel": (_uniform(1 / np.sqrt(W)), (W, D)), "conv_bias": (nn.initializers.zeros, (D,))}
+
+
+def _mixer_param_specs(cfg: LaplaceConfig, mixer: str) -> dict:
+  normal, out_init, ones, zeros = _initializers(cfg)
+  D = cfg.d_model
+  if mixer == "G":
+    return {"w_qkvg": (normal, (D, cfg.qkvg_width)), "aug_balance": (zeros, (cfg.n_heads, cfg.d_k)),
+            "head_norm_scale": (ones, (cfg.n_decay_tiers, cfg.d_v)), "w_out": (out_init, (cfg.v_width, D))}
+  if mixer in ("A", "S"):  # full and windowed attention: the same weights
+    return {"w_qkv": (normal, (D, 3 * cfg.attn_width)), "w_o": (out_init, (cfg.attn_width, D))}
+  raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
+
+
+def _ffn_param_specs(cfg: LaplaceConfig) -> dict:
+  if not cfg.ffn:
+    return {}
+  normal, out_init, _, _ = _initializers(cfg)
+  D = cfg.d_model
+  return {"w1": (normal, (D, cfg.d_ff)), "w2": (normal, (D, cfg.d_ff)), "w3": (out_init, (cfg.d_ff, D))}
+
+
+def layer_param_specs(cfg: LaplaceConfig, mixer: str = "G") -> dict:
+  """One layer's parameters in creation order (which the init RNG's split follows: norms, conv, mixer, FFN):
+  {name: (initializer, unstacked shape)}. Block makes exactly these; config.layer_shapes reads them."""
+  return {**_norm_param_specs(cfg), **_conv_param_specs(cfg), **_mixer_param_specs(cfg, mixer),
+          **_ffn_param_specs(cfg)}
+
+
+def layer_param_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
+  """One layer's parameter shapes (unstacked), keyed by leaf name: config.layer_shapes."""
+  return {name: shape for name, (_, shape) in layer_param_specs(cfg, mixer).items()}
+
+
+def model_param_specs(cfg: LaplaceConfig) -> dict:
+  """LaplaceLM's own parameters around the layers: {name: (initializer, shape)}."""
+  normal, _, ones, _ = _initializers(cfg)
+  D, V = cfg.d_model, cfg.vocab_size
+  return {"embed": (normal, (V, D)), "final_norm_scale": (ones, (D,)), "lm_head": (normal, (D, V))}
+
+
+def model_param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
+  return {name: shape for name, (_, shape) in model_param_specs(cfg).items()}
 
 
 class Block(nn.Module):
@@ -149,26 +207,12 @@ class Block(nn.Module):
     pattern = cfg.mixers
     layer_idx = group_idx * len(pattern) + self.slot                     # index into state["conv"]
     mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)
-    D, H, K, V, W = cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v, cfg.conv_size
-    pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
-    normal = nn.initializers.normal(cfg.init_std)
-    out_init = nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers))
-    ones, zeros = nn.initializers.ones, nn.initializers.zeros
-    p = lambda name, init, shape: self.param(name, init, shape, pdt)
-    ln1 = p("ln1_scale", ones, (D,))
-    ln2 = p("ln2_scale", ones, (D,)) if cfg.ffn else None  # parameters made in a fixed order (the init RNG's)
-    conv_k = p("conv_kernel", _uniform(1 / np.sqrt(W)), (W, D))
-    conv_b = p("conv_bias", zeros, (D,))
-    if self.mixer == "G":
-      mix_w = {"w_qkvg": p("w_qkvg", normal, (D, cfg.qkvg_width)), "aug_balance": p("aug_balance", zeros, (H, K)),
-               "head_norm_scale": p("head_norm_scale", ones, (cfg.n_decay_tiers, V)),
-               "w_out": p("w_out", out_init, (cfg.v_width, D))}
-    else:
-      aw = cfg.attn_width
-      mix_w = {"w_qkv": p("w_qkv", normal, (D, 3 * aw)), "w_o": p("w_o", out_init, (aw, D))}
-    if cfg.ffn:
-      w1, w2 = p("w1", normal, (D, cfg.d_ff)), p("w2", normal, (D, cfg.d_ff))
-      w3 = p("w3", out_init, (cfg.d_ff, D))
+    cdt = jnp.dtype(cfg.compute_dtype)
+    # Parameters made in the declared order (the init RNG's): norms, conv, mixer, FFN.
+    w = {name: self.param(name, init, shape, jnp.dtype(cfg.param_dtype))
+         for name, (init, shape) in layer_param_specs(cfg, self.mixer).items()}
+    ln1, ln2, conv_k, conv_b = w["ln1_scale"], w.get("ln2_scale"), w["conv_kernel"], w["conv_bias"]
+    mix_w = {name: w[name] for name in _mixer_param_specs(cfg, self.mixer)}
     B, T, _ = x_BxTxD.shape
     mm = lambda a, w: _batch_sharded(jnp.dot(a.astype(cdt), w.astype(cdt)))
 
@@ -199,17 +243,15 @@ class Block(nn.Module):
         state = dict(state, ring_k=kv[0], ring_v=kv[1])
     else:
       # A training carry (init_carry) has no KV cache: attention layers then start every segment afresh.
-      cache = None if state is None or "k" not in state else (state["k"][mix_idx], state["v"][mix_idx],
-                                                               state["pos"])
+      cache = None if state is None or "k" not in state else (state["k"], state["v"], mix_idx, state["pos"])
       mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
       if kv is not None:
-        put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), mix_idx, 0)
-        state = dict(state, k=put(state["k"], kv[0]), v=put(state["v"], kv[1]))
+        state = dict(state, k=kv[0], v=kv[1])
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
 
     if cfg.ffn:  # else a mixer-only layer (cfg.ffn false)
       h2 = _layer_norm(x, ln2, cfg.norm_eps)
-      x = _batch_sharded(x + mm(nn.silu(mm(h2, w1)) * mm(h2, w2), w3).astype(x.dtype))
+      x = _batch_sharded(x + mm(nn.silu(mm(h2, w["w1"])) * mm(h2, w["w2"]), w["w3"]).astype(x.dtype))
 
     return (x, state), None
 
@@ -221,7 +263,7 @@ def _layer(cfg: LaplaceConfig, initializing: bool, scanned: bool = True):
   loop the recomputation cannot be merged with the forward (prevent_cse=False is safe and cheaper); unrolled,
   straight-line code could be, so the barrier stays."""
   cdt = jnp.dtype(cfg.compute_dtype)
-  full = {n: s for letter in set(cfg.mixers) for n, s in layer_shapes(cfg, letter).items()}
+  full = {n: s for letter in set(cfg.mixers) for n, s in layer_param_shapes(cfg, letter).items()}
   block = nn.map_variables(Block, "params", lambda v: {c: fsdp.gather_tree(t, full, cdt) for c, t in v.items()},
                            init=initializing)
   return nn.remat(block, prevent_cse=not scanned) if cfg.remat else block
@@ -250,7 +292,8 @@ class LaplaceLM(nn.Module):
   def __call__(self, tokens_BxT, state=None, mask_BxT=None, last_only=False, positions_BxK=None):
     cfg = self.cfg
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
-    embed = self.param("embed", nn.initializers.normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), pdt)
+    top = model_param_specs(cfg)
+    embed = self.param("embed", *top["embed"], pdt)
     x = _batch_sharded(embed[tokens_BxT].astype(cdt))
     scan = layers_scanned(cfg, platform.backend())
     if len(cfg.mixers) == 1:
@@ -270,14 +313,13 @@ class LaplaceLM(nn.Module):
       new_state = {**new_state, "pos": new_state["pos"] + n_B.astype(jnp.int32)}
       if "k" in new_state:  # full attention: the cache dropped some of this row's keys
         over_B = new_state["pos"] > new_state["k"].shape[2]
-    x = _layer_norm(x, self.param("final_norm_scale", nn.initializers.ones, (cfg.d_model,), pdt),
-                    cfg.norm_eps)
+    x = _layer_norm(x, self.param("final_norm_scale", *top["final_norm_scale"], pdt), cfg.norm_eps)
     if last_only:  # logits of each row's last real token only: [B, D]
       last_B = (jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)) - 1
       x = jnp.take_along_axis(x, jnp.maximum(last_B, 0)[:, None, None], axis=1)[:, 0]
     elif positions_BxK is not None:  # logits at chosen positions only: [B, K, V] (the LM head's cost / T·K)
       x = jnp.take_along_axis(x, positions_BxK[..., None], axis=1)
-    head = self.param("lm_head", nn.initializers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), pdt)
+    head = self.param("lm_head", *top["lm_head"], pdt)
     logits = _batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
     if over_B is not None:
       logits = jnp.where(over_B.reshape(-1, *[1] * (logits.ndim - 1)), jnp.nan, logits)

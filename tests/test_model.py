@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from laplace_jax import model
-from laplace_jax.config import (LaplaceConfig, get_config, gla_form_for_backend, param_counts, param_shapes,
-                                state_bytes_per_sequence)
+from laplace_jax.config import (LaplaceConfig, get_config, gla_form_for_backend, layer_shapes, param_counts,
+                                param_shapes, state_bytes_per_sequence)
 
 CFG = get_config("tiny")
 
@@ -36,6 +36,27 @@ def test_param_tree_matches_declared_shapes_and_counts(params):
     assert params[name].shape == shape, name
   assert sum(x.size for x in jax.tree.leaves(params)) == param_counts(CFG)["total"]
   assert float(jnp.abs(params["layers"]["aug_balance"]).max()) == 0.0
+
+
+@pytest.mark.parametrize("ffn", [True, False])
+def test_shape_table_is_init_params_leaves_for_every_mixer(ffn):
+  """config.layer_shapes / param_shapes / param_counts (derived from the blocks' own declarations) against the
+  leaves init_params makes, for each mixer letter in a hybrid and alone, with and without the FFN."""
+  cfg = CFG.replace(n_layers=3, mixers="GAS", window=8, ffn=ffn)
+  leaves = lambda c: jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
+  params = leaves(cfg)
+  for i, letter in enumerate(cfg.mixers):
+    stacked = {n: x.shape for n, x in params["layers"][f"block{i}"].items()}
+    assert layer_shapes(cfg, letter) == {n: s[1:] for n, s in stacked.items()}, letter
+    assert {s[0] for s in stacked.values()} == {cfg.n_groups}
+    alone = leaves(cfg.replace(mixers=letter))["layers"]
+    assert layer_shapes(cfg, letter) == {n: x.shape[1:] for n, x in alone.items()}, letter
+    assert ({"ln2_scale", "w1", "w2", "w3"} <= set(layer_shapes(cfg, letter))) == ffn
+  assert param_shapes(cfg)["model"] == {n: x.shape for n, x in params.items() if n != "layers"}
+  assert param_shapes(cfg)["layer"] == layer_shapes(cfg, "G")
+  assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(params))
+  with pytest.raises(ValueError, match="mixer 'X'"):
+    layer_shapes(cfg, "X")
 
 
 def test_small_preset_size():
