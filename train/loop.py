@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ def log0(*a):
     print(*a, flush=True)
 
 
+@functools.cache  # measured once per process (seven 2048³ matmuls: seconds on a CPU, for every run in a test)
 def host_matmul_peak_flops() -> float:
   """Measured fp32 matmul FLOP/s of this process's devices: the denominator of the MFU we report."""
   per_device = timing.matmul_peak_flops()
