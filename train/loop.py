@@ -203,7 +203,9 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   it = make_train_data(tc, seq_len, cfg.vocab_size)
   metrics_path = out / "metrics.jsonl"
   if latest is not None:
-    restored = ckpt.restore(abstract_state=abstract)  # the config was compared in _open_run
+    restored, note = resume.restore_train_state(ckpt, abstract)  # the config was compared in _open_run
+    if note:
+      log0(note)
     state, start = restored.train_state, restored.step
     if restored.data_state is not None:
       it.set_state(restored.data_state)
