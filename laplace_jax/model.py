@@ -100,9 +100,9 @@ def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
 
 def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, windowed: bool = False):
   """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o, over every earlier position or, if
-  `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_cache, v_cache, pos_B):
-  this layer's KV cache [B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd] and this
-  layer's index (k_rings, v_rings, idx, pos_B). Returns (output [B, T, D], the updated pair or None)."""
+  `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_tables, v_tables, idx,
+  pos_B): every A layer's KV caches [L_A, B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd],
+  and this layer's index. Returns (output [B, T, D], the updated pair of tables or None)."""
   B, T, _ = u_BxTxD.shape
   H, hd = cfg.attn_n_heads, cfg.attn_head_dim
   cdt = jnp.dtype(cfg.compute_dtype)
@@ -116,18 +116,17 @@ def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, wind
     whole = attention.causal_attention if not windowed else (
         lambda q, k, v: window_attention.window_attention(q, k, v, cfg.window))
     o, new_cache = whole(q, k, v), None
-  elif windowed:
-    k_rings, v_rings, idx = cache[:3]
-    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the rings in place
-      o, k_rings, v_rings = window_attention.ring_decode_attention(q, k, v, k_rings, v_rings, idx, pos_B)
-    else:
-      o, k_ring, v_ring = window_attention.ring_chunk_attention(q, k, v, k_rings[idx], v_rings[idx], pos_B, n_B)
-      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
-      k_rings, v_rings = put(k_rings, k_ring), put(v_rings, v_ring)
-    new_cache = (k_rings, v_rings)
   else:
-    o, k_cache, v_cache = attention.cached_attention(q, k, v, cache[0], cache[1], pos_B, n_B)
-    new_cache = (k_cache, v_cache)
+    k_tables, v_tables, idx = cache[:3]
+    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the tables in place
+      decode = window_attention.ring_decode_attention if windowed else attention.cache_decode_attention
+      o, k_tables, v_tables = decode(q, k, v, k_tables, v_tables, idx, pos_B)
+    else:
+      chunk = window_attention.ring_chunk_attention if windowed else attention.cached_attention
+      o, k_one, v_one = chunk(q, k, v, k_tables[idx], v_tables[idx], pos_B, n_B)
+      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
+      k_tables, v_tables = put(k_tables, k_one), put(v_tables, v_one)
+    new_cache = (k_tables, v_tables)
   return mm(o.reshape(B, T, H * hd), w["w_o"]), new_cache
 
 
@@ -244,12 +243,10 @@ class Block(nn.Module):
         state = dict(state, ring_k=kv[0], ring_v=kv[1])
     else:
       # A training carry (init_carry) has no KV cache: attention layers then start every segment afresh.
-      cache = None if state is None or "k" not in state else (state["k"][mix_idx], state["v"][mix_idx],
-                                                               state["pos"])
+      cache = None if state is None or "k" not in state else (state["k"], state["v"], mix_idx, state["pos"])
       mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
       if kv is not None:
-        put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), mix_idx, 0)
-        state = dict(state, k=put(state["k"], kv[0]), v=put(state["v"], kv[1]))
+        state = dict(state, k=kv[0], v=kv[1])
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
 
     if cfg.ffn:  # else a mixer-only layer (cfg.ffn false)
