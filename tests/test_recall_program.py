@@ -67,6 +67,18 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
   assert recall_prog.main([*other, "-o", str(out), "--no-progress"]) == 2  # another grid's results
 
 
+def test_zoology_cosine_per_epoch_as_zoology_or_per_step(tmp_path, capsys):
+  from train import zoology
+  per_epoch = zoology.cosine(1.0, 4, 10, "epoch")  # torch's CosineAnnealingLR(T_max=4) stepped every 10 steps
+  assert [float(per_epoch(s)) for s in (0, 9, 10, 19, 20, 30, 39)] == pytest.approx(
+      [1, 1, 0.8535534, 0.8535534, 0.5, 0.1464466, 0.1464466])
+  per_step = zoology.cosine(1.0, 1, 100, "step")  # one epoch: per epoch it would hold the peak throughout
+  assert [float(per_step(s)) for s in (0, 50, 99)] == pytest.approx([1, 0.5, 0.000247], abs=1e-6)
+  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "anneal=sometimes", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert "anneal='sometimes': expected one of ('epoch', 'step')" in capsys.readouterr().err
+  assert not (tmp_path / "z").exists()
+
+
 def test_passkey_with_state_passing_scored_by_distance(tmp_path):
   out = tmp_path / "sp"
   assert recall_prog.main(["--grid", "smoke", "--sections", "passkey", "--patterns", "G", "--set",
