@@ -6,8 +6,8 @@
 
 The bare compiled step, as the server runs it: `model.decode_step` jitted with the state donated, weights
 in the compute dtype, one token per slot per call. A case is a pattern with, for S layers, its window
-(`GGGS:64`), and optionally `@matmuls`: the window layers' decode in the matmul form (Neuron's, and every
-backend's before the in-place form; `GGGS:2048@matmuls`), for a before/after in one run. Every state is made "full" before timing: GLA matrices, conv windows and every ring slot hold
+(`GGGS:64`), and optionally `@matmuls`: the window and attention layers' decode in the matmul form (Neuron's;
+the window layers' on every backend before their in-place form; `GGGS:2048@matmuls`, `GGGA@matmuls`). Every state is made "full" before timing: GLA matrices, conv windows and every ring slot hold
 random values and `pos` is the context, so a window layer attends over all W slots; an attention (A) layer's
 KV cache is sized for the context plus the timed steps, and random too.
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import model, window_attention
+from laplace_jax import attention, model, window_attention
 from laplace_jax.config import get_config
 
 
@@ -75,23 +75,25 @@ def full_state(cfg, slots: int, context: int, cache_len: int, seed: int = 0) -> 
   return filled
 
 
-def ring_form(case: str):
+def matmul_form(case: str) -> bool:
   form = case.partition("@")[2]
   if form not in ("", "matmuls"):
     raise SystemExit(f"case {case!r}: the only form suffix is @matmuls")
-  return window_attention._decode_matmuls if form else window_attention.ring_decode_attention
+  return bool(form)
 
 
 @functools.cache
-def compiled_step(cfg, ring_decode):
-  """One jitted step per config and ring form, so cases of the same shapes share a compilation."""
+def compiled_step(cfg, matmuls: bool):
+  """One jitted step per config and decode form, so cases of the same shapes share a compilation."""
   def step(params, state, tokens):
-    saved = window_attention.ring_decode_attention
-    window_attention.ring_decode_attention = ring_decode     # read when the step is traced
+    saved = window_attention.ring_decode_attention, attention.cache_decode_attention
+    if matmuls:                                               # read when the step is traced
+      window_attention.ring_decode_attention = window_attention._decode_matmuls
+      attention.cache_decode_attention = attention._cache_decode_matmuls
     try:
       return model.decode_step(params, state, tokens, cfg=cfg)
     finally:
-      window_attention.ring_decode_attention = saved
+      window_attention.ring_decode_attention, attention.cache_decode_attention = saved
   return jax.jit(step, donate_argnums=(1,))
 
 
@@ -103,7 +105,7 @@ class Case:
     self.params = params
     self.state = full_state(cfg, slots, context, cache_len)
     self.tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, slots), jnp.int32)
-    self.step = compiled_step(cfg, ring_form(label))
+    self.step = compiled_step(cfg, matmul_form(label))
     self.times: list[float] = []
     self.calls_left = calls
 

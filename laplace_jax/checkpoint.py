@@ -214,6 +214,11 @@ class Checkpointer:
         f"No checkpoint in {self.directory} could be restored (steps {steps}). If every step fails the "
         "same way, suspect the abstract state's shardings rather than the files:\n  " + "\n  ".join(problems))
 
+  def leaf_names(self, step: int | None = None) -> set[str]:
+    """The saved train state's leaf names (Orbax's dotted key paths, e.g. 'carry.pos') at `step` (default:
+    the newest), read from its metadata without restoring anything."""
+    return {m.name for m in jax.tree.leaves(self._saved_tree(self._pick_step(step)))}
+
   def _set_aside(self, step):
     """Renames a damaged step to `<step>.corrupt` (kept for inspection) so new saves can reuse its number."""
     if jax.process_index() == 0:

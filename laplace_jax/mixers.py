@@ -208,10 +208,22 @@ class AttentionMixer(LayerPart):
     return attention.causal_attention(q, k, v)
 
   def attend_cached(self, q, k, v, state, idx, n_B, decoding):
-    """After state["pos"] consumed tokens: this layer's cache (row `idx` of the tables) read and extended."""
-    o, k_cache, v_cache = attention.cached_attention(q, k, v, state["k"][idx], state["v"][idx], state["pos"], n_B)
-    put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), idx, 0)
-    return o, dict(state, k=put(state["k"], k_cache), v=put(state["v"], v_cache))
+    """After state["pos"] consumed tokens, over this piece's two tables (row `idx` of each), which it extends."""
+    k_name, v_name = self.state_specs(self.cfg, 1, 1)
+    k_tables, v_tables, pos_B = state[k_name], state[v_name], state["pos"]
+    if decoding:  # one row per sequence written into the tables in place
+      o, k_tables, v_tables = self.decode(q, k, v, k_tables, v_tables, idx, pos_B)
+    else:
+      o, k_one, v_one = self.chunk(q, k, v, k_tables[idx], v_tables[idx], pos_B, n_B)
+      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
+      k_tables, v_tables = put(k_tables, k_one), put(v_tables, v_one)
+    return o, dict(state, **{k_name: k_tables, v_name: v_tables})
+
+  def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):
+    return attention.cache_decode_attention(q, k, v, k_tables, v_tables, idx, pos_B)
+
+  def chunk(self, q, k, v, k_cache, v_cache, pos_B, n_B):
+    return attention.cached_attention(q, k, v, k_cache, v_cache, pos_B, n_B)
 
 
 class WindowAttentionMixer(AttentionMixer):
@@ -228,15 +240,11 @@ class WindowAttentionMixer(AttentionMixer):
   def attend_sequence(self, q, k, v):
     return window_attention.window_attention(q, k, v, self.cfg.window)
 
-  def attend_cached(self, q, k, v, state, idx, n_B, decoding):
-    k_rings, v_rings, pos_B = state["ring_k"], state["ring_v"], state["pos"]
-    if decoding:  # one row per sequence written into the rings in place
-      o, k_rings, v_rings = window_attention.ring_decode_attention(q, k, v, k_rings, v_rings, idx, pos_B)
-    else:
-      o, k_ring, v_ring = window_attention.ring_chunk_attention(q, k, v, k_rings[idx], v_rings[idx], pos_B, n_B)
-      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
-      k_rings, v_rings = put(k_rings, k_ring), put(v_rings, v_ring)
-    return o, dict(state, ring_k=k_rings, ring_v=v_rings)
+  def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):
+    return window_attention.ring_decode_attention(q, k, v, k_tables, v_tables, idx, pos_B)
+
+  def chunk(self, q, k, v, k_ring, v_ring, pos_B, n_B):
+    return window_attention.ring_chunk_attention(q, k, v, k_ring, v_ring, pos_B, n_B)
 
 
 class GluFFN(LayerPart):

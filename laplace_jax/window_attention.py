@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from laplace_jax import platform, sharding
-from laplace_jax.attention import _attend
+from laplace_jax import platform
+from laplace_jax.attention import _attend, decode_in_place, write_rows
 
 F32 = jnp.float32
 
@@ -98,17 +98,8 @@ def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, lay
 
 def _write_rows(k_table, v_table, layer, pos_B, k_BxHxd, v_BxHxd):
   """Each row's key and value into slot pos mod W of ring `layer` (one [H, hd] row per sequence, in range)."""
-  B, W = k_table.shape[1], k_table.shape[3]
-  rows, slots = jnp.arange(B), jnp.mod(pos_B, W)
-  if sharding.traced_under_auto_mesh():
-    # Rows split over devices: a scatter batched over the rows stays per device (the explicit row index
-    # all-gathers every row's indices and updates), as in short_conv.conv_decode.
-    row = lambda t_LxHxWxd, x_Hxd, s: t_LxHxWxd.at[layer, :, s].set(x_Hxd.astype(t_LxHxWxd.dtype),
-                                                                    mode="promise_in_bounds")
-    write = lambda t, x: jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(t, x, slots)
-  else:
-    write = lambda t, x: t.at[layer, rows, :, slots].set(x.astype(t.dtype), mode="promise_in_bounds")
-  return write(k_table, k_BxHxd), write(v_table, v_BxHxd)
+  slots = jnp.mod(pos_B, k_table.shape[3])
+  return write_rows(k_table, layer, slots, k_BxHxd, 3), write_rows(v_table, layer, slots, v_BxHxd, 3)
 
 
 def _decode_matmuls(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
@@ -122,40 +113,11 @@ def _decode_matmuls(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, po
   return o, k_table, v_table
 
 
-def _sum_pairs(a, b):
-  return a[0] + b[0], a[1] + b[1]
-
-
 def _decode_reduces(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
-  """The same step in one read of each ring, in place (XLA:CPU; the idiom of gla_decode._xla).
-
-  Scores and the weighted sum of values are elementwise products summed by two-operand reduces: XLA fuses a
-  dynamic slice of the table into such a reduce and reads the layer's ring where it lies, where a dot (or a
-  one-operand sum, which XLA:CPU splits into a reduce-window over a materialised product) reads a copy. The
-  second operands are used: the new key's score q·k (broadcast over the ring, read at slot 0) and the
-  softmax weights (their sum over the ring, the denominator). The ring is read before the new row is
-  written (slot pos mod W held pos − W, outside the window); the write reads o through a select that is
-  never true, so it is ordered after the reads and the tables need no copy. Scores, softmax and sums in fp32;
-  q, k, v rounded to the rings' dtype first, as the matmul form and prefill see them."""
-  W, dt = k_table.shape[3], k_table.dtype
-  as_ring = lambda x: x[:, 0].astype(dt).astype(F32)                          # [B, H, hd]
-  q, k_new, v_new = as_ring(q_Bx1xHxd), as_ring(k_Bx1xHxd), as_ring(v_Bx1xHxd)
-  q = q * q.shape[-1] ** -0.5
-  k1 = jax.lax.dynamic_slice_in_dim(k_table, layer, 1, 0)                     # [1, B, H, W, hd]
-  v1 = jax.lax.dynamic_slice_in_dim(v_table, layer, 1, 0)
-  qk_new = jnp.broadcast_to((q * k_new)[None, :, :, None, :], k1.shape)
-  s, s_new = jax.lax.reduce((q[None, :, :, None, :] * k1.astype(F32), qk_new), (F32(0), F32(0)), _sum_pairs,
-                            (4,))                                             # over hd: [1, B, H, W]
-  s_BxHxW, s_new_BxH = s[0], s_new[0, :, :, 0]
+  """The same step in one read of each ring, in place (attention.decode_in_place, XLA:CPU's form). The ring is
+  read before the new row is written: slot pos mod W held pos − W, outside the window."""
+  W = k_table.shape[3]
   held_BxW = slot_positions(pos_B, W)                                        # before the write
   visible_BxW = (held_BxW >= 0) & (held_BxW > pos_B[:, None] - W)
-  s_BxHxW = jnp.where(visible_BxW[:, None, :], s_BxHxW, -jnp.inf)
-  m_BxH = jnp.maximum(s_BxHxW.max(-1), s_new_BxH)
-  p_BxHxW, p_new_BxH = jnp.exp(s_BxHxW - m_BxH[..., None]), jnp.exp(s_new_BxH - m_BxH)
-  p = jnp.broadcast_to(p_BxHxW[None, ..., None], v1.shape)
-  pv, p_sum = jax.lax.reduce((p * v1.astype(F32), p), (F32(0), F32(0)), _sum_pairs, (3,))  # over W: [1, B, H, hd]
-  o_BxHxd = (pv[0] + p_new_BxH[..., None] * v_new) / (p_sum[0] + p_new_BxH[..., None])
-  never = o_BxHxd[:, :1, :1] > jnp.inf                                        # false, also for NaN
-  k_table, v_table = _write_rows(k_table, v_table, layer, pos_B, jnp.where(never, 0, k_Bx1xHxd[:, 0]),
-                                 jnp.where(never, 0, v_Bx1xHxd[:, 0]))
-  return o_BxHxd[:, None], k_table, v_table
+  return decode_in_place(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, visible_BxW,
+                         jnp.mod(pos_B, W), 3)

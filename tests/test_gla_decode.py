@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax import gla, gla_decode, hlo_bytes, model, platform
+from laplace_jax import gla, gla_decode, hlo_bytes, model, neuron_check, platform
 from laplace_jax.config import get_config
 
 
@@ -129,11 +129,12 @@ def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
   assert passes == 3, [(o.name, o.read_bytes, o.written_bytes) for o in per_layer if o.read_bytes >= layer_state / 2]
 
 
-@pytest.mark.parametrize("mixers", ["G", "GS"])
+@pytest.mark.parametrize("mixers", ["G", "GS", "GA"])
 def test_decode_with_slots_split_over_devices_needs_no_collective(mixers):
   # The serving engine splits the slots over its devices; nothing in a slot's step may read another slot
   # (the write is ordered after the readout per row: ordering on one element made one all-reduce per layer;
-  # the conv and window rings' one-row writes with an explicit row index all-gathered indices and updates).
+  # the conv and window rings' and the KV caches' one-row writes with an explicit row index all-gathered
+  # indices and updates).
   from laplace_jax import hlo_traffic, sharding
   cfg = get_config("tiny", mixers=mixers, window=16)
   mesh = sharding.make_mesh(data=1, fsdp=8)
@@ -141,7 +142,7 @@ def test_decode_with_slots_split_over_devices_needs_no_collective(mixers):
                                                 tree, sh)
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   params = with_sharding(params, jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.P()), params))
-  state = jax.eval_shape(lambda: model.init_state(cfg, 64))
+  state = jax.eval_shape(lambda: model.init_state(cfg, 64, max_len=32))
   state = with_sharding(state, sharding.decode_state_shardings(state, mesh))
   tokens = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES)))
   with jax.set_mesh(mesh):
@@ -176,11 +177,11 @@ def test_kernel_under_a_multi_device_mesh_falls_back_with_one_log_line(caplog):
   np.testing.assert_allclose(new[1], s_ref, rtol=1e-5, atol=1e-5)
 
 
-def _decode_text(target):
+def _decode_text(target, mixers="G"):
   """StableHLO of `tiny`'s decode step lowered with the choices made on `target` (a fresh function object)."""
-  cfg = get_config("tiny")
+  cfg = get_config("tiny", mixers=mixers, window=16)
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-  state = jax.eval_shape(lambda: model.init_state(cfg, 4))
+  state = jax.eval_shape(lambda: model.init_state(cfg, 4, max_len=32))
   with platform.lowering_for(target):
     step = jax.jit(lambda p, s, t: model.decode_step(p, s, t, cfg=cfg))
     return step.lower(params, state, jax.ShapeDtypeStruct((4,), jnp.int32)).as_text()
@@ -191,9 +192,13 @@ def _multi_operand_reduces(text):
   return [line for line in text.splitlines() if "stablehlo.reduce(" in line and line.count(" init: ") > 1]
 
 
-def test_neuron_lowered_decode_has_no_variadic_reduce():
-  assert _multi_operand_reduces(_decode_text("cpu"))  # the check sees the CPU form's two-operand readout
-  assert _multi_operand_reduces(_decode_text("neuron")) == []
+@pytest.mark.parametrize("mixers", ["G", "GA"])
+def test_neuron_lowered_decode_has_no_variadic_reduce(mixers):
+  # the GLA layers' and the KV caches' CPU decode read the state with two-operand reduces;
+  # Neuron's lowering keeps their matmul forms, and the whole step breaks none of its rules
+  assert _multi_operand_reduces(_decode_text("cpu", mixers))  # the check sees the CPU forms' readouts
+  neuron = _decode_text("neuron", mixers)
+  assert _multi_operand_reduces(neuron) == [] and neuron_check.violations(neuron) == []
 
 
 def test_compiled_decode_step_writes_one_row_of_each_conv_ring_and_copies_none():

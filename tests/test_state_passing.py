@@ -96,3 +96,39 @@ def test_resumed_run_is_bit_identical_and_the_flag_is_checked(data_dir, tmp_path
   with pytest.raises(ValueError, match="train.state_passing: saved True, now False"):
     run(load_config([a for a in common if a != "--state_passing"] + ["--out_dir", str(tmp_path / "resumed"),
                                                                        "--steps", "6"]))
+
+
+def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
+  """Checkpoints from before the conv ring (commit 32107bb) hold each conv window oldest first and no carry.pos:
+  read as a ring at pos = 0 the window continues the stream exactly (and at its true pos it would not); the
+  resume restores such a checkpoint with pos = 0 on the abstract state's sharding."""
+  from laplace_jax import checkpoint
+  from train import resume
+  params = model.init_params(CFG, jax.random.key(0))
+  tokens = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
+  _, carry = model.forward_carry(params, tokens[:, :7], model.init_carry(CFG, 2), cfg=CFG)  # pos 7: not ≡ 0 mod 4
+  W = CFG.conv_size
+  order = (np.asarray(carry["pos"])[:, None] + np.arange(W)) % W          # the old layout: oldest input first
+  old_conv = np.take_along_axis(np.asarray(carry["conv"]), order[None, :, :, None], axis=2)
+  want, _ = model.forward_carry(params, tokens[:, 7:], carry, cfg=CFG)
+  at = lambda pos: {**carry, "conv": old_conv, "pos": np.full((2,), pos, np.int32)}
+  np.testing.assert_array_equal(model.forward_carry(params, tokens[:, 7:], at(0), cfg=CFG)[0], want)
+  assert not np.allclose(model.forward_carry(params, tokens[:, 7:], at(7), cfg=CFG)[0], want, atol=1e-3)
+
+  mesh = sharding.make_mesh(data=1, fsdp=8)
+  opt = optax.sgd(0.0)
+  abstract = ts.abstract_train_state(CFG, opt, mesh, carry_batch=8)
+  state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=8)
+  conv = np.random.default_rng(3).normal(size=state["carry"]["conv"].shape).astype(np.float32)
+  old = {**state, "carry": {"gla": state["carry"]["gla"], "conv": conv}}
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:
+    ck.save(3, old, force=True)
+  restored, note = resume.restore_train_state(checkpoint.Checkpointer(tmp_path / "ckpt"), abstract)
+  assert restored.step == 3 and "pos = 0" in note
+  pos = restored.train_state["carry"]["pos"]
+  assert np.asarray(pos).tolist() == [0] * 8 and pos.sharding == abstract["carry"]["pos"].sharding
+  np.testing.assert_array_equal(restored.train_state["carry"]["conv"], conv)
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:  # a checkpoint with carry.pos restores as saved
+    ck.save(4, state, force=True)
+  restored, note = resume.restore_train_state(checkpoint.Checkpointer(tmp_path / "ckpt"), abstract)
+  assert restored.step == 4 and note is None

@@ -129,6 +129,7 @@ def test_help_documents_every_flag():
 
 
 def test_compile_only_reports_memory(tmp_path):
-  summary = run(load_config(COMMON + ["--compile_only", "--out_dir", str(tmp_path)]))
+  # The reference's step (same schedule and steps): read back from the suite's compilation cache.
+  summary = run(load_config(COMMON + SCHEDULE + ["--steps", str(STEPS), "--compile_only", "--out_dir", str(tmp_path)]))
   assert summary["memory"]["temp_bytes"] > 0 and summary["compile_s"] > 0
   assert not (tmp_path / "checkpoints").exists()

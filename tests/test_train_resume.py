@@ -14,6 +14,10 @@ from train.loop import run
 # One device: what is checked here does not depend on the mesh, and the step compiles faster.
 COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_data", "1", "--mesh_fsdp", "1",
           "--eval_batches", "0", "--log_every", "1", "--no-progress"]
+# The LR schedule of test_extended_run_keeps_its_schedule's reference, given to every first run here whose
+# schedule the test does not check (later runs keep the saved one): their train steps are then one program,
+# compiled once and read back from the suite's compilation cache (tests/conftest.py).
+SCHEDULE = ["--optimizer.total_steps", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def _train(data_dir, out, *extra):
 
 def test_changed_config_is_refused_listing_each_difference_then_allowed(data_dir, tmp_path):
   out = tmp_path / "run"
-  _train(data_dir, out, "--steps", "2", "--profile_steps", "1")
+  _train(data_dir, out, "--steps", "2", "--profile_steps", "1", *SCHEDULE)
   assert list((out / "profile").rglob("*.xplane.pb")), "no jax.profiler trace written"
   with pytest.raises(ValueError) as e:
     _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--global_batch", "16",
@@ -96,7 +100,7 @@ def test_checkpoint_without_a_prng_counts_as_threefry():
 
 def test_metrics_hold_each_step_once_after_a_crash_and_resume(data_dir, tmp_path):
   out = tmp_path / "run"
-  _train(data_dir, out, "--steps", "6", "--save_every", "2")
+  _train(data_dir, out, "--steps", "6", "--save_every", "2", *SCHEDULE)
   # A crash after step 6's metrics were written but before its checkpoint was: remove that checkpoint,
   # and leave a row cut short by the kill.
   shutil.rmtree(out / "checkpoints" / "6")

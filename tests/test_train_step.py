@@ -78,12 +78,13 @@ def test_sharded_step_matches_single_device():
 def test_non_finite_step_is_skipped_and_counted():
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   opt = optax.adamw(1e-3)
-  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=2, seq_len=T)
+  # test_sharded_step_matches_single_device's one-device step: read back from the compilation cache.
+  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2))
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
   state["params"]["final_norm_scale"] = state["params"]["final_norm_scale"].at[0].set(jnp.nan)
   before = jax.tree.map(np.asarray, state["params"])
   for i in range(2):
-    state, m = comp(state, _batch(2, i))
+    state, m = comp(state, _batch(16, i))
     assert bool(m["skipped"]) and int(m["bad_steps"]) == i + 1
   assert int(state["step"]) == 0
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])):
@@ -96,13 +97,14 @@ def test_no_recompilation_over_a_run():
       lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
   mesh = sharding.make_mesh(data=2, fsdp=4)
   opt = optax.adamw(1e-3)
-  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=8, seq_len=T)
+  # test_sharded_step_matches_single_device's 8-device step: read back from the compilation cache.
+  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2))
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
-  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(8, T, mesh))
-  state, _ = comp(state, jax.device_put(_batch(8), batch_sh))
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(16, T, mesh))
+  state, _ = comp(state, jax.device_put(_batch(16), batch_sh))
   n = len(compiles)
   for s in range(5):
-    state, m = comp(state, jax.device_put(_batch(8, s), batch_sh))
+    state, m = comp(state, jax.device_put(_batch(16, s), batch_sh))
     float(m["loss"])
   assert len(compiles) == n
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ def log0(*a):
     print(*a, flush=True)
 
 
+@functools.cache  # measured once per process (seven 2048³ matmuls: seconds on a CPU, for every run in a test)
 def host_matmul_peak_flops() -> float:
   """Measured fp32 matmul FLOP/s of this process's devices: the denominator of the MFU we report."""
   per_device = timing.matmul_peak_flops()
@@ -201,7 +203,9 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   it = make_train_data(tc, seq_len, cfg.vocab_size)
   metrics_path = out / "metrics.jsonl"
   if latest is not None:
-    restored = ckpt.restore(abstract_state=abstract)  # the config was compared in _open_run
+    restored, note = resume.restore_train_state(ckpt, abstract)  # the config was compared in _open_run
+    if note:
+      log0(note)
     state, start = restored.train_state, restored.step
     if restored.data_state is not None:
       it.set_state(restored.data_state)

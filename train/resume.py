@@ -11,6 +11,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from train.config import RunConfig, _SECTIONS
 
 # How long, how often, where to and on what a run executes. tokens_per_step is only a way to set global_batch,
@@ -118,3 +121,23 @@ def drop_rows_after(metrics_path: Path, step: int) -> int:
     tmp.write_text("".join(l + "\n" for l in keep))
     tmp.replace(metrics_path)
   return len(lines) - len(keep)
+
+
+def restore_train_state(ckpt, abstract: dict):
+  """(ckpt.restore onto `abstract`, a note or None). A state-passing checkpoint saved before the carry gained
+  `pos` (the conv window became a ring, commit 32107bb) is restored with pos = 0, which is exact: the old
+  window held the last conv_size inputs oldest first, and a ring read at pos ≡ 0 (mod conv_size) holds them
+  in that same order (slot s: position pos − conv_size + s); nothing else in a training carry reads pos
+  (attention layers carry no cache and start each segment at position 0)."""
+  carry = abstract.get("carry")
+  if carry is None or "pos" not in carry or "carry.pos" in ckpt.leaf_names():
+    return ckpt.restore(abstract_state=abstract), None
+  restored = ckpt.restore(abstract_state={**abstract, "carry": {k: v for k, v in carry.items() if k != "pos"}})
+  pos = carry["pos"]
+  zeros = np.zeros(pos.shape, pos.dtype)
+  pos = (jax.make_array_from_callback(pos.shape, pos.sharding, lambda idx: zeros[idx])
+         if getattr(pos, "sharding", None) is not None else zeros)
+  state = {**restored.train_state, "carry": {**restored.train_state["carry"], "pos": pos}}
+  return dataclasses.replace(restored, train_state=state), (
+      f"resume: step {restored.step}'s carry predates carry.pos (conv windows stored oldest first); "
+      "restored with pos = 0, which reads them in that order")
