@@ -9,6 +9,12 @@ W_qkv and W_o of the same parameter budget) or sliding-window attention over the
 the same weights; laplace_jax/window_attention.py) in a pattern repeated over the layers; the scan then runs
 over the pattern's repeats, one compiled body holding one block per letter.
 
+A layer's pieces are modules (laplace_jax/mixers.py: ShortConv, GLAMixer, AttentionMixer, WindowAttentionMixer,
+GluFFN) that declare their parameters ({name: (initializer, shape)}) and their decode state per layer; Block
+composes them with its two norms, their parameters at the layer's own level (flat layers/{name}: the
+checkpoints' paths). The shape table (layer_param_specs, config.layer_shapes) and init_state / init_carry are
+assembled from those declarations, never written a second time.
+
 Public, all pure functions of pytrees (`cfg` is static):
   init_params(cfg, rng) -> params            forward(params, tokens_BxT, cfg=) -> logits_BxTxV (fp32)
   init_state(cfg, batch[, max_len]) -> state decode_step(params, state, tokens_B, cfg=) -> (logits_BxV, state)
@@ -16,9 +22,10 @@ Public, all pure functions of pytrees (`cfg` is static):
   prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxV, state)
   prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxV, state)   host loop, one compile
 
-Initialisation (GPT-2 / Megatron practice): matrices N(0, 0.02²), the two residual output projections
-(W_out, W3) scaled by 1/√(2L); norms 1; conv kernel U(±1/√k) with zero bias (PyTorch's Conv1d range);
-aug_balance 0 (a half-strength value skip at start).
+Initialisation (GPT-2 / Megatron practice): matrices N(0, 0.02²), the residual output projections (W_out or
+W_o, W3) scaled by 1/√(2L); norms 1; conv kernel U(±1/√k) with zero bias (PyTorch's Conv1d range);
+aug_balance 0 (a half-strength value skip at start). Parameters are made in the order norms, conv, mixer, FFN:
+the init RNG's split follows it.
 """
 from __future__ import annotations
 
@@ -27,25 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, fsdp, gla, gla_decode, platform, short_conv, window_attention
-from laplace_jax.config import MIXERS, LaplaceConfig, gla_form_for_backend, layers_scanned, log_decays
-from laplace_jax.sharding import BATCH_AXES
+from laplace_jax import fsdp, mixers, platform
+from laplace_jax.config import MIXERS, LaplaceConfig, layers_scanned
 
 F32 = jnp.float32
-
-
-def _batch_sharded(x):
-  """Pin an activation's batch dim to every device when traced under a mesh (`jax.set_mesh`).
-
-  Without it XLA's partitioner may gather whole activations to form FSDP weight gradients (measured on
-  laplace-3b: ≈1.5 TB per device per step) instead of reduce-scattering partial gradients."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names) or set(BATCH_AXES) & set(mesh.manual_axes):
-    return x  # no mesh, or inside a shard_map (rows are already per device)
-  n = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-  if x.shape[0] % n:
-    return x
-  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(BATCH_AXES))
+_batch_sharded = mixers.batch_sharded
 
 
 def _layer_norm(x, scale, eps):
@@ -56,121 +49,26 @@ def _layer_norm(x, scale, eps):
   return ((x32 - mu) * jax.lax.rsqrt(var + eps) * scale).astype(x.dtype)
 
 
-def _uniform(bound):
-  return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
-
-
-def _gla_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, table, idx, mask_BxT):
-  """The Laplace mixer: W_qkvg → simple GLA → self-augmentation → Head RMSNorm → ⊙ SiLU(g) → W_out.
-  `table` is every GLA layer's state [L_gla, B, H, K, V] (or None), this layer's at `idx`. Returns (output
-  [B, T, D] in the compute dtype, the table with this layer's state updated, or None)."""
-  B, T, _ = u_BxTxD.shape
-  H, K, V = cfg.n_heads, cfg.d_k, cfg.d_v
-  cdt = jnp.dtype(cfg.compute_dtype)
-  mm = lambda a, m: _batch_sharded(jnp.dot(a.astype(cdt), m.astype(cdt)))
-  qkvg = mm(u_BxTxD, w["w_qkvg"])
-  q, k, v, g = jnp.split(qkvg, np.cumsum([cfg.qk_width, cfg.qk_width, cfg.v_width]), axis=-1)
-  q_BxTxHxK, k_BxTxHxK = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
-  v_BxTxHxV = v.reshape(B, T, H, V)
-  g_gamma = jnp.asarray(log_decays(cfg))
-  if T == 1 and table is not None and mask_BxT is None:
-    # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
-    o1, table = gla_decode.gla_decode_layer(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma,
-                                            table, idx)
-    o_BxTxHxV = o1[:, None]
-  else:
-    s0 = None if table is None else table[idx]
-    form, unroll = gla_form_for_backend(cfg, platform.backend())
-    o_BxTxHxV, s_new = gla.chunk_simple_gla(
-        q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
-        chunk_size=min(cfg.chunk_size, T), unroll=unroll, form=form)
-    if table is not None:
-      table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
-
-  # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
-  gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32),
-                                         w["aug_balance"].astype(F32), k_BxTxHxK.astype(F32)))
-  o = o_BxTxHxV.astype(F32) + gate_BxTxH[..., None] * v_BxTxHxV.astype(F32)
-  # Head RMSNorm, one weight per decay tier (heads of similar memory length share it).
-  tier_scale_HxV = jnp.repeat(w["head_norm_scale"], H // cfg.n_decay_tiers, axis=0)
-  o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + cfg.norm_eps) * tier_scale_HxV
-  o = o.reshape(B, T, H * V).astype(cdt) * nn.silu(g)
-  return mm(o, w["w_out"]), table
-
-
-def _attention_mixer(cfg: LaplaceConfig, w: dict, u_BxTxD, cache, mask_BxT, windowed: bool = False):
-  """Causal softmax attention: W_qkv → RoPE(q, k) → attention → W_o, over every earlier position or, if
-  `windowed`, the last cfg.window. `cache` is None (a sequence from position 0) or (k_tables, v_tables, idx,
-  pos_B): every A layer's KV caches [L_A, B, S, H, hd], or if windowed every S layer's rings [L_S, B, H, W, hd],
-  and this layer's index. Returns (output [B, T, D], the updated pair of tables or None)."""
-  B, T, _ = u_BxTxD.shape
-  H, hd = cfg.attn_n_heads, cfg.attn_head_dim
-  cdt = jnp.dtype(cfg.compute_dtype)
-  mm = lambda a, m: _batch_sharded(jnp.dot(a.astype(cdt), m.astype(cdt)))
-  q, k, v = jnp.split(mm(u_BxTxD, w["w_qkv"]).reshape(B, T, 3 * H, hd), 3, axis=2)
-  pos_B = jnp.zeros((B,), jnp.int32) if cache is None else cache[-1]
-  pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
-  q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
-  n_B = jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
-  if cache is None:
-    whole = attention.causal_attention if not windowed else (
-        lambda q, k, v: window_attention.window_attention(q, k, v, cfg.window))
-    o, new_cache = whole(q, k, v), None
-  else:
-    k_tables, v_tables, idx = cache[:3]
-    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the tables in place
-      decode = window_attention.ring_decode_attention if windowed else attention.cache_decode_attention
-      o, k_tables, v_tables = decode(q, k, v, k_tables, v_tables, idx, pos_B)
-    else:
-      chunk = window_attention.ring_chunk_attention if windowed else attention.cached_attention
-      o, k_one, v_one = chunk(q, k, v, k_tables[idx], v_tables[idx], pos_B, n_B)
-      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
-      k_tables, v_tables = put(k_tables, k_one), put(v_tables, v_one)
-    new_cache = (k_tables, v_tables)
-  return mm(o.reshape(B, T, H * hd), w["w_o"]), new_cache
-
-
 # ---- parameter declarations: {name: (initializer, unstacked shape)}, the one table of shapes ------------
 
-def _initializers(cfg: LaplaceConfig):
-  return (nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers)),
-          nn.initializers.ones, nn.initializers.zeros)
-
-
 def _norm_param_specs(cfg: LaplaceConfig) -> dict:
-  _, _, ones, _ = _initializers(cfg)
+  _, _, ones, _ = mixers.initializers(cfg)
   return {"ln1_scale": (ones, (cfg.d_model,)), **({"ln2_scale": (ones, (cfg.d_model,))} if cfg.ffn else {})}
 
 
-def _conv_param_specs(cfg: LaplaceConfig) -> dict:
-  D, W = cfg.d_model, cfg.conv_size
-  return {"conv_kernel": (_uniform(1 / np.sqrt(W)), (W, D)), "conv_bias": (nn.initializers.zeros, (D,))}
-
-
-def _mixer_param_specs(cfg: LaplaceConfig, mixer: str) -> dict:
-  normal, out_init, ones, zeros = _initializers(cfg)
-  D = cfg.d_model
-  if mixer == "G":
-    return {"w_qkvg": (normal, (D, cfg.qkvg_width)), "aug_balance": (zeros, (cfg.n_heads, cfg.d_k)),
-            "head_norm_scale": (ones, (cfg.n_decay_tiers, cfg.d_v)), "w_out": (out_init, (cfg.v_width, D))}
-  if mixer in ("A", "S"):  # full and windowed attention: the same weights
-    return {"w_qkv": (normal, (D, 3 * cfg.attn_width)), "w_o": (out_init, (cfg.attn_width, D))}
-  raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
-
-
-def _ffn_param_specs(cfg: LaplaceConfig) -> dict:
-  if not cfg.ffn:
-    return {}
-  normal, out_init, _, _ = _initializers(cfg)
-  D = cfg.d_model
-  return {"w1": (normal, (D, cfg.d_ff)), "w2": (normal, (D, cfg.d_ff)), "w3": (out_init, (cfg.d_ff, D))}
+def _mixer_module(mixer: str) -> type[mixers.LayerPart]:
+  if mixer not in mixers.MIXER_MODULES:
+    raise ValueError(f"mixer {mixer!r}: expected one of {sorted(MIXERS)}.")
+  return mixers.MIXER_MODULES[mixer]
 
 
 def layer_param_specs(cfg: LaplaceConfig, mixer: str = "G") -> dict:
   """One layer's parameters in creation order (which the init RNG's split follows: norms, conv, mixer, FFN):
-  {name: (initializer, unstacked shape)}. Block makes exactly these; config.layer_shapes reads them."""
-  return {**_norm_param_specs(cfg), **_conv_param_specs(cfg), **_mixer_param_specs(cfg, mixer),
-          **_ffn_param_specs(cfg)}
+  {name: (initializer, unstacked shape)}, each piece's own declaration. Block makes exactly these;
+  config.layer_shapes reads them."""
+  ffn = mixers.GluFFN.param_specs(cfg) if cfg.ffn else {}
+  return {**_norm_param_specs(cfg), **mixers.ShortConv.param_specs(cfg), **_mixer_module(mixer).param_specs(cfg),
+          **ffn}
 
 
 def layer_param_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
@@ -180,7 +78,7 @@ def layer_param_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[
 
 def model_param_specs(cfg: LaplaceConfig) -> dict:
   """LaplaceLM's own parameters around the layers: {name: (initializer, shape)}."""
-  normal, _, ones, _ = _initializers(cfg)
+  normal, _, ones, _ = mixers.initializers(cfg)
   D, V = cfg.d_model, cfg.vocab_size
   return {"embed": (normal, (V, D)), "final_norm_scale": (ones, (D,)), "lm_head": (normal, (D, V))}
 
@@ -191,11 +89,12 @@ def model_param_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
 
 class Block(nn.Module):
   """One decoder layer whose mixer is GLA ('G'), attention ('A') or windowed attention ('S'), at position
-  `slot` of the pattern.
+  `slot` of the pattern: x → LayerNorm → ShortConv → SiLU → mixer → + x; then LayerNorm → GluFFN → + x.
 
-  Sequence mode (T tokens, state optional) and, for T == 1 with a state, the single-token recurrent step.
-  The decode state of every layer rides in the carry and this layer updates its slices in place: returning
-  per-layer states as scan outputs would build a second full state copy."""
+  Its pieces (laplace_jax/mixers.py) make their parameters in the layer's own scope (nn.share_scope), in the
+  order norms, conv, mixer, FFN. Sequence mode (T tokens, state optional) and, for T == 1 with a state, the
+  single-token recurrent step. The decode state of every layer rides in the carry and each piece updates its
+  own rows in place: returning per-layer states as scan outputs would build a second full state copy."""
   cfg: LaplaceConfig
   mixer: str = "G"
   slot: int = 0
@@ -203,56 +102,23 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, carry, group_idx, mask_BxT):
     x_BxTxD, state = carry
-    cfg = self.cfg
-    pattern = cfg.mixers
-    layer_idx = group_idx * len(pattern) + self.slot                     # index into state["conv"]
-    mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)
-    cdt = jnp.dtype(cfg.compute_dtype)
-    # Parameters made in the declared order (the init RNG's): norms, conv, mixer, FFN.
-    w = {name: self.param(name, init, shape, jnp.dtype(cfg.param_dtype))
-         for name, (init, shape) in layer_param_specs(cfg, self.mixer).items()}
-    ln1, ln2, conv_k, conv_b = w["ln1_scale"], w.get("ln2_scale"), w["conv_kernel"], w["conv_bias"]
-    mix_w = {name: w[name] for name in _mixer_param_specs(cfg, self.mixer)}
-    B, T, _ = x_BxTxD.shape
-    mm = lambda a, w: _batch_sharded(jnp.dot(a.astype(cdt), w.astype(cdt)))
+    cfg, pattern = self.cfg, self.cfg.mixers
+    layer_idx = group_idx * len(pattern) + self.slot          # this layer's row in every-layer tables (conv)
+    mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)  # in its mixer's
+    norms = {name: self.param(name, init, shape, jnp.dtype(cfg.param_dtype))
+             for name, (init, shape) in _norm_param_specs(cfg).items()}
+    conv, mixer = mixers.ShortConv(cfg), _mixer_module(self.mixer)(cfg)
+    ffn = mixers.GluFFN(cfg) if cfg.ffn else None  # else a mixer-only layer
+    for part in (conv, mixer, ffn):
+      if part is not None:
+        nn.share_scope(self, part)  # its parameters at the layer's level: layers/{name}, as checkpoints hold
 
-    # Causal depth-wise conv (laplace_jax/short_conv.py); the decode state keeps a ring of the last W inputs.
-    h = _batch_sharded(_layer_norm(x_BxTxD, ln1, cfg.norm_eps))
-    decoding = T == 1 and state is not None and mask_BxT is None
-    n_B = jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
-    if state is None:
-      conv, _ = short_conv.conv_sequence(h, conv_k.astype(cdt), conv_b)
-    elif decoding:
-      conv, table = short_conv.conv_decode(h, conv_k.astype(cdt), conv_b, state["conv"], layer_idx, state["pos"])
-      state = dict(state, conv=table)
-    else:
-      conv, ring = short_conv.conv_sequence(h, conv_k.astype(cdt), conv_b, state["conv"][layer_idx],
-                                            state["pos"], n_B)
-      state = dict(state, conv=jax.lax.dynamic_update_index_in_dim(state["conv"], ring, layer_idx, 0))
-    u = nn.silu(conv)
-
-    if self.mixer == "G":
-      mixed, table = _gla_mixer(cfg, mix_w, u, None if state is None else state["gla"], mix_idx, mask_BxT)
-      if state is not None:
-        state = dict(state, gla=table)
-    elif self.mixer == "S":  # a training carry has no rings either: every segment starts afresh
-      rings = None if state is None or "ring_k" not in state else (state["ring_k"], state["ring_v"], mix_idx,
-                                                                    state["pos"])
-      mixed, kv = _attention_mixer(cfg, mix_w, u, rings, mask_BxT, windowed=True)
-      if kv is not None:
-        state = dict(state, ring_k=kv[0], ring_v=kv[1])
-    else:
-      # A training carry (init_carry) has no KV cache: attention layers then start every segment afresh.
-      cache = None if state is None or "k" not in state else (state["k"], state["v"], mix_idx, state["pos"])
-      mixed, kv = _attention_mixer(cfg, mix_w, u, cache, mask_BxT)
-      if kv is not None:
-        state = dict(state, k=kv[0], v=kv[1])
+    h = _batch_sharded(_layer_norm(x_BxTxD, norms["ln1_scale"], cfg.norm_eps))
+    u, state = conv(h, state, layer_idx, mask_BxT)
+    mixed, state = mixer(nn.silu(u), state, mix_idx, mask_BxT)
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
-
-    if cfg.ffn:  # else a mixer-only layer (cfg.ffn false)
-      h2 = _layer_norm(x, ln2, cfg.norm_eps)
-      x = _batch_sharded(x + mm(nn.silu(mm(h2, w["w1"])) * mm(h2, w["w2"]), w["w3"]).astype(x.dtype))
-
+    if ffn is not None:
+      x = _batch_sharded(x + ffn(_layer_norm(x, norms["ln2_scale"], cfg.norm_eps)).astype(x.dtype))
     return (x, state), None
 
 
@@ -356,15 +222,29 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
   return logits
 
 
-def init_carry(cfg: LaplaceConfig, batch_size: int) -> dict:
-  """Zero training carry for state passing: init_state's GLA states, conv rings and positions, no attention
-  cache or window rings (attention layers carry nothing across segments). Same layout as init_state."""
+def _state_parts(cfg: LaplaceConfig) -> list[tuple[type[mixers.LayerPart], int]]:
+  """Each piece of the layers that may hold decode state, with the number of layers that run it."""
+  return [(mixers.ShortConv, cfg.n_layers)] + [(mixers.MIXER_MODULES[letter], cfg.n_mixer_layers(letter))
+                                              for letter in dict.fromkeys(cfg.mixers)]
+
+
+def _zero_state(cfg: LaplaceConfig, batch_size: int, max_len, carried_only: bool) -> dict:
+  """Each piece's declared per-layer state slices, stacked layer-major [L_x, B, ...] over the layers that run
+  it, zero; and pos [B] int32 (tokens consumed)."""
   state = {}
-  if "G" in cfg.mixers:
-    state["gla"] = jnp.zeros((cfg.n_mixer_layers("G"), batch_size, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
-  state["conv"] = jnp.zeros((cfg.n_layers, batch_size, cfg.conv_size, cfg.d_model), F32)
+  for part, n_layers in _state_parts(cfg):
+    if part.carried or not carried_only:
+      for key, one in part.state_specs(cfg, batch_size, max_len).items():
+        state[key] = jnp.zeros((n_layers, *one.shape), one.dtype)
   state["pos"] = jnp.zeros((batch_size,), jnp.int32)
   return state
+
+
+def init_carry(cfg: LaplaceConfig, batch_size: int) -> dict:
+  """Zero training carry for state passing: init_state's GLA states, conv rings and positions, no attention
+  cache or window rings (pieces not `carried`: attention layers start every segment afresh). Same layout as
+  init_state."""
+  return _zero_state(cfg, batch_size, None, carried_only=True)
 
 
 def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig):
@@ -381,22 +261,9 @@ def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) 
   gla [L_gla,B,H,d_k,d_v] (GLA layers) and conv [L,B,conv,D] (every layer: a ring of the last conv_size
   inputs, laplace_jax/short_conv.py). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
   compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
-  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd]. state_batch_axes gives each leaf's batch axis."""
-  B = batch_size
-  state = init_carry(cfg, B)
-  if "A" in cfg.mixers:
-    if not isinstance(max_len, (int, np.integer)) or max_len < 1:
-      raise ValueError(f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "
-                       "KV cache length is fixed when the state is made; pass max_len=N, the longest context "
-                       "(prompt + generated tokens) the state must hold.")
-    kv = (cfg.n_mixer_layers("A"), B, int(max_len), cfg.attn_n_heads, cfg.attn_head_dim)
-    state["k"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
-    state["v"] = jnp.zeros(kv, jnp.dtype(cfg.compute_dtype))
-  if "S" in cfg.mixers:
-    ring = (cfg.n_mixer_layers("S"), B, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim)
-    state["ring_k"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
-    state["ring_v"] = jnp.zeros(ring, jnp.dtype(cfg.compute_dtype))
-  return state
+  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd]. state_batch_axes gives each leaf's batch axis.
+  Each piece declares its slice of one layer (laplace_jax/mixers.py, state_specs); this stacks them."""
+  return _zero_state(cfg, batch_size, max_len, carried_only=False)
 
 
 def state_batch_axes(state) -> dict:

@@ -1,0 +1,265 @@
+"""The pieces of one decoder layer as Flax modules, each owning its parameters and its decode state.
+
+Every piece declares, as class methods of the config alone:
+  param_specs(cfg) -> {name: (initializer, unstacked shape)}   the parameters it makes, in creation order
+  state_specs(cfg, batch, max_len) -> {key: ShapeDtypeStruct}   its decode state for ONE layer, [B, ...]
+  carried                                                       whether that state rides the training carry
+model.Block composes them (norms, ShortConv, a mixer by letter, GluFFN) and model.init_state / init_carry stack
+each piece's slices layer-major, [L_x, B, ...], over the layers that run it. A piece's parameters sit at the
+layer's own level (nn.share_scope), so the tree is the flat layers/{name: [L, ...]} every checkpoint holds.
+
+At call time a piece takes the layer's whole decode state (a dict, or None: a sequence from position 0) and
+its row `idx` in its own tables, and returns (output, the state with only its own keys updated). A state
+without the piece's keys (a training carry has no attention cache) also means: start from position 0.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laplace_jax import attention, gla, gla_decode, platform, short_conv, window_attention
+from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays
+from laplace_jax.sharding import BATCH_AXES
+
+F32 = jnp.float32
+
+
+def batch_sharded(x):
+  """Pin an activation's batch dim to every device when traced under a mesh (`jax.set_mesh`).
+
+  Without it XLA's partitioner may gather whole activations to form FSDP weight gradients (measured on
+  laplace-3b: ≈1.5 TB per device per step) instead of reduce-scattering partial gradients."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names) or set(BATCH_AXES) & set(mesh.manual_axes):
+    return x  # no mesh, or inside a shard_map (rows are already per device)
+  n = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+  if x.shape[0] % n:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(BATCH_AXES))
+
+
+def matmul(a, w, cfg: LaplaceConfig):
+  """a @ w in the compute dtype, batch-sharded."""
+  cdt = jnp.dtype(cfg.compute_dtype)
+  return batch_sharded(jnp.dot(a.astype(cdt), w.astype(cdt)))
+
+
+def initializers(cfg: LaplaceConfig):
+  """(normal, residual-output normal, ones, zeros): matrices N(0, std²), the residual output projections
+  scaled by 1/√(2L) (GPT-2 / Megatron practice)."""
+  return (nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers)),
+          nn.initializers.ones, nn.initializers.zeros)
+
+
+def _uniform(bound):
+  return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def lengths(mask_BxT, B: int, T: int):
+  """Real tokens per row: T each without a mask."""
+  return jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
+
+
+class LayerPart(nn.Module):
+  """Base of a layer's pieces: the declarations (none here) and the helpers every piece uses."""
+  cfg: LaplaceConfig
+  carried: ClassVar[bool] = True
+
+  @classmethod
+  def param_specs(cls, cfg: LaplaceConfig) -> dict:
+    return {}
+
+  @classmethod
+  def state_specs(cls, cfg: LaplaceConfig, batch: int, max_len: int | None = None) -> dict:
+    return {}
+
+  def make_params(self) -> dict:
+    """This piece's declared parameters, made in order in the scope it runs in (the layer's)."""
+    dt = jnp.dtype(self.cfg.param_dtype)
+    return {name: self.param(name, init, shape, dt) for name, (init, shape) in self.param_specs(self.cfg).items()}
+
+  def has_state(self, state) -> bool:
+    return state is not None and all(k in state for k in self.state_specs(self.cfg, 1, 1))
+
+
+class ShortConv(LayerPart):
+  """Causal depth-wise conv (k = conv_size) in front of every mixer (laplace_jax/short_conv.py): kernel
+  U(±1/√k) with zero bias (PyTorch's Conv1d range). State: a ring of the last conv_size inputs, fp32."""
+
+  @classmethod
+  def param_specs(cls, cfg):
+    D, W = cfg.d_model, cfg.conv_size
+    return {"conv_kernel": (_uniform(1 / np.sqrt(W)), (W, D)), "conv_bias": (nn.initializers.zeros, (D,))}
+
+  @classmethod
+  def state_specs(cls, cfg, batch, max_len=None):
+    return {"conv": jax.ShapeDtypeStruct((batch, cfg.conv_size, cfg.d_model), F32)}
+
+  @nn.compact
+  def __call__(self, h_BxTxD, state, idx, mask_BxT):
+    w = self.make_params()
+    kernel, bias = w["conv_kernel"].astype(jnp.dtype(self.cfg.compute_dtype)), w["conv_bias"]
+    B, T, _ = h_BxTxD.shape
+    if not self.has_state(state):
+      return short_conv.conv_sequence(h_BxTxD, kernel, bias)[0], state
+    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
+      out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state["conv"], idx, state["pos"])
+      return out, dict(state, conv=table)
+    out, ring = short_conv.conv_sequence(h_BxTxD, kernel, bias, state["conv"][idx], state["pos"],
+                                         lengths(mask_BxT, B, T))
+    return out, dict(state, conv=jax.lax.dynamic_update_index_in_dim(state["conv"], ring, idx, 0))
+
+
+class GLAMixer(LayerPart):
+  """The Laplace mixer (letter G): W_qkvg → simple GLA with a fixed geometric decay → + σ(q·(a⊙k))·v → Head
+  RMSNorm per decay tier → ⊙ SiLU(g) → W_out. aug_balance starts at 0 (a half-strength value skip). State:
+  the GLA matrix [H, d_k, d_v] fp32, carried across training segments."""
+
+  @classmethod
+  def param_specs(cls, cfg):
+    normal, out_init, ones, zeros = initializers(cfg)
+    D = cfg.d_model
+    return {"w_qkvg": (normal, (D, cfg.qkvg_width)), "aug_balance": (zeros, (cfg.n_heads, cfg.d_k)),
+            "head_norm_scale": (ones, (cfg.n_decay_tiers, cfg.d_v)), "w_out": (out_init, (cfg.v_width, D))}
+
+  @classmethod
+  def state_specs(cls, cfg, batch, max_len=None):
+    return {"gla": jax.ShapeDtypeStruct((batch, cfg.n_heads, cfg.d_k, cfg.d_v), F32)}
+
+  @nn.compact
+  def __call__(self, u_BxTxD, state, idx, mask_BxT):
+    cfg, w = self.cfg, self.make_params()
+    B, T, _ = u_BxTxD.shape
+    H, K, V = cfg.n_heads, cfg.d_k, cfg.d_v
+    qkvg = matmul(u_BxTxD, w["w_qkvg"], cfg)
+    q, k, v, g = jnp.split(qkvg, np.cumsum([cfg.qk_width, cfg.qk_width, cfg.v_width]), axis=-1)
+    q_BxTxHxK, k_BxTxHxK = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
+    v_BxTxHxV = v.reshape(B, T, H, V)
+    g_gamma = jnp.asarray(log_decays(cfg))
+    table = state["gla"] if self.has_state(state) else None  # every GLA layer's state [L_gla, B, H, K, V]
+    if T == 1 and table is not None and mask_BxT is None:
+      # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
+      o1, table = gla_decode.gla_decode_layer(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma,
+                                              table, idx)
+      o_BxTxHxV = o1[:, None]
+    else:
+      s0 = None if table is None else table[idx]
+      form, unroll = gla_form_for_backend(cfg, platform.backend())
+      o_BxTxHxV, s_new = gla.chunk_simple_gla(
+          q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
+          chunk_size=min(cfg.chunk_size, T), unroll=unroll, form=form)
+      if table is not None:
+        table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
+
+    # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
+    gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32),
+                                           w["aug_balance"].astype(F32), k_BxTxHxK.astype(F32)))
+    o = o_BxTxHxV.astype(F32) + gate_BxTxH[..., None] * v_BxTxHxV.astype(F32)
+    # Head RMSNorm, one weight per decay tier (heads of similar memory length share it).
+    tier_scale_HxV = jnp.repeat(w["head_norm_scale"], H // cfg.n_decay_tiers, axis=0)
+    o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + cfg.norm_eps) * tier_scale_HxV
+    o = o.reshape(B, T, H * V).astype(jnp.dtype(cfg.compute_dtype)) * nn.silu(g)
+    return matmul(o, w["w_out"], cfg), (state if table is None else dict(state, gla=table))
+
+
+class AttentionMixer(LayerPart):
+  """Causal softmax attention with RoPE (letter A): W_qkv → RoPE(q, k) → attention over every earlier
+  position → W_o, W_qkv and W_o spending W_qkvg + W_out's budget. State: a KV cache [max_len, H, hd] in the
+  compute dtype, its length fixed when the state is made; not carried (every training segment starts afresh)."""
+  carried: ClassVar[bool] = False
+
+  @classmethod
+  def param_specs(cls, cfg):
+    normal, out_init, _, _ = initializers(cfg)
+    return {"w_qkv": (normal, (cfg.d_model, 3 * cfg.attn_width)), "w_o": (out_init, (cfg.attn_width, cfg.d_model))}
+
+  @classmethod
+  def state_specs(cls, cfg, batch, max_len=None):
+    if not isinstance(max_len, (int, np.integer)) or max_len < 1:
+      raise ValueError(f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "
+                       "KV cache length is fixed when the state is made; pass max_len=N, the longest context "
+                       "(prompt + generated tokens) the state must hold.")
+    kv = jax.ShapeDtypeStruct((batch, int(max_len), cfg.attn_n_heads, cfg.attn_head_dim),
+                              jnp.dtype(cfg.compute_dtype))
+    return {"k": kv, "v": kv}
+
+  @nn.compact
+  def __call__(self, u_BxTxD, state, idx, mask_BxT):
+    cfg, w = self.cfg, self.make_params()
+    B, T, _ = u_BxTxD.shape
+    H, hd = cfg.attn_n_heads, cfg.attn_head_dim
+    q, k, v = jnp.split(matmul(u_BxTxD, w["w_qkv"], cfg).reshape(B, T, 3 * H, hd), 3, axis=2)
+    cached = self.has_state(state)
+    pos_B = state["pos"] if cached else jnp.zeros((B,), jnp.int32)
+    pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
+    q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
+    if cached:
+      o, state = self.attend_cached(q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None)
+    else:
+      o = self.attend_sequence(q, k, v)
+    return matmul(o.reshape(B, T, H * hd), w["w_o"], cfg), state
+
+  def attend_sequence(self, q, k, v):
+    """A sequence from position 0."""
+    return attention.causal_attention(q, k, v)
+
+  def attend_cached(self, q, k, v, state, idx, n_B, decoding):
+    """After state["pos"] consumed tokens, over this piece's two tables (row `idx` of each), which it extends."""
+    k_name, v_name = self.state_specs(self.cfg, 1, 1)
+    k_tables, v_tables, pos_B = state[k_name], state[v_name], state["pos"]
+    if decoding:  # one row per sequence written into the tables in place
+      o, k_tables, v_tables = self.decode(q, k, v, k_tables, v_tables, idx, pos_B)
+    else:
+      o, k_one, v_one = self.chunk(q, k, v, k_tables[idx], v_tables[idx], pos_B, n_B)
+      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
+      k_tables, v_tables = put(k_tables, k_one), put(v_tables, v_one)
+    return o, dict(state, **{k_name: k_tables, v_name: v_tables})
+
+  def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):
+    return attention.cache_decode_attention(q, k, v, k_tables, v_tables, idx, pos_B)
+
+  def chunk(self, q, k, v, k_cache, v_cache, pos_B, n_B):
+    return attention.cached_attention(q, k, v, k_cache, v_cache, pos_B, n_B)
+
+
+class WindowAttentionMixer(AttentionMixer):
+  """Sliding-window attention (letter S): the same weights, each query over the last cfg.window tokens
+  (laplace_jax/window_attention.py). State: rings of the last `window` keys and values [H, window, hd] in the
+  compute dtype, constant in size; not carried."""
+
+  @classmethod
+  def state_specs(cls, cfg, batch, max_len=None):
+    ring = jax.ShapeDtypeStruct((batch, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim),
+                                jnp.dtype(cfg.compute_dtype))
+    return {"ring_k": ring, "ring_v": ring}
+
+  def attend_sequence(self, q, k, v):
+    return window_attention.window_attention(q, k, v, self.cfg.window)
+
+  def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):
+    return window_attention.ring_decode_attention(q, k, v, k_tables, v_tables, idx, pos_B)
+
+  def chunk(self, q, k, v, k_ring, v_ring, pos_B, n_B):
+    return window_attention.ring_chunk_attention(q, k, v, k_ring, v_ring, pos_B, n_B)
+
+
+class GluFFN(LayerPart):
+  """The GLU(SiLU) FFN after the mixer: W3(SiLU(h W1) ⊙ h W2), W3 scaled as a residual output. No state."""
+
+  @classmethod
+  def param_specs(cls, cfg):
+    normal, out_init, _, _ = initializers(cfg)
+    D = cfg.d_model
+    return {"w1": (normal, (D, cfg.d_ff)), "w2": (normal, (D, cfg.d_ff)), "w3": (out_init, (cfg.d_ff, D))}
+
+  @nn.compact
+  def __call__(self, h_BxTxD):
+    cfg, w = self.cfg, self.make_params()
+    return matmul(nn.silu(matmul(h_BxTxD, w["w1"], cfg)) * matmul(h_BxTxD, w["w2"], cfg), w["w3"], cfg)
+
+
+MIXER_MODULES: dict[str, type[LayerPart]] = {"G": GLAMixer, "A": AttentionMixer, "S": WindowAttentionMixer}
