@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax import attention, hlo_bytes, platform
+from decode_traffic import passes_over_tables
+from laplace_jax import attention, platform
 
 
 def _rope_reference(x_BxTxHxd, pos_BxT, base=10000.0):
@@ -112,17 +113,7 @@ def test_compiled_cache_decode_reads_each_cache_once_in_place():
   once, one row written). The previous form (the layer's slice taken, cached_attention, the slice put back)
   moved it ≈ 7 times: copied out, transposed for the scatter, read by two dots, written back."""
   L, B, S, H, d = 2, 4, 256, 2, 64
-
-  def moved(decode):
-    def step(kt, vt, q, pos):
-      def body(c, i):
-        o, kt, vt = decode(q, q, q, c[1], c[2], i, pos)
-        return (c[0] + o, kt, vt), None
-      return jax.lax.scan(body, (jnp.zeros_like(q), kt, vt), jnp.arange(L))[0]
-    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(f32(L, B, S, H, d), f32(L, B, S, H, d), f32(B, 1, H, d),
-                                                          jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
-    return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (2 * L * B * S * H * d * 4)
+  moved = lambda decode: passes_over_tables(decode, (L, B, S, H, d), (B, 1, H, d))
 
   def sliced(q, k, v, kt, vt, i, pos):
     o, k1, v1 = attention.cached_attention(q, k, v, kt[i], vt[i], pos, jnp.ones_like(pos))

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax import hlo_bytes, platform
+from decode_traffic import passes_over_tables
+from laplace_jax import platform
 from laplace_jax import window_attention as wa
 
 
@@ -129,17 +130,7 @@ def test_compiled_decode_reads_each_ring_once_in_place():
   """Scanned over the layers with the tables donated, a decode step moves each ring about once (read once,
   one row written): the matmul form copies the layer's slice out first (≈ 3 passes)."""
   L, B, H, W, d = 2, 4, 2, 256, 64
-
-  def moved(decode):
-    def step(kt, vt, q, pos):
-      def body(c, i):
-        o, kt, vt = decode(q, q, q, c[1], c[2], i, pos)
-        return (c[0] + o, kt, vt), None
-      return jax.lax.scan(body, (jnp.zeros_like(q), kt, vt), jnp.arange(L))[0]
-    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(f32(L, B, H, W, d), f32(L, B, H, W, d), f32(B, 1, H, d),
-                                                          jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
-    return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (2 * L * B * H * W * d * 4)
+  moved = lambda decode: passes_over_tables(decode, (L, B, H, W, d), (B, 1, H, d))
 
   with platform.lowering_for("cpu"):
     assert moved(wa.ring_decode_attention) < 1.2

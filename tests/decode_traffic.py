@@ -1,0 +1,28 @@
+"""What the attention and window-attention decode tests share: how many times one compiled decode step moves
+its key/value tables (imported by tests/test_attention.py and tests/test_window_attention.py)."""
+import math
+
+import jax
+import jax.numpy as jnp
+
+from laplace_jax import hlo_bytes
+
+
+def passes_over_tables(decode, table_shape, q_shape) -> float:
+  """Bytes one compiled decode step moves, in units of its two fp32 tables [L, ...] (keys and values).
+
+  `decode(q, k, v, k_tables, v_tables, layer, pos_B) -> (o, k_tables, v_tables)` runs for each of the L layers
+  in a scan, with the tables donated as a serving step donates its state: 1.0 means each table is read once
+  and written in place."""
+  L = table_shape[0]
+
+  def step(kt, vt, q, pos):
+    def body(c, i):
+      o, kt, vt = decode(q, q, q, c[1], c[2], i, pos)
+      return (c[0] + o, kt, vt), None
+    return jax.lax.scan(body, (jnp.zeros_like(q), kt, vt), jnp.arange(L))[0]
+
+  f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      f32(table_shape), f32(table_shape), f32(q_shape), jax.ShapeDtypeStruct(q_shape[:1], jnp.int32)).compile()
+  return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (2 * math.prod(table_shape) * 4)
