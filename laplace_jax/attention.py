@@ -88,8 +88,10 @@ def cached_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_cache_BxSxHxd, v_cache_B
 
 
 def write_rows(table, layer, index_B, x_BxHxd, seq_axis: int):
-  """Row b of x into table[layer, b] at index_B[b] along the sequence axis: 2 for a cache [L, B, S, H, hd],
-  3 for a head-major ring [L, B, H, W, hd]. One [H, hd] row per sequence, in place; indices must be in range."""
+  """Row b of x into table[layer, b] at index_B[b] along the sequence axis: 2 for a cache [L, B, S, H, hd] (or
+  short_conv's rings [L, B, W, D]), 3 for a head-major ring [L, B, H, W, hd]. One row per sequence, in place;
+  indices must be in range. Unsharded, an explicit row index (the batched form makes XLA:CPU transpose the
+  table)."""
   at = lambda i: (i,) if seq_axis == 2 else (slice(None), i)
   if sharding.traced_under_auto_mesh():
     # Rows split over devices: a scatter batched over the rows stays per device (an explicit row index

@@ -16,10 +16,9 @@ p would be negative hold zeros (a fresh state), which is the zero padding a sequ
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from laplace_jax import sharding
+from laplace_jax import attention
 from laplace_jax.window_attention import slot_positions
 
 F32 = jnp.float32
@@ -49,17 +48,10 @@ def conv_decode(h_Bx1xD, kernel_WxD, bias_D, table, layer, pos_B):
   """See the module doc. `table` is every layer's ring [L, B, W, D]; only ring `layer` changes."""
   W = table.shape[2]
   dt = h_Bx1xD.dtype
-  # Written first and read back after, so nothing reads the old ring once it is overwritten (a reader of
-  # the old rows unordered with the in-place write makes XLA copy the table).
-  h_BxD, slot_B = h_Bx1xD[:, 0].astype(table.dtype), jnp.mod(pos_B, W)
-  if sharding.traced_under_auto_mesh():
-    # Rows split over devices: vmapped over the rows (a scatter whose batching dimension is the rows), so the
-    # partitioner writes each device's rows locally; the explicit arange(B) row index below made it all-gather
-    # every row's indices. Unsharded, that form is kept: XLA:CPU transposes the table for the batched one.
-    row_write = lambda t_LxWxD, h_D, s: t_LxWxD.at[layer, s].set(h_D, mode="promise_in_bounds")
-    table = jax.vmap(row_write, in_axes=(1, 0, 0), out_axes=1)(table, h_BxD, slot_B)
-  else:
-    table = table.at[layer, jnp.arange(table.shape[1]), slot_B].set(h_BxD, mode="promise_in_bounds")
+  # One row per sequence written in place at slot pos mod W, first, and read back after, so nothing reads the
+  # old ring once it is overwritten (a reader of the old rows unordered with the in-place write makes XLA copy
+  # the table).
+  table = attention.write_rows(table, layer, jnp.mod(pos_B, W), h_Bx1xD[:, 0], seq_axis=2)
   ring = table[layer]
   # Position pos − (W−1) + i sits in slot (pos + 1 + i) mod W, so slot s takes tap (s − pos − 1) mod W.
   tap_BxW = jnp.mod(jnp.arange(W)[None] - pos_B[:, None] - 1, W)
