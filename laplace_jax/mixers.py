@@ -64,6 +64,12 @@ def lengths(mask_BxT, B: int, T: int):
   return jnp.full((B,), T, jnp.int32) if mask_BxT is None else mask_BxT.sum(1).astype(jnp.int32)
 
 
+def make_params(module: nn.Module, specs: dict) -> dict:
+  """`specs` ({name: (initializer, shape)}) made as `module`'s parameters in order, in cfg.param_dtype."""
+  dt = jnp.dtype(module.cfg.param_dtype)
+  return {name: module.param(name, init, shape, dt) for name, (init, shape) in specs.items()}
+
+
 class LayerPart(nn.Module):
   """Base of a layer's pieces: the declarations (none here) and the helpers every piece uses."""
   cfg: LaplaceConfig
@@ -79,8 +85,7 @@ class LayerPart(nn.Module):
 
   def make_params(self) -> dict:
     """This piece's declared parameters, made in order in the scope it runs in (the layer's)."""
-    dt = jnp.dtype(self.cfg.param_dtype)
-    return {name: self.param(name, init, shape, dt) for name, (init, shape) in self.param_specs(self.cfg).items()}
+    return make_params(self, self.param_specs(self.cfg))
 
   def has_state(self, state) -> bool:
     return state is not None and all(k in state for k in self.state_specs(self.cfg, 1, 1))

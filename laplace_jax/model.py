@@ -38,7 +38,6 @@ from laplace_jax import fsdp, mixers, platform
 from laplace_jax.config import MIXERS, LaplaceConfig, layers_scanned
 
 F32 = jnp.float32
-_batch_sharded = mixers.batch_sharded
 
 
 def _layer_norm(x, scale, eps):
@@ -105,20 +104,19 @@ class Block(nn.Module):
     cfg, pattern = self.cfg, self.cfg.mixers
     layer_idx = group_idx * len(pattern) + self.slot          # this layer's row in every-layer tables (conv)
     mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)  # in its mixer's
-    norms = {name: self.param(name, init, shape, jnp.dtype(cfg.param_dtype))
-             for name, (init, shape) in _norm_param_specs(cfg).items()}
+    norms = mixers.make_params(self, _norm_param_specs(cfg))
     conv, mixer = mixers.ShortConv(cfg), _mixer_module(self.mixer)(cfg)
     ffn = mixers.GluFFN(cfg) if cfg.ffn else None  # else a mixer-only layer
     for part in (conv, mixer, ffn):
       if part is not None:
         nn.share_scope(self, part)  # its parameters at the layer's level: layers/{name}, as checkpoints hold
 
-    h = _batch_sharded(_layer_norm(x_BxTxD, norms["ln1_scale"], cfg.norm_eps))
+    h = mixers.batch_sharded(_layer_norm(x_BxTxD, norms["ln1_scale"], cfg.norm_eps))
     u, state = conv(h, state, layer_idx, mask_BxT)
     mixed, state = mixer(nn.silu(u), state, mix_idx, mask_BxT)
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
     if ffn is not None:
-      x = _batch_sharded(x + ffn(_layer_norm(x, norms["ln2_scale"], cfg.norm_eps)).astype(x.dtype))
+      x = mixers.batch_sharded(x + ffn(_layer_norm(x, norms["ln2_scale"], cfg.norm_eps)).astype(x.dtype))
     return (x, state), None
 
 
@@ -160,7 +158,7 @@ class LaplaceLM(nn.Module):
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     top = model_param_specs(cfg)
     embed = self.param("embed", *top["embed"], pdt)
-    x = _batch_sharded(embed[tokens_BxT].astype(cdt))
+    x = mixers.batch_sharded(embed[tokens_BxT].astype(cdt))
     scan = layers_scanned(cfg, platform.backend())
     if len(cfg.mixers) == 1:
       body, args = _layer(cfg, self.is_initializing(), scan), (cfg, cfg.mixers, 0)
@@ -186,7 +184,7 @@ class LaplaceLM(nn.Module):
     elif positions_BxK is not None:  # logits at chosen positions only: [B, K, V] (the LM head's cost / T·K)
       x = jnp.take_along_axis(x, positions_BxK[..., None], axis=1)
     head = self.param("lm_head", *top["lm_head"], pdt)
-    logits = _batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
+    logits = mixers.batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
     if over_B is not None:
       logits = jnp.where(over_B.reshape(-1, *[1] * (logits.ndim - 1)), jnp.nan, logits)
     return logits, new_state
