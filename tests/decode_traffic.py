@@ -1,11 +1,23 @@
-"""What the attention and window-attention decode tests share: how many times one compiled decode step moves
-its key/value tables (imported by tests/test_attention.py and tests/test_window_attention.py)."""
+"""What the attention and window-attention decode tests share: which form a decode step lowers to on each target,
+and how many times one compiled decode step moves its key/value tables (imported by tests/test_attention.py and
+tests/test_window_attention.py)."""
 import math
 
 import jax
 import jax.numpy as jnp
 
-from laplace_jax import hlo_bytes
+from laplace_jax import hlo_bytes, platform
+
+
+def assert_matmul_form_on_neuron_reduces_elsewhere(decode, args):
+  """`decode(*args)` lowers to dots and no variadic reduce on Neuron (which has none), and to reduces and no
+  dot elsewhere (the in-place form)."""
+  # a new function each time: a traced function is cached without the lowering target in its key
+  primitives = lambda: str(jax.make_jaxpr(lambda *a: decode(*a))(*args))
+  with platform.lowering_for("neuron"):
+    assert "dot_general" in primitives() and " reduce[" not in primitives()
+  with platform.lowering_for("cpu"):
+    assert "dot_general" not in primitives() and " reduce[" in primitives()
 
 
 def passes_over_tables(decode, table_shape, q_shape) -> float:

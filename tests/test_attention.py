@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode_traffic import passes_over_tables
+from decode_traffic import assert_matmul_form_on_neuron_reduces_elsewhere, passes_over_tables
 from laplace_jax import attention, platform
 
 
@@ -100,12 +100,7 @@ def test_cache_decode_forms_equal_cached_attention_on_the_layer(dtype):
     for got, want, old in ((got_k, want_k, kt), (got_v, want_v, vt)):
       np.testing.assert_array_equal(got[1], want)
       np.testing.assert_array_equal(got[0], old[0])
-  # a new function each time: a traced function is cached without the lowering target in its key
-  primitives = lambda: str(jax.make_jaxpr(lambda *a: attention.cache_decode_attention(*a, 1, pos))(q, k, v, kt, vt))
-  with platform.lowering_for("neuron"):   # variadic reductions are unsupported on Neuron: the matmul form
-    assert "dot_general" in primitives() and " reduce[" not in primitives()
-  with platform.lowering_for("cpu"):
-    assert "dot_general" not in primitives() and " reduce[" in primitives()
+  assert_matmul_form_on_neuron_reduces_elsewhere(lambda *a: attention.cache_decode_attention(*a, 1, pos), (q, k, v, kt, vt))
 
 
 def test_compiled_cache_decode_reads_each_cache_once_in_place():
