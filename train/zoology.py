@@ -44,7 +44,7 @@ GRIDS = {
     "zoology": dict(
         tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(512, 512, 256),
         widths=(64, 128, 256, 512), lrs=LRS, epochs=64, train_examples=100_000, test_examples=3_000,
-        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="epoch"),
+        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="epoch", evals_per_epoch=1),
     # The same protocol cut to fit a shared 2-core CPU (docs/EVAL.md): one width (64), one learning rate
     # (2.15e-3; 1e-2 did no better at (64, 4)), Zoology's 100,000 training sequences seen once (Zoology:
     # up to 64 times), the cosine per step, 512 test sequences. Batch 64 at (256, 16) (1,562 steps); 32 at
@@ -53,8 +53,11 @@ GRIDS = {
     "zoology-cpu": dict(
         tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(32, 32, 64),
         widths=(64,), lrs=LRS[2:3], epochs=1, train_examples=100_000, test_examples=512,
-        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="step"),
+        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="step", evals_per_epoch=8),
 }
+# Settings that only add observations (a learning curve: the test set scored evals_per_epoch times an epoch, the
+# last at its end) and change nothing that trains: a results file's settings are matched without them.
+OBSERVING = ("evals_per_epoch",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,7 @@ def cells_of(grid: dict, patterns, seeds=(0,)) -> list[ZCell]:
     if recall.parse_task(t)[0] != "zoology":
       raise ValueError(f"task {t!r}: the zoology grids take zoology:SEQ,PAIRS[,VOCAB] tasks.")
   cosine(1.0, 1, 1, grid["anneal"])  # names a bad anneal before anything trains
+  curve_marks(1, grid.get("evals_per_epoch", 1))
   return [ZCell(t, p, w, lr, b, s) for s in seeds for t, b in zip(grid["tasks"], grid["batches"])
           for p in patterns for w in grid["widths"] for lr in grid["lrs"]]
 
@@ -141,15 +145,22 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
               weight_decay=grid["weight_decay"])  # every parameter decayed, as torch's AdamW(model.parameters())
   state = train_step.init_train_state(cfg, opt, cell.seed)
   step = _jit_step(cfg, opt)
-  history, losses, t0 = [], [], time.perf_counter()
+  history, losses, curve, t0 = [], [], [], time.perf_counter()
+  marks = curve_marks(len(batches), grid.get("evals_per_epoch", 1))
   bar = _progress_bar(progress, grid["epochs"] * len(batches), f"{cell.pattern:>3} {cell.task} lr {cell.lr:.2g}")
   for epoch in range(grid["epochs"]):
-    for b in batches:
+    since = []  # the training losses since the last point of the curve
+    for i, b in enumerate(batches):
       state, metrics = step(state, b)
+      since.append(metrics["loss"])
       if bar:
         bar.update(1)
+      if i + 1 in marks:
+        curve.append([epoch * len(batches) + i + 1, float(sum(since)) / len(since),
+                      answer_accuracy(state["params"], cfg, test_batches)])
+        since = []
     losses.append(float(metrics["loss"]))
-    history.append(answer_accuracy(state["params"], cfg, test_batches))
+    history.append(curve[-1][2])
     if bar:
       bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{history[-1]:.3f}")
     if history[-1] > grid["early_stop"]:
@@ -163,7 +174,15 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
           "state_bytes_per_seq": state_bytes_per_sequence(cfg, context=seq), "batch": cell.batch,
           "train_examples": len(batches) * cell.batch, "steps": len(history) * len(batches),
           "params": param_counts(cfg)["total"], "accuracy_by_epoch": history, "loss_by_epoch": losses,
-          "train_s": time.perf_counter() - t0}
+          "curve": curve, "train_s": time.perf_counter() - t0}
+
+
+def curve_marks(steps_per_epoch: int, evals_per_epoch: int) -> set[int]:
+  """The steps of an epoch (1-based) after which the test set is scored: evals_per_epoch of them, evenly spaced,
+  the last at the epoch's end."""
+  if not isinstance(evals_per_epoch, int) or evals_per_epoch < 1:
+    raise ValueError(f"evals_per_epoch={evals_per_epoch!r}: expected a positive integer (1: at each epoch's end).")
+  return {round(steps_per_epoch * (k + 1) / evals_per_epoch) for k in range(evals_per_epoch)} - {0}
 
 
 def machine() -> str:
@@ -196,7 +215,7 @@ def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool,
   command = "python -m train.recall " + " ".join(argv)
   # A cell's key names its task, pattern, width, lr and batch; the file keeps the rest of the settings one, so
   # several invocations (e.g. the most wanted cells first) can fill one file.
-  settings = {k: v for k, v in json.loads(json.dumps(grid)).items() if k not in CELL_KEYED}
+  settings = {k: v for k, v in json.loads(json.dumps(grid)).items() if k not in CELL_KEYED + OBSERVING}
   saved = json.loads(path.read_text()) if path.exists() else {"command": command, "machine": machine(),
                                                               "grid": grid_name, "settings": settings, "cells": []}
   if saved.get("grid") != grid_name or saved.get("settings") != settings:
