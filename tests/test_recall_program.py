@@ -82,6 +82,8 @@ def test_zoology_cosine_per_epoch_as_zoology_or_per_step(tmp_path, capsys):
   assert "anneal='sometimes': expected one of ('epoch', 'step')" in capsys.readouterr().err
   assert recall_prog.main([*ZOOLOGY_TOY, "--set", "evals_per_epoch=0", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
   assert "evals_per_epoch=0: expected a positive integer" in capsys.readouterr().err
+  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "labels=some", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert "labels='some': expected one of ('all', 'within_window')" in capsys.readouterr().err
   assert not (tmp_path / "z").exists()
 
 
@@ -135,3 +137,19 @@ def test_window_is_a_setting_every_grid_takes_and_reaches_the_model(tmp_path):
   assert recall_prog.model_config("GS", 32, "passkey:64").window == recall_prog.OPTIONAL["window"]
   assert recall_prog.main(["--grid", "smoke", "--patterns", "GS", "--set", "window=0", "-o", str(tmp_path / "w"),
                            "--no-progress"]) == 2          # the config's own check names the window
+
+
+def test_zoology_within_window_control_unscores_only_queries_beyond_the_window():
+  from train import zoology
+  d = recall.zoology_batch(5, 12, 64, 4)
+  brute = []  # the reference: walk each row, find the key the query repeats, count back to its value
+  for x, w in zip(d["inputs"], d["weights"]):
+    brute.append([q - (list(x[:8:2]).index(x[q]) * 2 + 1) for q in np.nonzero(w)[0]])
+  assert zoology.value_distance(d).tolist() == brute
+  far = np.array(brute) >= 16
+  assert far.any() and (~far).any()  # the batch holds both kinds
+  (every,) = zoology.train_batches(d, 12, "all", 16)
+  (near,) = zoology.train_batches(d, 12, "within_window", 16)
+  assert (every["positions"] == near["positions"]).all() and d["weights"].sum() == 48  # the data is untouched
+  assert np.take_along_axis(near["weights"], near["positions"], 1).tolist() == (~far).astype(float).tolist()
+  assert (near["weights"].sum() == (~far).sum()) and (every["weights"] == d["weights"]).all()
