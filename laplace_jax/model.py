@@ -183,10 +183,10 @@ class LaplaceLM(nn.Module):
       x = jnp.take_along_axis(x, jnp.maximum(last_B, 0)[:, None, None], axis=1)[:, 0]
     elif positions_BxK is not None:  # logits at chosen positions only: [B, K, V] (the LM head's cost / T·K)
       x = jnp.take_along_axis(x, positions_BxK[..., None], axis=1)
+    if over_B is not None:  # NaN into the head's input, not its output: the dot carries it to every logit
+      x = jnp.where(over_B.reshape(-1, *[1] * (x.ndim - 1)), jnp.nan, x)  # of the row, at no extra pass
     head = self.param("lm_head", *top["lm_head"], pdt)
     logits = mixers.batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
-    if over_B is not None:
-      logits = jnp.where(over_B.reshape(-1, *[1] * (logits.ndim - 1)), jnp.nan, logits)
     return logits, new_state
 
 

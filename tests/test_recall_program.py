@@ -55,6 +55,8 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
     assert (a["pattern"], a["window"], gs["pattern"], gs["window"]) == ("A", None, "GS", 16)
     assert {r["epochs"] for r in res["cells"]} == {1} and {r["vocab"] for r in res["cells"]} == {64}
     assert a["state_bytes_per_seq"] > gs["state_bytes_per_seq"] > 0  # A's KV cache of 64 tokens > GS's ring
+    # the learning curve: 2 steps an epoch scored after each (8 evaluations asked for), the last the cell's accuracy
+    assert [p[0] for p in a["curve"]] == [1, 2] and a["curve"][-1][2] == a["accuracy"]
   else:
     assert {r["pattern"] for r in res["cells"]} == {"G", "GA", "A"}
     assert all(set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS} or
@@ -63,6 +65,8 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
   n = len(res["cells"])
   assert recall_prog.main([*args, "-o", str(out), "--no-progress"]) == 0
   assert len(json.loads((out / results).read_text())["cells"]) == n  # finished cells are skipped
+  if results == "zoology.json":  # how often the curve is scored changes nothing trained: the same file takes it
+    assert recall_prog.main([*args, "--set", "evals_per_epoch=2", "-o", str(out), "--no-progress"]) == 0
   other = ["--grid", "quick"] if results == "results.json" else [*ZOOLOGY_TOY, "--set", "epochs=3"]
   assert recall_prog.main([*other, "-o", str(out), "--no-progress"]) == 2  # another grid's results
 
@@ -76,6 +80,10 @@ def test_zoology_cosine_per_epoch_as_zoology_or_per_step(tmp_path, capsys):
   assert [float(per_step(s)) for s in (0, 50, 99)] == pytest.approx([1, 0.5, 0.000247], abs=1e-6)
   assert recall_prog.main([*ZOOLOGY_TOY, "--set", "anneal=sometimes", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
   assert "anneal='sometimes': expected one of ('epoch', 'step')" in capsys.readouterr().err
+  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "evals_per_epoch=0", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert "evals_per_epoch=0: expected a positive integer" in capsys.readouterr().err
+  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "labels=some", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert "labels='some': expected one of ('all', 'within_window')" in capsys.readouterr().err
   assert not (tmp_path / "z").exists()
 
 
@@ -129,3 +137,19 @@ def test_window_is_a_setting_every_grid_takes_and_reaches_the_model(tmp_path):
   assert recall_prog.model_config("GS", 32, "passkey:64").window == recall_prog.OPTIONAL["window"]
   assert recall_prog.main(["--grid", "smoke", "--patterns", "GS", "--set", "window=0", "-o", str(tmp_path / "w"),
                            "--no-progress"]) == 2          # the config's own check names the window
+
+
+def test_zoology_within_window_control_unscores_only_queries_beyond_the_window():
+  from train import zoology
+  d = recall.zoology_batch(5, 12, 64, 4)
+  brute = []  # the reference: walk each row, find the key the query repeats, count back to its value
+  for x, w in zip(d["inputs"], d["weights"]):
+    brute.append([q - (list(x[:8:2]).index(x[q]) * 2 + 1) for q in np.nonzero(w)[0]])
+  assert zoology.value_distance(d).tolist() == brute
+  far = np.array(brute) >= 16
+  assert far.any() and (~far).any()  # the batch holds both kinds
+  (every,) = zoology.train_batches(d, 12, "all", 16)
+  (near,) = zoology.train_batches(d, 12, "within_window", 16)
+  assert (every["positions"] == near["positions"]).all() and d["weights"].sum() == 48  # the data is untouched
+  assert np.take_along_axis(near["weights"], near["positions"], 1).tolist() == (~far).astype(float).tolist()
+  assert (near["weights"].sum() == (~far).sum()) and (every["weights"] == d["weights"]).all()

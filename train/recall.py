@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     return 2
   if grid_name in zoology.GRIDS:
     try:
-      grid = with_overrides(zoology.GRIDS[grid_name], args.sets)
+      grid = with_overrides({**zoology.OPTIONAL, **zoology.GRIDS[grid_name]}, args.sets)
     except ValueError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2

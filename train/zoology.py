@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 CELL_KEYED = ("tasks", "batches", "widths", "lrs")  # settings each cell's key records
 PATTERNS = ("A", "G", "S", "GS")  # attention, Laplace (GLA), sliding window, GLA then sliding window
 LRS = tuple(10.0 ** (-4 + 2 * i / 3) for i in range(4))  # numpy.logspace(-4, -2, 4)
@@ -44,7 +46,7 @@ GRIDS = {
     "zoology": dict(
         tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(512, 512, 256),
         widths=(64, 128, 256, 512), lrs=LRS, epochs=64, train_examples=100_000, test_examples=3_000,
-        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="epoch"),
+        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="epoch", evals_per_epoch=1),
     # The same protocol cut to fit a shared 2-core CPU (docs/EVAL.md): one width (64), one learning rate
     # (2.15e-3; 1e-2 did no better at (64, 4)), Zoology's 100,000 training sequences seen once (Zoology:
     # up to 64 times), the cosine per step, 512 test sequences. Batch 64 at (256, 16) (1,562 steps); 32 at
@@ -53,8 +55,17 @@ GRIDS = {
     "zoology-cpu": dict(
         tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(32, 32, 64),
         widths=(64,), lrs=LRS[2:3], epochs=1, train_examples=100_000, test_examples=512,
-        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="step"),
+        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="step", evals_per_epoch=8),
 }
+# Settings a grid may leave out (`--set` adds them); a results file records one only when it is not its default.
+# labels=within_window is a control, not Zoology's protocol: the training queries whose value lies beyond the
+# window of seq_len / window_div tokens are left unscored (weight 0), so a window layer is never asked what it
+# cannot see; the test set still scores every query.
+OPTIONAL = {"labels": "all"}
+LABELS = ("all", "within_window")
+# Settings that only add observations (a learning curve: the test set scored evals_per_epoch times an epoch, the
+# last at its end) and change nothing that trains: a results file's settings are matched without them.
+OBSERVING = ("evals_per_epoch",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +101,10 @@ def cells_of(grid: dict, patterns, seeds=(0,)) -> list[ZCell]:
     if recall.parse_task(t)[0] != "zoology":
       raise ValueError(f"task {t!r}: the zoology grids take zoology:SEQ,PAIRS[,VOCAB] tasks.")
   cosine(1.0, 1, 1, grid["anneal"])  # names a bad anneal before anything trains
+  if grid.get("labels", "all") not in LABELS:
+    raise ValueError(f"labels={grid['labels']!r}: expected one of {LABELS} (every query trains, as in Zoology, or "
+                     "only those whose value lies within the window: a control).")
+  curve_marks(1, grid.get("evals_per_epoch", 1))
   return [ZCell(t, p, w, lr, b, s) for s in seeds for t, b in zip(grid["tasks"], grid["batches"])
           for p in patterns for w in grid["widths"] for lr in grid["lrs"]]
 
@@ -124,6 +139,21 @@ def _batches(d: dict, size: int, drop_last: bool):
   return [{k: v[i:i + size] for k, v in d.items()} for i in range(0, stop, size)]
 
 
+def train_batches(train: dict, size: int, labels: str, window: int) -> list[dict]:
+  """An epoch's full batches, each with its scored positions; labels="within_window" unscores (weight 0) the
+  queries whose value lies `window` or more tokens back."""
+  from laplace_jax import recall
+  batches = _batches(train, size, drop_last=True)
+  if not batches:
+    raise ValueError(f"train_examples={train['inputs'].shape[0]} < batch {size}: no full batch to train on.")
+  for b in batches:
+    b["positions"] = recall.scored_positions(b["weights"])
+    if labels == "within_window":
+      b["weights"] = b["weights"].copy()
+      np.put_along_axis(b["weights"], b["positions"], (value_distance(b) < window).astype(np.float32), axis=1)
+  return batches
+
+
 def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   from laplace_jax import recall, train_step
   from laplace_jax.adamw import adamw
@@ -131,25 +161,28 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   from train.recall import _jit_step, _progress_bar, answer_accuracy
   cfg = model_config(cell.pattern, cell.width, cell.task, grid["window_div"])
   train, test = data(cell.task, grid["train_examples"], grid["test_examples"])
-  batches = _batches(train, cell.batch, drop_last=True)
-  if not batches:
-    raise ValueError(f"train_examples={grid['train_examples']} < batch {cell.batch}: no full batch to train on.")
-  for b in batches:
-    b["positions"] = recall.scored_positions(b["weights"])
+  batches = train_batches(train, cell.batch, grid.get("labels", "all"), cfg.window)
   test_batches = _batches(test, min(512, grid["test_examples"]), drop_last=False)
   opt = adamw(cosine(cell.lr, grid["epochs"], len(batches), grid["anneal"]), b1=0.9, b2=0.999, eps=1e-8,
               weight_decay=grid["weight_decay"])  # every parameter decayed, as torch's AdamW(model.parameters())
   state = train_step.init_train_state(cfg, opt, cell.seed)
   step = _jit_step(cfg, opt)
-  history, losses, t0 = [], [], time.perf_counter()
+  history, losses, curve, t0 = [], [], [], time.perf_counter()
+  marks = curve_marks(len(batches), grid.get("evals_per_epoch", 1))
   bar = _progress_bar(progress, grid["epochs"] * len(batches), f"{cell.pattern:>3} {cell.task} lr {cell.lr:.2g}")
   for epoch in range(grid["epochs"]):
-    for b in batches:
+    since = []  # the training losses since the last point of the curve
+    for i, b in enumerate(batches):
       state, metrics = step(state, b)
+      since.append(metrics["loss"])
       if bar:
         bar.update(1)
+      if i + 1 in marks:
+        curve.append([epoch * len(batches) + i + 1, float(sum(since)) / len(since),
+                      answer_accuracy(state["params"], cfg, test_batches)])
+        since = []
     losses.append(float(metrics["loss"]))
-    history.append(answer_accuracy(state["params"], cfg, test_batches))
+    history.append(curve[-1][2])
     if bar:
       bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{history[-1]:.3f}")
     if history[-1] > grid["early_stop"]:
@@ -163,7 +196,30 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
           "state_bytes_per_seq": state_bytes_per_sequence(cfg, context=seq), "batch": cell.batch,
           "train_examples": len(batches) * cell.batch, "steps": len(history) * len(batches),
           "params": param_counts(cfg)["total"], "accuracy_by_epoch": history, "loss_by_epoch": losses,
-          "train_s": time.perf_counter() - t0}
+          "curve": curve, "train_s": time.perf_counter() - t0,
+          **({"within_window": float(np.mean(value_distance(test) < cfg.window))} if "S" in cell.pattern else {})}
+
+
+def value_distance(d: dict) -> np.ndarray:
+  """[B, K] for each query of a Zoology batch (its scored positions, in order): the tokens from its pair's value
+  to the query, t_query − (t_key + 1). A window of W tokens (the query's own position included) sees the value
+  iff this is < W."""
+  from laplace_jax import recall
+  x = d["inputs"]
+  pos_BxK = recall.scored_positions(d["weights"]) if "positions" not in d else d["positions"]
+  n = pos_BxK.shape[1]
+  keys_BxN = x[:, 0:2 * n:2]
+  asked_BxK = np.take_along_axis(x, pos_BxK, axis=1)
+  pair_BxK = np.argmax(asked_BxK[:, :, None] == keys_BxN[:, None, :], axis=2)  # keys are distinct in a row
+  return pos_BxK - (2 * pair_BxK + 1)
+
+
+def curve_marks(steps_per_epoch: int, evals_per_epoch: int) -> set[int]:
+  """The steps of an epoch (1-based) after which the test set is scored: evals_per_epoch of them, evenly spaced,
+  the last at the epoch's end."""
+  if not isinstance(evals_per_epoch, int) or evals_per_epoch < 1:
+    raise ValueError(f"evals_per_epoch={evals_per_epoch!r}: expected a positive integer (1: at each epoch's end).")
+  return {round(steps_per_epoch * (k + 1) / evals_per_epoch) for k in range(evals_per_epoch)} - {0}
 
 
 def machine() -> str:
@@ -196,7 +252,8 @@ def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool,
   command = "python -m train.recall " + " ".join(argv)
   # A cell's key names its task, pattern, width, lr and batch; the file keeps the rest of the settings one, so
   # several invocations (e.g. the most wanted cells first) can fill one file.
-  settings = {k: v for k, v in json.loads(json.dumps(grid)).items() if k not in CELL_KEYED}
+  settings = {k: v for k, v in json.loads(json.dumps(grid)).items()
+              if k not in CELL_KEYED + OBSERVING and not (k in OPTIONAL and v == OPTIONAL[k])}
   saved = json.loads(path.read_text()) if path.exists() else {"command": command, "machine": machine(),
                                                               "grid": grid_name, "settings": settings, "cells": []}
   if saved.get("grid") != grid_name or saved.get("settings") != settings:
