@@ -136,7 +136,8 @@ def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
   # is restored or zero-filled follows the step actually read, not the newest on disk.
   for f in (tmp_path / "ckpt" / "4" / "train_state").rglob("d/*"):  # step 4 loses its array data
     f.unlink()
-  restored, note = resume.restore_train_state(checkpoint.Checkpointer(tmp_path / "ckpt"), abstract)
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:
+    restored, note = resume.restore_train_state(ck, abstract)
   assert restored.step == 3 and "pos = 0" in note
   assert np.asarray(restored.train_state["carry"]["pos"]).tolist() == [0] * 8
   np.testing.assert_array_equal(restored.train_state["carry"]["conv"], conv)
