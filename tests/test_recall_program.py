@@ -57,6 +57,9 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
     assert a["state_bytes_per_seq"] > gs["state_bytes_per_seq"] > 0  # A's KV cache of 64 tokens > GS's ring
     # the learning curve: 2 steps an epoch scored after each (8 evaluations asked for), the last the cell's accuracy
     assert [p[0] for p in a["curve"]] == [1, 2] and a["curve"][-1][2] == a["accuracy"]
+    for r in (a, gs):  # the final accuracy split by whether the value lies within seq / 4 tokens of its query
+      assert 0 < r["within_window"] < 1 and r["accuracy"] == pytest.approx(
+          r["within_window"] * r["accuracy_within_window"] + (1 - r["within_window"]) * r["accuracy_beyond_window"])
   else:
     assert {r["pattern"] for r in res["cells"]} == {"G", "GA", "A"}
     assert all(set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS} or

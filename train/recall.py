@@ -171,17 +171,21 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
                                 "losses": losses}
 
 
-def answer_accuracy(params, cfg, batches) -> float:
-  """Share of scored positions whose greedy next token (laplace_jax.generate.greedy_next) is the answer."""
+def answers_right(params, cfg, batches):
+  """[rows, K] bool over the batches' rows in order: whether each scored position's greedy next token
+  (laplace_jax.generate.greedy_next) is the answer."""
   import numpy as np
   from laplace_jax import generate, recall
-  right = total = 0
+  right = []
   for b in batches:
     pos = recall.scored_positions(b["weights"])
-    pred = generate.greedy_next(params, b["inputs"], pos, cfg=cfg)
-    right += int((pred == np.take_along_axis(b["targets"], pos, 1)).sum())
-    total += pos.size
-  return right / total
+    right.append(generate.greedy_next(params, b["inputs"], pos, cfg=cfg) == np.take_along_axis(b["targets"], pos, 1))
+  return np.concatenate(right)
+
+
+def answer_accuracy(params, cfg, batches) -> float:
+  """Share of scored positions whose greedy next token is the answer."""
+  return float(answers_right(params, cfg, batches).mean())
 
 
 def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> float:

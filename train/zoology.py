@@ -158,7 +158,7 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   from laplace_jax import recall, train_step
   from laplace_jax.adamw import adamw
   from laplace_jax.config import param_counts, state_bytes_per_sequence
-  from train.recall import _jit_step, _progress_bar, answer_accuracy
+  from train.recall import _jit_step, _progress_bar, answer_accuracy, answers_right
   cfg = model_config(cell.pattern, cell.width, cell.task, grid["window_div"])
   train, test = data(cell.task, grid["train_examples"], grid["test_examples"])
   batches = train_batches(train, cell.batch, grid.get("labels", "all"), cfg.window)
@@ -197,7 +197,14 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
           "train_examples": len(batches) * cell.batch, "steps": len(history) * len(batches),
           "params": param_counts(cfg)["total"], "accuracy_by_epoch": history, "loss_by_epoch": losses,
           "curve": curve, "train_s": time.perf_counter() - t0,
-          **({"within_window": float(np.mean(value_distance(test) < cfg.window))} if "S" in cell.pattern else {})}
+          **reach(answers_right(state["params"], cfg, test_batches), value_distance(test) < cfg.window)}
+
+
+def reach(right_BxK, near_BxK) -> dict:
+  """The final test accuracy split by where each query's value lies: within the window of seq_len / window_div
+  tokens (what an S layer can see), or beyond it; and the share within."""
+  return {"within_window": float(near_BxK.mean()), "accuracy_within_window": float(right_BxK[near_BxK].mean()),
+          "accuracy_beyond_window": float(right_BxK[~near_BxK].mean())}
 
 
 def value_distance(d: dict) -> np.ndarray:
