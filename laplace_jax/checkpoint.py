@@ -187,7 +187,10 @@ class Checkpointer:
     """Restores `step` (default: the newest good one) onto the shardings of `abstract_state`.
 
     `abstract_state`: a pytree like the saved one whose leaves are `jax.ShapeDtypeStruct`s (with
-    NamedShardings for any mesh: resharding happens here) or arrays; None restores host numpy arrays.
+    NamedShardings for any mesh: resharding happens here) or arrays; None restores host numpy arrays. Or a
+    function from a step's saved leaf names (Orbax's dotted key paths, e.g. 'carry.pos', read from its
+    metadata) to that pytree, called for each step tried: for a state whose layout changed between versions,
+    built for whichever step the fallback below restores.
     `config` (a dataclass or dict), when given, must equal the saved `metadata["config"]`.
     With step=None a corrupt newest step is skipped (logged) in favour of the previous one.
     """
@@ -213,11 +216,6 @@ class Checkpointer:
     raise CorruptCheckpointError(
         f"No checkpoint in {self.directory} could be restored (steps {steps}). If every step fails the "
         "same way, suspect the abstract state's shardings rather than the files:\n  " + "\n  ".join(problems))
-
-  def leaf_names(self, step: int | None = None) -> set[str]:
-    """The saved train state's leaf names (Orbax's dotted key paths, e.g. 'carry.pos') at `step` (default:
-    the newest), read from its metadata without restoring anything."""
-    return {m.name for m in jax.tree.leaves(self._saved_tree(self._pick_step(step)))}
 
   def _set_aside(self, step):
     """Renames a damaged step to `<step>.corrupt` (kept for inspection) so new saves can reuse its number."""
@@ -259,6 +257,8 @@ class Checkpointer:
     if config is not None:
       check_config(meta.get("config"), config, where=f"checkpoint step {step} in {self.directory}")
     saved_tree = self._saved_tree(step)
+    if callable(abstract_state):
+      abstract_state = abstract_state({m.name for m in jax.tree.leaves(saved_tree)})
     if abstract_state is None:
       target = abstract_from_metadata(saved_tree)
     else:

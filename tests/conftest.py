@@ -37,8 +37,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # `bash tests/run.sh --durations=0` when a file's cost changes by much; the order matters, not the digits.
 FILE_SECONDS = {
     "test_train_step.py": 320,
-    "test_recall_program.py": 280,
-    "test_train_resume.py": 250,
+    "test_recall_program.py": 230,
+    "test_train_resume.py": 225,
     "test_train_program.py": 190,
     "test_model.py": 160,
     "test_state_passing.py": 130,

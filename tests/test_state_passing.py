@@ -132,3 +132,12 @@ def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
     ck.save(4, state, force=True)
   restored, note = resume.restore_train_state(checkpoint.Checkpointer(tmp_path / "ckpt"), abstract)
   assert restored.step == 4 and note is None
+  # The newest step (with pos) damaged: the restore falls back to step 3, whose carry has no pos. Whether pos
+  # is restored or zero-filled follows the step actually read, not the newest on disk.
+  for f in (tmp_path / "ckpt" / "4" / "train_state").rglob("d/*"):  # step 4 loses its array data
+    f.unlink()
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:
+    restored, note = resume.restore_train_state(ck, abstract)
+  assert restored.step == 3 and "pos = 0" in note
+  assert np.asarray(restored.train_state["carry"]["pos"]).tolist() == [0] * 8
+  np.testing.assert_array_equal(restored.train_state["carry"]["conv"], conv)

@@ -18,6 +18,10 @@ COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_
 # schedule the test does not check (later runs keep the saved one): their train steps are then one program,
 # compiled once and read back from the suite's compilation cache (tests/conftest.py).
 SCHEDULE = ["--optimizer.total_steps", "4"]
+# The allowed changes both resume tests accept: a field (muon_lr) and the schedule (total_steps). One set, so
+# their resumed runs (each saved with SCHEDULE's schedule) compile one program between them, not two.
+ALLOWED_CHANGES = ["--optimizer.muon_lr", "0.5", "--optimizer.total_steps", "12",
+                   "--allow_changes", "optimizer.muon_lr,optimizer.total_steps"]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,7 @@ def test_changed_config_is_refused_listing_each_difference_then_allowed(data_dir
   assert "--allow_changes train.global_batch,optimizer.muon_lr" in msg
   with pytest.raises(ValueError, match=r"--allow_changes 'optimizer.muon_rate'.*unknown field"):
     _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--allow_changes", "optimizer.muon_rate")
-  summary = _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5",
-                   "--allow_changes", "optimizer.muon_lr")
+  summary = _train(data_dir, out, "--steps", "3", *ALLOWED_CHANGES)
   assert summary["start_step"] == 2 and summary["end_step"] == 3
 
 
@@ -68,8 +71,7 @@ def test_extended_run_keeps_its_schedule(data_dir, tmp_path):
   assert got[5][1] <= got[4][1]  # the control: no jump back up to the peak at step 5
   with pytest.raises(ValueError, match=r"optimizer.total_steps: saved 4, now 12"):
     _train(data_dir, out, "--steps", "12", "--optimizer.total_steps", "12")
-  summary = _train(data_dir, out, "--steps", "9", "--optimizer.total_steps", "12",
-                   "--allow_changes", "optimizer.total_steps")
+  summary = _train(data_dir, out, "--steps", "9", *ALLOWED_CHANGES)
   assert summary["start_step"] == 8
 
 

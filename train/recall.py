@@ -58,10 +58,12 @@ GRIDS = {
         passkey="passkey:256", passkey_steps=6000, passkey_batch=16,
         passkey_contexts=(256, 1024, 4096, 16384, 65536), passkey_examples=4, eval_examples=0,
         adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02, passkey_distances=DISTANCES, state_passing=False),
-    # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment
+    # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment. MQAR at passkey's
+    # shapes (vocabulary 32, 64 tokens, 5 scored positions per row, batch 8, same steps and learning rates):
+    # a pattern's passkey cell trains with the very program its MQAR cell compiled (a compilation-cache read).
     "smoke": dict(
-        width=32, mqar=("mqar:64,4,256",), mqar_steps=3, mqar_batch=8, state_task="mqar:64,4,256",
-        state_widths=(16,), passkey="passkey:64", passkey_steps=3, passkey_batch=4, passkey_contexts=(64,),
+        width=32, mqar=("mqar:64,5,32",), mqar_steps=3, mqar_batch=8, state_task="mqar:64,5,32",
+        state_widths=(16,), passkey="passkey:64", passkey_steps=3, passkey_batch=8, passkey_contexts=(64,),
         passkey_examples=1, eval_examples=16, adamw_lr=1e-2, passkey_adamw_lr=1e-2, muon_lr=0.02,
         passkey_distances=(8, 16), state_passing=False),
     # The grid (vocabulary 8,192, every Zoology setting, passkey to 16K): an accelerator's job.

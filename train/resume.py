@@ -130,9 +130,13 @@ def restore_train_state(ckpt, abstract: dict):
   in that same order (slot s: position pos − conv_size + s); nothing else in a training carry reads pos
   (attention layers carry no cache and start each segment at position 0)."""
   carry = abstract.get("carry")
-  if carry is None or "pos" not in carry or "carry.pos" in ckpt.leaf_names():
+  if carry is None or "pos" not in carry:
     return ckpt.restore(abstract_state=abstract), None
-  restored = ckpt.restore(abstract_state={**abstract, "carry": {k: v for k, v in carry.items() if k != "pos"}})
+  # Decided per step tried: the newest step may be damaged and the restore fall back to an older one.
+  without_pos = {**abstract, "carry": {k: v for k, v in carry.items() if k != "pos"}}
+  restored = ckpt.restore(abstract_state=lambda names: abstract if "carry.pos" in names else without_pos)
+  if "pos" in restored.train_state["carry"]:
+    return restored, None
   pos = carry["pos"]
   zeros = np.zeros(pos.shape, pos.dtype)
   pos = (jax.make_array_from_callback(pos.shape, pos.sharding, lambda idx: zeros[idx])
