@@ -160,7 +160,7 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   from laplace_jax import recall, train_step
   from laplace_jax.adamw import adamw
   from laplace_jax.config import param_counts, state_bytes_per_sequence
-  from train.recall import _jit_step, _progress_bar, answer_accuracy, answers_right
+  from train.recall import _jit_step, _progress_bar, answers_right
   cfg = model_config(cell.pattern, cell.width, cell.task, grid["window_div"])
   train, test = data(cell.task, grid["train_examples"], grid["test_examples"])
   batches = train_batches(train, cell.batch, grid.get("labels", "all"), cfg.window)
@@ -179,9 +179,9 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
       since.append(metrics["loss"])
       if bar:
         bar.update(1)
-      if i + 1 in marks:
-        curve.append([epoch * len(batches) + i + 1, float(sum(since)) / len(since),
-                      answer_accuracy(state["params"], cfg, test_batches)])
+      if i + 1 in marks:  # the epoch's last mark is its end: `right` is then the final params' answers
+        right = answers_right(state["params"], cfg, test_batches)
+        curve.append([epoch * len(batches) + i + 1, float(sum(since)) / len(since), float(right.mean())])
         since = []
     losses.append(float(metrics["loss"]))
     history.append(curve[-1][2])
@@ -199,7 +199,7 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
           "train_examples": len(batches) * cell.batch, "steps": len(history) * len(batches),
           "params": param_counts(cfg)["total"], "accuracy_by_epoch": history, "loss_by_epoch": losses,
           "curve": curve, "train_s": time.perf_counter() - t0,
-          **reach(answers_right(state["params"], cfg, test_batches), value_distance(test) < cfg.window)}
+          **reach(right, value_distance(test) < cfg.window)}
 
 
 def reach(right_BxK, near_BxK) -> dict:
