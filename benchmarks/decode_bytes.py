@@ -11,6 +11,7 @@ once (the embedding: only the looked-up rows), the logits written once. Also pri
 arguments, the part of the outputs aliased to the donated state, and temporaries (one state table means
 temp << state).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,12 @@ def minimum_bytes(cfg, params, state, slots) -> dict:
     ring_len.update(k=state["k"].shape[2], v=state["v"].shape[2])
   ring_bytes = sum(nbytes(state[k]) * (1 + 1 / n) for k, n in ring_len.items() if k in state)
   rest = {k: v for k, v in state.items() if k not in ring_len}
-  return {"state_read_and_written": 2 * nbytes(rest) + ring_bytes, "weights_read": weights,
-          "logits_written": slots * cfg.vocab_size * 4, "tokens_read": slots * 4}
+  return {
+    "state_read_and_written": 2 * nbytes(rest) + ring_bytes,
+    "weights_read": weights,
+    "logits_written": slots * cfg.vocab_size * 4,
+    "tokens_read": slots * 4,
+  }
 
 
 def measure(cfg, slots, max_len=None):
@@ -74,8 +79,10 @@ def main(argv=None):
   overrides = {k: getattr(args, k) for k in ("mixers", "window", "n_layers") if getattr(args, k) is not None}
   cfg = get_config(args.preset, **overrides)
   if ("A" in cfg.mixers) != (args.max_len is not None):
-    p.error(f"--max_len is the KV cache length of attention layers: give it exactly when the pattern "
-            f"({cfg.mixers!r}) has an A, e.g. --max_len 1024")
+    p.error(
+      f"--max_len is the KV cache length of attention layers: give it exactly when the pattern "
+      f"({cfg.mixers!r}) has an A, e.g. --max_len 1024"
+    )
   if args.max_len is not None:
     overrides["max_len"] = args.max_len
   ops, mem, minimum, state_bytes, text = measure(cfg, args.slots, args.max_len)
@@ -83,28 +90,48 @@ def main(argv=None):
     with open(args.hlo, "w") as f:
       f.write(text)
   moved, least = hlo_bytes.total_bytes(ops), sum(minimum.values())
-  print(f"# decode step bytes, {args.preset} {overrides or ''} at {args.slots} slots, jax {jax.__version__}, "
-        f"{jax.devices()[0].platform}")
-  print(f"moved per step: {moved / 1e9:.3f} GB;  minimum: {least / 1e9:.3f} GB  "
-        + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in minimum.items()))
+  print(
+    f"# decode step bytes, {args.preset} {overrides or ''} at {args.slots} slots, jax {jax.__version__}, "
+    f"{jax.devices()[0].platform}"
+  )
+  print(
+    f"moved per step: {moved / 1e9:.3f} GB;  minimum: {least / 1e9:.3f} GB  "
+    + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in minimum.items())
+  )
   print(f"ratio: {moved / least:.2f}x the minimum")
-  print(f"compiled memory: arguments {mem.argument_size_in_bytes / 1e9:.3f} GB, aliased outputs "
-        f"{mem.alias_size_in_bytes / 1e9:.3f} GB (state {state_bytes / 1e9:.3f} GB), temporaries "
-        f"{mem.temp_size_in_bytes / 1e9:.3f} GB")
+  print(
+    f"compiled memory: arguments {mem.argument_size_in_bytes / 1e9:.3f} GB, aliased outputs "
+    f"{mem.alias_size_in_bytes / 1e9:.3f} GB (state {state_bytes / 1e9:.3f} GB), temporaries "
+    f"{mem.temp_size_in_bytes / 1e9:.3f} GB"
+  )
   by_kind = defaultdict(int)
   for o in ops:
     by_kind[o.opcode] += o.total_bytes
   order = sorted(by_kind.items(), key=lambda kv: -kv[1])
   print("by opcode: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in order))
   print(f"\nlargest {args.top} (GB per step = (read + written) x executions):")
-  for o in sorted(ops, key=lambda o: -o.total_bytes)[:args.top]:
-    print(f"  {o.total_bytes / 1e9:7.3f}  x{o.count:<3d} r {o.read_bytes / 1e6:8.1f} MB  "
-          f"w {o.written_bytes / 1e6:8.1f} MB  {o.opcode:8s} {o.name}  {o.op_name.split('/')[-1]}")
+  for o in sorted(ops, key=lambda o: -o.total_bytes)[: args.top]:
+    print(
+      f"  {o.total_bytes / 1e9:7.3f}  x{o.count:<3d} r {o.read_bytes / 1e6:8.1f} MB  "
+      f"w {o.written_bytes / 1e6:8.1f} MB  {o.opcode:8s} {o.name}  {o.op_name.split('/')[-1]}"
+    )
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"preset": args.preset, "slots": args.slots, **overrides, "moved_bytes": moved, "minimum": minimum,
-                 "ratio": moved / least, "temp_bytes": mem.temp_size_in_bytes,
-                 "alias_bytes": mem.alias_size_in_bytes, "state_bytes": state_bytes}, f, indent=1)
+      json.dump(
+        {
+          "preset": args.preset,
+          "slots": args.slots,
+          **overrides,
+          "moved_bytes": moved,
+          "minimum": minimum,
+          "ratio": moved / least,
+          "temp_bytes": mem.temp_size_in_bytes,
+          "alias_bytes": mem.alias_size_in_bytes,
+          "state_bytes": state_bytes,
+        },
+        f,
+        indent=1,
+      )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ bytes of per-layer weight copies (each layer's slice of the stacked weights writ
 last, the current step with the layers unrolled and each layer's weights separate arrays.
 docs/BENCHMARKS.md ("Decode at the memory bound") names the XLA rule behind each row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ def _from_old_rows(readout: str, ordered: bool = True, keep_dim: bool = False):
   """o = λ·(q·S) + (q·k)·v from the old rows S, by a batched dot, a one-input sum ("sum"), or a sum whose
   reducer is a − (−b) ("subneg"); the write ordered after o (a select on each row's o > +∞, never true) or
   not; the layer's rows as [B, H, K, V] (a bitcast on either side) or with the table's leading dim 1 kept."""
+
   def step(q, k, v, g, T, i):
-    lam, q = jnp.exp(g), q * K ** -0.5
+    lam, q = jnp.exp(g), q * K**-0.5
     s = jax.lax.dynamic_slice_in_dim(T, i, 1, 0) if keep_dim else jax.lax.dynamic_index_in_dim(T, i, 0, False)
     qs = q[None] if keep_dim else q
     if readout == "dot":
@@ -48,19 +50,23 @@ def _from_old_rows(readout: str, ordered: bool = True, keep_dim: bool = False):
     if ordered:
       k = jnp.where(o[:, :1, :1] > jnp.inf, 0.0, k)
     s = lam[:, None, None] * s + (k[..., None] * v[..., None, :]).reshape(s.shape)
-    return o, (jax.lax.dynamic_update_slice_in_dim(T, s, i, 0) if keep_dim
-               else jax.lax.dynamic_update_index_in_dim(T, s, i, 0))
+    return o, (
+      jax.lax.dynamic_update_slice_in_dim(T, s, i, 0)
+      if keep_dim
+      else jax.lax.dynamic_update_index_in_dim(T, s, i, 0)
+    )
+
   return step
 
 
 FORMS = {
-    "before: S' temporary, dot readout": _before,
-    "old rows, unordered": _from_old_rows("sum", ordered=False),
-    "old rows, ordered, dot": _from_old_rows("dot"),
-    "old rows, ordered, one-input sum": _from_old_rows("sum"),
-    "  the same, layer dim kept": _from_old_rows("sum", keep_dim=True),
-    "  the same, reducer a - (-b)": _from_old_rows("subneg", keep_dim=True),
-    "now: gla_decode XLA step": functools.partial(gla_decode.gla_decode_layer, impl="xla"),
+  "before: S' temporary, dot readout": _before,
+  "old rows, unordered": _from_old_rows("sum", ordered=False),
+  "old rows, ordered, dot": _from_old_rows("dot"),
+  "old rows, ordered, one-input sum": _from_old_rows("sum"),
+  "  the same, layer dim kept": _from_old_rows("sum", keep_dim=True),
+  "  the same, reducer a - (-b)": _from_old_rows("subneg", keep_dim=True),
+  "now: gla_decode XLA step": functools.partial(gla_decode.gla_decode_layer, impl="xla"),
 }
 
 
@@ -97,8 +103,10 @@ def measure(step, L: int, B: int, unrolled: bool = False) -> tuple[float, float]
   if unrolled:
     fn, args = toy_decode_unrolled, ([w] * L, [wo] * L, x, T, jax.ShapeDtypeStruct((L,), jnp.int32))
   else:
-    fn, args = toy_decode, (jax.ShapeDtypeStruct((L,) + w.shape, F32), jax.ShapeDtypeStruct((L,) + wo.shape, F32),
-                            x, T)
+    fn, args = (
+      toy_decode,
+      (jax.ShapeDtypeStruct((L,) + w.shape, F32), jax.ShapeDtypeStruct((L,) + wo.shape, F32), x, T),
+    )
   text = jax.jit(functools.partial(fn, step), donate_argnums=3).lower(*args).compile().as_text()
   ops = [o for o in hlo_bytes.memory_traffic(text) if unrolled or o.count == L]  # the layers' instructions
   per = L if unrolled else 1
@@ -114,8 +122,10 @@ def main(argv=None):
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--slots", type=int, default=256)
   args = p.parse_args(argv)
-  print(f"# toy decode scan: {args.layers} layers, state [{args.slots}, {H}, {K}, {V}] fp32 per layer; "
-        f"jax {jax.__version__}, {jax.devices()[0].platform}")
+  print(
+    f"# toy decode scan: {args.layers} layers, state [{args.slots}, {H}, {K}, {V}] fp32 per layer; "
+    f"jax {jax.__version__}, {jax.devices()[0].platform}"
+  )
   print(f"{'formulation':40s} {'state passes/layer':>18s} {'weight copies MB/layer':>23s}")
   for name, step in FORMS.items():
     passes, copies = measure(step, args.layers, args.slots)

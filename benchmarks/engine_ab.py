@@ -4,15 +4,16 @@ does) against one compiled program (what it did before issue 11), beside the bar
 
     python benchmarks/engine_ab.py SLOTS ROUNDS
 """
+
 import sys
 import time
 
 import jax
 import numpy as np
-
-from laplace_jax.config import get_config
 from serve_bench import LaplaceStep
 from serve_bench_common import laplace_params
+
+from laplace_jax.config import get_config
 from serve.engine import Engine, Request
 
 
@@ -43,8 +44,10 @@ def main():
   cfg = get_config("tiny")
   params = laplace_params(cfg, "compute")
   rng = np.random.default_rng(0)
-  engines = {"two calls": busy_engine(params, cfg, slots, False, rng),
-             "one program": busy_engine(params, cfg, slots, True, rng)}
+  engines = {
+    "two calls": busy_engine(params, cfg, slots, False, rng),
+    "one program": busy_engine(params, cfg, slots, True, rng),
+  }
   bare = LaplaceStep(params, cfg, slots)
   bare()
   times = {name: [] for name in [*engines, "bare"]}

@@ -8,6 +8,7 @@ bf16 weights on the host): the same per-leaf SHA-256 over every leaf's bytes, th
 from one reused buffer as large as the largest leaf (the hashing is what costs; the device-to-host copy of
 the weights is not counted there).
 """
+
 import argparse
 import concurrent.futures
 import hashlib
@@ -32,7 +33,9 @@ def real(cfg, dtype):
 
 
 def synthetic(cfg, dtype):
-  shapes = [x.shape for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))))]
+  shapes = [
+    x.shape for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))))
+  ]
   item = jnp.dtype(dtype).itemsize
   buf = np.ones(max(int(np.prod(s)) for s in shapes) * item, np.uint8)
   sizes = [int(np.prod(s)) * item for s in shapes]
@@ -50,10 +53,15 @@ def main():
   print(f"{os.cpu_count()} CPUs, jax {jax.__version__}")
   for name in args.presets:
     cfg = get_config(name)
-    how, (n, s) = ("real", real(cfg, args.dtype)) if name in ("tiny", "small") else ("synthetic",
-                                                                                      synthetic(cfg, args.dtype))
+    how, (n, s) = (
+      ("real", real(cfg, args.dtype))
+      if name in ("tiny", "small")
+      else ("synthetic", synthetic(cfg, args.dtype))
+    )
     gb = n * jnp.dtype(args.dtype).itemsize / 1e9
-    print(f"{name}: {n / 1e6:.1f} M parameters, {gb:.2f} GB {args.dtype}: {s:.2f} s ({how}), {gb / s:.2f} GB/s")
+    print(
+      f"{name}: {n / 1e6:.1f} M parameters, {gb:.2f} GB {args.dtype}: {s:.2f} s ({how}), {gb / s:.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ once per iteration), by kind and element type, against the floor of the design:
 (m micro-batches, P parameters, N FSDP devices; bf16 weights gathered in the forward and again in the
 rematerialised backward, fp32 gradients reduce-scattered once). Without remat the floor counts one gather.
 """
+
 import argparse
 import os
 import sys
@@ -29,18 +30,20 @@ def _args(argv):
 
 
 ARGS = _args(sys.argv[1:])
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
-from laplace_jax import hlo_traffic, sharding, train_step as ts  # noqa: E402
+from laplace_jax import hlo_traffic, sharding  # noqa: E402
+from laplace_jax import train_step as ts  # noqa: E402
 from laplace_jax.config import get_config, param_counts  # noqa: E402
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 
-GiB, GB = 2 ** 30, 1e9
+GiB, GB = 2**30, 1e9
 
 
 def floor_bytes(n_params: int, n_dev: int, micro_batches: int, remat: bool = True) -> float:
@@ -54,19 +57,30 @@ def main():
   P = param_counts(cfg)["total"]
   mesh = sharding.make_mesh(data=1, fsdp=ARGS.devices)
   opt = make_optimizer(OptimizerConfig(), mesh=mesh)
-  print(f"{ARGS.preset} ({P:,} parameters) train step on {ARGS.devices} simulated CPU devices, "
-        f"{ARGS.global_batch} × {ARGS.seq_len} tokens per step, remat {cfg.remat}, compute {cfg.compute_dtype}\n")
-  print("| micro-batches | compile s | peak GiB/device | all-gather GB (dtype) | reduce-scatter GB (dtype) | "
-        "all-reduce GB | all-to-all GB | total GB | floor GB | total / floor |")
+  print(
+    f"{ARGS.preset} ({P:,} parameters) train step on {ARGS.devices} simulated CPU devices, "
+    f"{ARGS.global_batch} × {ARGS.seq_len} tokens per step, remat {cfg.remat}, compute {cfg.compute_dtype}\n"
+  )
+  print(
+    "| micro-batches | compile s | peak GiB/device | all-gather GB (dtype) | reduce-scatter GB (dtype) | "
+    "all-reduce GB | all-to-all GB | total GB | floor GB | total / floor |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|")
   for m in ARGS.micro_batches:
     t0 = time.perf_counter()
-    compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=ARGS.global_batch, seq_len=ARGS.seq_len,
-                                     step_cfg=ts.StepConfig(micro_batches=m))
+    compiled = ts.compile_train_step(
+      cfg,
+      opt,
+      mesh,
+      global_batch=ARGS.global_batch,
+      seq_len=ARGS.seq_len,
+      step_cfg=ts.StepConfig(micro_batches=m),
+    )
     secs = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
+    peak = (
+      mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    )
     colls = hlo_traffic.parse_collectives(compiled.as_text(), ARGS.devices)
     by = defaultdict(float)
     dtypes = defaultdict(set)
@@ -77,9 +91,12 @@ def main():
     total = sum(by.values())
     fl = floor_bytes(P, ARGS.devices, m, cfg.remat)
     show = lambda k: f"{by[k] / GB:.2f}" + (f" ({','.join(sorted(dtypes[k]))})" if dtypes[k] else "")
-    print(f"| {m} | {secs:.0f} | {peak / GiB:.2f} | {show('all-gather')} | {show('reduce-scatter')} | "
-          f"{show('all-reduce')} | {by['all-to-all'] / GB:.2f} | {total / GB:.2f} | {fl / GB:.2f} | "
-          f"{total / fl:.3f} |", flush=True)
+    print(
+      f"| {m} | {secs:.0f} | {peak / GiB:.2f} | {show('all-gather')} | {show('reduce-scatter')} | "
+      f"{show('all-reduce')} | {by['all-to-all'] / GB:.2f} | {total / GB:.2f} | {fl / GB:.2f} | "
+      f"{total / fl:.3f} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ multiple of an in-place scaling of one layer's state timed in the same run (one 
 memory-bound floor on this device).
 First checks each implementation against `gla.recurrent_simple_gla_step` on the same inputs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ def main(argv=None):
   v = jax.random.normal(keys[2], (B, H, V), dt)
   g = jnp.asarray(log_decays(cfg))
   layer_bytes = B * H * K * V * 4
-  print(f"# {args.preset}: {B} slots, table [{L},{B},{H},{K},{V}] fp32, one layer {layer_bytes / 1e9:.3f} GB; "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(
+    f"# {args.preset}: {B} slots, table [{L},{B},{H},{K},{V}] fp32, one layer {layer_bytes / 1e9:.3f} GB; "
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+  )
 
   table = jax.random.normal(keys[3], (L, B, H, K, V), jnp.float32)
   o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[1])
@@ -64,6 +67,7 @@ def main(argv=None):
     def step():
       o, state["t"] = fn(q, k, v, g, state["t"], 1)
       jax.block_until_ready((o, state["t"]))
+
     return median_seconds(step, args.steps)
 
   rounds = {name: [] for name in fns}
@@ -71,13 +75,17 @@ def main(argv=None):
     for name, fn in fns.items():
       rounds[name].append(timed(fn))
   floor = float(np.median(rounds["floor"]))
-  print(f"floor (in-place scale of one layer): {floor * 1e3:.2f} ms = {2 * layer_bytes / floor / 1e9:.0f} GB/s")
+  print(
+    f"floor (in-place scale of one layer): {floor * 1e3:.2f} ms = {2 * layer_bytes / floor / 1e9:.0f} GB/s"
+  )
   for name in fns:
     if name != "floor":
       s = float(np.median(rounds[name]))
       ratio = float(np.median(np.array(rounds[name]) / np.array(rounds["floor"])))
-      print(f"{name:9s} {s * 1e3:8.2f} ms  {2 * layer_bytes / s / 1e9:6.0f} GB/s of state  "
-            f"{ratio:5.2f}x the floor")
+      print(
+        f"{name:9s} {s * 1e3:8.2f} ms  {2 * layer_bytes / s / 1e9:6.0f} GB/s of state  "
+        f"{ratio:5.2f}x the floor"
+      )
 
 
 if __name__ == "__main__":

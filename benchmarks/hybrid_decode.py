@@ -20,6 +20,7 @@ runs at the largest slot count that fits (halving; both contexts at the same cou
 the default --n_layers 8 keeps the pattern GGGS whole (2 of 8 layers windowed, the share laplace-3b's GGGS
 has) and the states within a shared machine's memory; every case uses the same depth.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,15 +86,17 @@ def matmul_form(case: str) -> bool:
 @functools.cache
 def compiled_step(cfg, matmuls: bool):
   """One jitted step per config and decode form, so cases of the same shapes share a compilation."""
+
   def step(params, state, tokens):
     saved = window_attention.ring_decode_attention, attention.cache_decode_attention
-    if matmuls:                                               # read when the step is traced
+    if matmuls:  # read when the step is traced
       window_attention.ring_decode_attention = window_attention._decode_matmuls
       attention.cache_decode_attention = attention._cache_decode_matmuls
     try:
       return model.decode_step(params, state, tokens, cfg=cfg)
     finally:
       window_attention.ring_decode_attention, attention.cache_decode_attention = saved
+
   return jax.jit(step, donate_argnums=(1,))
 
 
@@ -134,7 +137,7 @@ def weights(cfg, cache: dict):
 
 
 def timed(cases: list[Case], steps: int, rounds: int):
-  for c in cases:               # compile and one warm call each
+  for c in cases:  # compile and one warm call each
     c.run(1, record=False)
   for _ in range(rounds):
     for c in cases:
@@ -162,10 +165,18 @@ def main(argv=None):
   budget = args.budget_gb * 1e9
   calls = 1 + args.steps * args.rounds
   params: dict = {}
-  out = {"preset": args.preset, "n_layers": args.n_layers, "jax": jax.__version__,
-         "device": jax.devices()[0].device_kind, "steps": args.steps, "rounds": args.rounds}
-  print(f"# {args.preset}, {args.n_layers} layers, {base.compute_dtype}; jax {jax.__version__} on "
-        f"{jax.devices()[0].device_kind}; median of {args.steps} x {args.rounds} interleaved calls per case")
+  out = {
+    "preset": args.preset,
+    "n_layers": args.n_layers,
+    "jax": jax.__version__,
+    "device": jax.devices()[0].device_kind,
+    "steps": args.steps,
+    "rounds": args.rounds,
+  }
+  print(
+    f"# {args.preset}, {args.n_layers} layers, {base.compute_dtype}; jax {jax.__version__} on "
+    f"{jax.devices()[0].device_kind}; median of {args.steps} x {args.rounds} interleaved calls per case"
+  )
 
   if "slots" in args.sections:
     out["slots"] = []
@@ -180,16 +191,29 @@ def main(argv=None):
         cases.append(Case(label, cfg, weights(cfg, params), want, args.context, args.context + calls, calls))
       timed(cases, args.steps, args.rounds)
       first = cases[0]
-      print(f"\n| {want} slots, context {args.context:,} | slots | state GB | ms/step | tokens/s | "
-            f"/ {first.label} |\n|---|---:|---:|---:|---:|---:|")
+      print(
+        f"\n| {want} slots, context {args.context:,} | slots | state GB | ms/step | tokens/s | "
+        f"/ {first.label} |\n|---|---:|---:|---:|---:|---:|"
+      )
       for c in cases:
         tps = c.slots / c.seconds
-        row = {"case": c.label, "slots_asked": want, "slots": c.slots, "context": args.context,
-               "state_bytes": state_bytes(c.cfg, c.slots, args.context + calls), "seconds": c.seconds,
-               "times": c.times, "tokens_per_s": tps, "ratio": tps / (first.slots / first.seconds)}
+        row = {
+          "case": c.label,
+          "slots_asked": want,
+          "slots": c.slots,
+          "context": args.context,
+          "state_bytes": state_bytes(c.cfg, c.slots, args.context + calls),
+          "seconds": c.seconds,
+          "times": c.times,
+          "tokens_per_s": tps,
+          "ratio": tps / (first.slots / first.seconds),
+        }
         out["slots"].append(row)
-        print(f"| {c.label} | {c.slots:,} | {row['state_bytes'] / 1e9:.2f} | {1e3 * c.seconds:.1f} | {tps:,.0f} | "
-              f"{row['ratio']:.2f} |", flush=True)
+        print(
+          f"| {c.label} | {c.slots:,} | {row['state_bytes'] / 1e9:.2f} | {1e3 * c.seconds:.1f} | {tps:,.0f} | "
+          f"{row['ratio']:.2f} |",
+          flush=True,
+        )
       for label, size in unfit:
         out["slots"].append({"case": label, "slots_asked": want, "slots": 0, "state_bytes": size})
         print(f"| {label} | not run: state {size / 1e9:.2f} GB > --budget_gb | {size / 1e9:.2f} | | | |")
@@ -204,15 +228,28 @@ def main(argv=None):
       for ctx in (args.context, args.long):
         cases.append(Case(label, cfg, weights(cfg, params), slots, ctx, ctx + calls, calls))
     timed(cases, args.steps, args.rounds)
-    print(f"\n| case | slots | ms/step at {args.context:,} | ms/step at {args.long:,} | long / short |"
-          "\n|---|---:|---:|---:|---:|")
+    print(
+      f"\n| case | slots | ms/step at {args.context:,} | ms/step at {args.long:,} | long / short |"
+      "\n|---|---:|---:|---:|---:|"
+    )
     for short, long in zip(cases[::2], cases[1::2]):
-      row = {"case": short.label, "slots": short.slots, "short": args.context, "long": args.long,
-             "short_seconds": short.seconds, "long_seconds": long.seconds, "short_times": short.times,
-             "long_times": long.times, "ratio": long.seconds / short.seconds}
+      row = {
+        "case": short.label,
+        "slots": short.slots,
+        "short": args.context,
+        "long": args.long,
+        "short_seconds": short.seconds,
+        "long_seconds": long.seconds,
+        "short_times": short.times,
+        "long_times": long.times,
+        "ratio": long.seconds / short.seconds,
+      }
       out["context"].append(row)
-      print(f"| {short.label} | {short.slots:,} | {1e3 * short.seconds:.1f} | {1e3 * long.seconds:.1f} | "
-            f"{row['ratio']:.3f} |", flush=True)
+      print(
+        f"| {short.label} | {short.slots:,} | {1e3 * short.seconds:.1f} | {1e3 * long.seconds:.1f} | "
+        f"{row['ratio']:.3f} |",
+        flush=True,
+      )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)

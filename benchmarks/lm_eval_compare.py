@@ -6,6 +6,7 @@ It tokenizes each (context, continuation) the way lm-eval does (trailing spaces 
 continuation; continuation ids = ids(context + continuation) after ids(context)) and prints the largest
 absolute difference; exit status 1 if it is above --tol.
 """
+
 import argparse
 import json
 import sys
@@ -22,7 +23,9 @@ def loglikelihood(params, cfg, encode, context, continuation):
   if n:
     context, continuation = context[:-n], context[-n:] + continuation
   whole, ctx = encode(context + continuation), encode(context)
-  logits = np.asarray(model.forward(params, np.array([whole]), cfg=cfg))[0, :, :gpt2.VOCAB_SIZE].astype(np.float64)
+  logits = np.asarray(model.forward(params, np.array([whole]), cfg=cfg))[0, :, : gpt2.VOCAB_SIZE].astype(
+    np.float64
+  )
   m = logits.max(-1, keepdims=True)
   logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
   return float(sum(logp[t - 1, whole[t]] for t in range(len(ctx), len(whole))))
@@ -42,7 +45,11 @@ def main():
     for line in f:
       doc = json.loads(line)
       args = doc["arguments"]
-      args = [args[k] for k in sorted(args, key=lambda k: int(k.rsplit("_", 1)[1]))] if isinstance(args, dict) else args
+      args = (
+        [args[k] for k in sorted(args, key=lambda k: int(k.rsplit("_", 1)[1]))]
+        if isinstance(args, dict)
+        else args
+      )
       for arg, resp in zip(args, doc["resps"]):
         ctx, cont = (arg["arg_0"], arg["arg_1"]) if isinstance(arg, dict) else arg
         served = float(resp[0][0])

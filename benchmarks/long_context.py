@@ -7,6 +7,7 @@ For each length T: global batch = tokens-per-step / T; the compiled step's tempo
 (`memory_analysis()`, no run needed) and, with --steps > 0, the median step time per token on one device
 (random tokens, Muon + AdamW). Ratios are against the first length, measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,8 @@ import platform
 import jax
 import numpy as np
 
-from laplace_jax import sharding, timing, train_step as ts
+from laplace_jax import sharding, timing
+from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
 
@@ -35,8 +37,10 @@ def main(argv=None):
     cfg = cfg.replace(compute_dtype=args.compute_dtype)
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   opt = make_optimizer(OptimizerConfig(total_steps=1000, warmup_steps=10))
-  print(f"{args.preset} ({cfg.compute_dtype}, remat {cfg.remat}, gla_form {cfg.gla_form}) on "
-        f"{jax.devices()[0].device_kind} ({platform.machine()}); {args.tokens_per_step} tokens per step\n")
+  print(
+    f"{args.preset} ({cfg.compute_dtype}, remat {cfg.remat}, gla_form {cfg.gla_form}) on "
+    f"{jax.devices()[0].device_kind} ({platform.machine()}); {args.tokens_per_step} tokens per step\n"
+  )
   print("| T | batch | temporaries MiB | bytes/token | × first | step s | µs/token | × first |")
   print("|---|---|---|---|---|---|---|---|")
   first = None
@@ -56,12 +60,16 @@ def main(argv=None):
         nonlocal state
         state, m = compiled(state, batch)
         jax.block_until_ready(m)
+
       step_s = timing.median_seconds(step, args.steps, warmup=1)
       del state
     us_tok = 1e6 * step_s / args.tokens_per_step
     first = first or (per_tok, us_tok)
-    print(f"| {T} | {B} | {per_tok * args.tokens_per_step / 2 ** 20:.0f} | {per_tok:.0f} | "
-          f"{per_tok / first[0]:.2f} | {step_s:.2f} | {us_tok:.1f} | {us_tok / first[1]:.2f} |", flush=True)
+    print(
+      f"| {T} | {B} | {per_tok * args.tokens_per_step / 2**20:.0f} | {per_tok:.0f} | "
+      f"{per_tok / first[0]:.2f} | {step_s:.2f} | {us_tok:.1f} | {us_tok / first[1]:.2f} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

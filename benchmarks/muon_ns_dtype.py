@@ -7,6 +7,7 @@ between them, each one's distance from orthogonality, and with --exact each one'
 orthogonal factor U Vᵀ of X (SVD). `--time` adds the median time of each (meaningful on an accelerator; bf16 matmuls are
 slower than fp32 ones on this project's CPU).
 """
+
 import argparse
 import os
 import sys
@@ -35,6 +36,7 @@ def main(argv):
   def orth_err(o):  # ‖O Oᵀ − I‖_F / √rows on the short side: how far from orthogonal the update is
     o = o if o.shape[0] <= o.shape[1] else o.T
     return float(np.linalg.norm(o @ o.T - np.eye(o.shape[0])) / np.sqrt(o.shape[0]))
+
   f32 = jax.jit(lambda x: newton_schulz(x))
   bf16 = jax.jit(lambda x: newton_schulz(x, dtype=jnp.bfloat16))
   print(f"{args.preset}: Newton–Schulz (5 steps) bf16 vs fp32 on {jax.default_backend()}, seed {args.seed}\n")
@@ -45,8 +47,13 @@ def main(argv):
   for shape in shapes:
     x = jax.random.normal(jax.random.key(args.seed), shape, jnp.float32)
     hi, lo = np.asarray(f32(x)), np.asarray(bf16(x))
-    row = [f"{shape[0]}×{shape[1]}", f"{np.linalg.norm(lo - hi) / np.linalg.norm(hi):.4f}", f"{cos(lo, hi):.5f}",
-           f"{orth_err(hi):.4f}", f"{orth_err(lo):.4f}"]
+    row = [
+      f"{shape[0]}×{shape[1]}",
+      f"{np.linalg.norm(lo - hi) / np.linalg.norm(hi):.4f}",
+      f"{cos(lo, hi):.5f}",
+      f"{orth_err(hi):.4f}",
+      f"{orth_err(lo):.4f}",
+    ]
     if args.exact:
       u, _, vt = np.linalg.svd(np.asarray(x), full_matrices=False)
       row += [f"{cos(hi, u @ vt):.5f}", f"{cos(lo, u @ vt):.5f}"]

@@ -6,6 +6,7 @@ HLO with laplace_jax.hlo_traffic. Prints a markdown table.
 
     python benchmarks/muon_traffic.py [--preset laplace-3b] [--devices 64]
 """
+
 import argparse
 import os
 import sys
@@ -20,8 +21,9 @@ def _args(argv):
 
 ARGS = _args(sys.argv[1:])
 # Before JAX starts: N simulated CPU devices.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import platform  # noqa: E402
@@ -39,8 +41,11 @@ GB = 1e9
 def abstract_muon_params(cfg, mesh):
   """The Muon leaves {layers: {name: [L, fan_in, fan_out]}} as sharded ShapeDtypeStructs."""
   shapes = config.param_shapes(cfg)["layer"]
-  tree = {"layers": {n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32)
-                     for n in config.MUON_PARAM_NAMES}}
+  tree = {
+    "layers": {
+      n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32) for n in config.MUON_PARAM_NAMES
+    }
+  }
   shardings = sharding.param_shardings(tree, mesh)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -58,11 +63,17 @@ def measure(cfg, mesh, distribution):
   kinds = hlo_traffic.traffic_by_kind(colls)
   mem = compiled.memory_analysis()
   flops = ns_flops_per_device([x.shape for x in jax.tree.leaves(params)], n, distribution=distribution)
-  return {"distribution": distribution, "compile_s": seconds, "kinds": kinds,
-          "sent": sum(k["sent_bytes"] for k in kinds.values()),
-          "received": sum(k["received_bytes"] for k in kinds.values()),
-          "temp_bytes": getattr(mem, "temp_size_in_bytes", float("nan")),
-          "flops_max": flops["max"], "flops_mean": flops["mean"], "padding": flops["padding_overhead"]}
+  return {
+    "distribution": distribution,
+    "compile_s": seconds,
+    "kinds": kinds,
+    "sent": sum(k["sent_bytes"] for k in kinds.values()),
+    "received": sum(k["received_bytes"] for k in kinds.values()),
+    "temp_bytes": getattr(mem, "temp_size_in_bytes", float("nan")),
+    "flops_max": flops["max"],
+    "flops_mean": flops["mean"],
+    "padding": flops["padding_overhead"],
+  }
 
 
 def main():
@@ -74,31 +85,44 @@ def main():
   shapes = [x.shape for x in jax.tree.leaves(abstract_muon_params(cfg, mesh))]
   plan = make_plan(shapes, n)
 
-  print(f"Muon update of {ARGS.preset} ({muon_bytes / GB:.3f} GB of fp32 matrices, "
-        f"{len(plan.mats)} matrices) on {n} simulated devices ({platform.machine()}, {os.cpu_count()} cores, "
-        f"jax {jax.__version__})\n")
-  print("| variant | collectives | sent GB/device | received GB/device | sent+received GB | "
-        "NS GFLOP max/mean per device | temp GB/device | compile s |")
+  print(
+    f"Muon update of {ARGS.preset} ({muon_bytes / GB:.3f} GB of fp32 matrices, "
+    f"{len(plan.mats)} matrices) on {n} simulated devices ({platform.machine()}, {os.cpu_count()} cores, "
+    f"jax {jax.__version__})\n"
+  )
+  print(
+    "| variant | collectives | sent GB/device | received GB/device | sent+received GB | "
+    "NS GFLOP max/mean per device | temp GB/device | compile s |"
+  )
   print("|---|---|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     kinds = ", ".join(f"{v['count']}× {k}" for k, v in sorted(r["kinds"].items()))
-    print(f"| {r['distribution']} | {kinds} | {r['sent'] / GB:.3f} | {r['received'] / GB:.3f} | "
-          f"{(r['sent'] + r['received']) / GB:.3f} | {r['flops_max'] / 1e9:,.0f} / {r['flops_mean'] / 1e9:,.0f} | "
-          f"{r['temp_bytes'] / GB:.2f} | {r['compile_s']:.1f} |")
+    print(
+      f"| {r['distribution']} | {kinds} | {r['sent'] / GB:.3f} | {r['received'] / GB:.3f} | "
+      f"{(r['sent'] + r['received']) / GB:.3f} | {r['flops_max'] / 1e9:,.0f} / {r['flops_mean'] / 1e9:,.0f} | "
+      f"{r['temp_bytes'] / GB:.2f} | {r['compile_s']:.1f} |"
+    )
   a2a, gather = rows
   ratio = (gather["sent"] + gather["received"]) / (a2a["sent"] + a2a["received"])
   ideal_chunk = muon_bytes / n / n
-  print(f"\ngather / all_to_all traffic: {ratio:.1f}×  (N/2 = {n / 2:.0f}× if every owner held exactly 1/N "
-        f"of the matrices; this plan's per-peer chunk is {plan.chunk * 4 / ideal_chunk:.3f}× that share, so "
-        f"{n / 2 / (plan.chunk * 4 / ideal_chunk):.1f}× is this plan's bound)")
+  print(
+    f"\ngather / all_to_all traffic: {ratio:.1f}×  (N/2 = {n / 2:.0f}× if every owner held exactly 1/N "
+    f"of the matrices; this plan's per-peer chunk is {plan.chunk * 4 / ideal_chunk:.3f}× that share, so "
+    f"{n / 2 / (plan.chunk * 4 / ideal_chunk):.1f}× is this plan's bound)"
+  )
   slots = ", ".join(f"[{S}, {L}]" for S, L in plan.slots)
-  padded = sum(plan.mats[i].wide_shape != slot for slot, row in zip(plan.slots, plan.slot_mats)
-               for i in row if i >= 0)
+  padded = sum(
+    plan.mats[i].wide_shape != slot for slot, row in zip(plan.slots, plan.slot_mats) for i in row if i >= 0
+  )
   empty = sum(i < 0 for row in plan.slot_mats for i in row)
-  print(f"Slots on every device: {slots}; {padded} of {len(plan.mats)} matrices zero-padded, {empty} slots empty")
-  print(f"Newton–Schulz balance (all_to_all): busiest device / even split = "
-        f"{a2a['flops_max'] / a2a['flops_mean']:.3f}; slot padding FLOP overhead (FLOPs run on all devices / "
-        f"the matrices' own − 1) = {a2a['padding']:.1%}")
+  print(
+    f"Slots on every device: {slots}; {padded} of {len(plan.mats)} matrices zero-padded, {empty} slots empty"
+  )
+  print(
+    f"Newton–Schulz balance (all_to_all): busiest device / even split = "
+    f"{a2a['flops_max'] / a2a['flops_mean']:.3f}; slot padding FLOP overhead (FLOPs run on all devices / "
+    f"the matrices' own − 1) = {a2a['padding']:.1%}"
+  )
 
 
 if __name__ == "__main__":

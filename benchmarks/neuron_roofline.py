@@ -15,6 +15,7 @@ its chip's HBM and link bandwidth. Counts (nothing runs):
              FLOPs 2·(matmul params) + 4·H·d_k·d_v per layer per token.
 Published: ~120,000 training tokens/s and 11,544 decode tokens/s (1,280 sequences) on one instance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,17 @@ GLOBAL_BATCH, SEQ_LEN = 256, 2048  # 524,288 tokens per step, as the README's co
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--slots", type=int, default=1280)
-  p.add_argument("--measure", action="store_true",
-                 help="count the training collectives in the compiled laplace-3b step on 64 simulated devices")
+  p.add_argument(
+    "--measure",
+    action="store_true",
+    help="count the training collectives in the compiled laplace-3b step on 64 simulated devices",
+  )
   return p.parse_args(argv)
 
 
 def training(cfg, n_dev: int, measured: dict | None) -> dict:
   from laplace_jax.config import flops_per_token, param_counts
+
   counts = param_counts(cfg)
   P, M = counts["total"], counts["muon"]
   fpt = flops_per_token(cfg)
@@ -49,36 +54,56 @@ def training(cfg, n_dev: int, measured: dict | None) -> dict:
   peak = CHIPS * BF16_FLOPS
   t_compute = fpt * tokens / peak
   t_link = (fsdp + muon) * CORES_PER_CHIP / LINK_BPS
-  return {"flops_per_token": fpt, "hardware_flops_per_token": fpt * 4 / 3 if cfg.remat else fpt,
-          "tokens_per_step": tokens, "fsdp_bytes": fsdp, "muon_bytes": muon, "compute_s": t_compute,
-          "link_s": t_link, "bound_tps": tokens / max(t_compute, t_link),
-          "published_mfu": PUBLISHED_TRAIN_TPS * fpt / peak}
+  return {
+    "flops_per_token": fpt,
+    "hardware_flops_per_token": fpt * 4 / 3 if cfg.remat else fpt,
+    "tokens_per_step": tokens,
+    "fsdp_bytes": fsdp,
+    "muon_bytes": muon,
+    "compute_s": t_compute,
+    "link_s": t_link,
+    "bound_tps": tokens / max(t_compute, t_link),
+    "published_mfu": PUBLISHED_TRAIN_TPS * fpt / peak,
+  }
 
 
 def decode(cfg, slots: int, n_dev: int) -> dict:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import decode_bytes
   import jax
+
   from laplace_jax.config import param_counts, state_bytes_per_sequence
+
   params, state, _ = decode_bytes.abstract_inputs(cfg, slots)
   least = decode_bytes.minimum_bytes(cfg, params, state, slots)
   per_dev = least["weights_read"] + (least["state_read_and_written"] + least["logits_written"]) / n_dev
   counts = param_counts(cfg)
-  fpt = 2 * (counts["muon"] + cfg.d_model * cfg.vocab_size) + 4 * cfg.n_layers * cfg.n_heads * cfg.d_k * cfg.d_v
+  fpt = (
+    2 * (counts["muon"] + cfg.d_model * cfg.vocab_size) + 4 * cfg.n_layers * cfg.n_heads * cfg.d_k * cfg.d_v
+  )
   t_hbm = per_dev / (HBM_BPS / CORES_PER_CHIP)
   t_state_only = (least["state_read_and_written"] / n_dev) / (HBM_BPS / CORES_PER_CHIP)
   t_compute = fpt * slots / (CHIPS * BF16_FLOPS)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))  # the whole embedding is resident
   resident = weights + slots / n_dev * state_bytes_per_sequence(cfg)
-  return {"minimum": least, "bytes_per_device": per_dev, "flops_per_token": fpt, "hbm_s": t_hbm,
-          "compute_s": t_compute, "bound_tps": slots / max(t_hbm, t_compute),
-          "state_only_tps": slots / t_state_only, "resident_bytes_per_device": resident,
-          "state_bytes": state_bytes_per_sequence(cfg)}
+  return {
+    "minimum": least,
+    "bytes_per_device": per_dev,
+    "flops_per_token": fpt,
+    "hbm_s": t_hbm,
+    "compute_s": t_compute,
+    "bound_tps": slots / max(t_hbm, t_compute),
+    "state_only_tps": slots / t_state_only,
+    "resident_bytes_per_device": resident,
+    "state_bytes": state_bytes_per_sequence(cfg),
+  }
 
 
 def measure_collectives(cfg, n_dev: int) -> dict:
-  from laplace_jax import hlo_traffic, sharding, train_step as ts
+  from laplace_jax import hlo_traffic, sharding
+  from laplace_jax import train_step as ts
   from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+
   mesh = sharding.make_mesh(data=1, fsdp=n_dev)
   opt = make_optimizer(OptimizerConfig(), mesh=mesh)
   compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
@@ -89,6 +114,7 @@ def measure_collectives(cfg, n_dev: int) -> dict:
 
 def main():
   from laplace_jax.config import get_config
+
   cfg = get_config("laplace-3b")
   n_dev = CHIPS * CORES_PER_CHIP
   measured = measure_collectives(cfg, n_dev) if ARGS.measure else None
@@ -96,33 +122,52 @@ def main():
   GB = 1e9
   print(f"laplace-3b on one trn2.48xlarge ({CHIPS} chips, {n_dev} logical cores at LNC=2)\n")
   print("training, per step of 524,288 tokens")
-  print(f"  FLOPs per token {tr['flops_per_token'] / 1e9:.2f} G (model), {tr['hardware_flops_per_token'] / 1e9:.2f} G "
-        f"with remat's second forward")
-  print(f"  compute bound  {tr['compute_s'] * 1e3:7.1f} ms/step at {CHIPS} × 667 TFLOP/s -> "
-        f"{tr['tokens_per_step'] / tr['compute_s']:,.0f} tokens/s")
+  print(
+    f"  FLOPs per token {tr['flops_per_token'] / 1e9:.2f} G (model), {tr['hardware_flops_per_token'] / 1e9:.2f} G "
+    f"with remat's second forward"
+  )
+  print(
+    f"  compute bound  {tr['compute_s'] * 1e3:7.1f} ms/step at {CHIPS} × 667 TFLOP/s -> "
+    f"{tr['tokens_per_step'] / tr['compute_s']:,.0f} tokens/s"
+  )
   src = "measured in the compiled step" if measured else "floor formula"
-  print(f"  collectives    {tr['fsdp_bytes'] / GB:.2f} GB FSDP + {tr['muon_bytes'] / GB:.2f} GB Muon per device "
-        f"({src}) -> {tr['link_s'] * 1e3:.1f} ms/step at 1.28 TB/s per chip")
-  print(f"  bound {tr['bound_tps']:,.0f} tokens/s; published {PUBLISHED_TRAIN_TPS:,} = "
-        f"{PUBLISHED_TRAIN_TPS / tr['bound_tps']:.1%} of it (model-FLOPs MFU {tr['published_mfu']:.1%})")
+  print(
+    f"  collectives    {tr['fsdp_bytes'] / GB:.2f} GB FSDP + {tr['muon_bytes'] / GB:.2f} GB Muon per device "
+    f"({src}) -> {tr['link_s'] * 1e3:.1f} ms/step at 1.28 TB/s per chip"
+  )
+  print(
+    f"  bound {tr['bound_tps']:,.0f} tokens/s; published {PUBLISHED_TRAIN_TPS:,} = "
+    f"{PUBLISHED_TRAIN_TPS / tr['bound_tps']:.1%} of it (model-FLOPs MFU {tr['published_mfu']:.1%})"
+  )
   m = de["minimum"]
   print(f"\ndecode, {ARGS.slots} slots split over {n_dev} devices, bf16 weights replicated")
-  print(f"  state {de['state_bytes'] / 1e6:.1f} MB per sequence; per step: states read+written "
-        f"{m['state_read_and_written'] / GB:.1f} GB in all, weights read {m['weights_read'] / GB:.2f} GB per device, "
-        f"logits {m['logits_written'] / GB:.2f} GB in all")
-  print(f"  HBM bytes per device per step {de['bytes_per_device'] / GB:.2f} GB -> {de['hbm_s'] * 1e3:.2f} ms at "
-        f"{HBM_BPS / CORES_PER_CHIP / 1e9:.0f} GB/s per logical core")
-  print(f"  compute {de['flops_per_token'] / 1e9:.2f} GFLOP per token -> {de['compute_s'] * 1e3:.2f} ms per step")
-  print(f"  resident per device {de['resident_bytes_per_device'] / 2 ** 30:.2f} GiB of "
-        f"{HBM_GIB / CORES_PER_CHIP:.0f} GiB")
-  print(f"  bound {de['bound_tps']:,.0f} tokens/s (states alone: {de['state_only_tps']:,.0f}); published "
-        f"{PUBLISHED_DECODE_TPS:,} = {PUBLISHED_DECODE_TPS / de['bound_tps']:.1%} of it")
+  print(
+    f"  state {de['state_bytes'] / 1e6:.1f} MB per sequence; per step: states read+written "
+    f"{m['state_read_and_written'] / GB:.1f} GB in all, weights read {m['weights_read'] / GB:.2f} GB per device, "
+    f"logits {m['logits_written'] / GB:.2f} GB in all"
+  )
+  print(
+    f"  HBM bytes per device per step {de['bytes_per_device'] / GB:.2f} GB -> {de['hbm_s'] * 1e3:.2f} ms at "
+    f"{HBM_BPS / CORES_PER_CHIP / 1e9:.0f} GB/s per logical core"
+  )
+  print(
+    f"  compute {de['flops_per_token'] / 1e9:.2f} GFLOP per token -> {de['compute_s'] * 1e3:.2f} ms per step"
+  )
+  print(
+    f"  resident per device {de['resident_bytes_per_device'] / 2**30:.2f} GiB of "
+    f"{HBM_GIB / CORES_PER_CHIP:.0f} GiB"
+  )
+  print(
+    f"  bound {de['bound_tps']:,.0f} tokens/s (states alone: {de['state_only_tps']:,.0f}); published "
+    f"{PUBLISHED_DECODE_TPS:,} = {PUBLISHED_DECODE_TPS / de['bound_tps']:.1%} of it"
+  )
 
 
 if __name__ == "__main__":
   ARGS = _args(sys.argv[1:])
   if ARGS.measure:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={CHIPS * CORES_PER_CHIP}").strip()
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CHIPS * CORES_PER_CHIP}"
+    ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   main()

@@ -11,6 +11,7 @@ logprobs: the cond form skips only the bisection); mixed+bisection (one more slo
 candidates: the cond form runs every path too). Logits: Zipf-like rows (probability ∝ rank^-1.5, ranks
 shuffled per row), as peaked as a language model's next-token distribution often is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ import numpy as np
 
 from laplace_jax import model
 from laplace_jax.config import get_config
-from serve import sampling
 from serve.slots import SlotFunctions
 
 VALID_VOCAB = 50257
@@ -37,7 +37,12 @@ def zipf_logits(S, V, rng):
 
 
 def table(S, kind):
-  t, k, p, lp = np.zeros(S, np.float32), np.zeros(S, np.int32), np.ones(S, np.float32), np.full(S, -1, np.int32)
+  t, k, p, lp = (
+    np.zeros(S, np.float32),
+    np.zeros(S, np.int32),
+    np.ones(S, np.float32),
+    np.full(S, -1, np.int32),
+  )
   if kind != "greedy":
     q = np.arange(S) % 4
     t[q > 0] = 1.0
@@ -46,10 +51,18 @@ def table(S, kind):
     lp[1] = 5
     if kind == "mixed+bisection":
       k[2] = 100
-  return {"tokens": jnp.zeros(S, jnp.int32), "pos": jnp.arange(S, dtype=jnp.int32), "temperature": jnp.asarray(t),
-          "top_k": jnp.asarray(k), "top_p": jnp.asarray(p), "seed": jnp.arange(S, dtype=jnp.uint32),
-          "seed_hi": jnp.zeros(S, jnp.uint32), "max_tokens": jnp.full(S, 1 << 20, jnp.int32),
-          "logprobs": jnp.asarray(lp), "stop_ids": jnp.full((S, 4), -1, jnp.int32)}
+  return {
+    "tokens": jnp.zeros(S, jnp.int32),
+    "pos": jnp.arange(S, dtype=jnp.int32),
+    "temperature": jnp.asarray(t),
+    "top_k": jnp.asarray(k),
+    "top_p": jnp.asarray(p),
+    "seed": jnp.arange(S, dtype=jnp.uint32),
+    "seed_hi": jnp.zeros(S, jnp.uint32),
+    "max_tokens": jnp.full(S, 1 << 20, jnp.int32),
+    "logprobs": jnp.asarray(lp),
+    "stop_ids": jnp.full((S, 4), -1, jnp.int32),
+  }
 
 
 def main():
@@ -65,8 +78,14 @@ def main():
   print("|---:|---|---:|---:|---:|---|")
   for S in (int(s) for s in a.slots.split(",")):
     logits = zipf_logits(S, cfg.vocab_size, np.random.default_rng(0))
-    progs = {bf: jax.jit(SlotFunctions(model, cfg, n_slots=S, prefill_batch=1, n_stop=4, valid_vocab=VALID_VOCAB,
-                                       branch_free=bf)._sample_next) for bf in (False, True)}
+    progs = {
+      bf: jax.jit(
+        SlotFunctions(
+          model, cfg, n_slots=S, prefill_batch=1, n_stop=4, valid_vocab=VALID_VOCAB, branch_free=bf
+        )._sample_next
+      )
+      for bf in (False, True)
+    }
     for kind in ("greedy", "mixed", "mixed+bisection"):
       tab = table(S, kind)
       outs = {bf: np.asarray(jax.block_until_ready(f(logits, tab))[1]) for bf, f in progs.items()}  # compile

@@ -6,6 +6,7 @@ devices, the README's compile-proof shapes), scanned vs unrolled, in fresh proce
 Prints each run's CPU seconds of the lowering alone (`time.process_time`, which a busy shared machine stretches
 less than wall time) and the StableHLO's size. docs/NEURON.md ("The layer stack") quotes it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +19,29 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ARGS = ["--preset", "laplace-3b", "--target", "neuron", "--mesh_fsdp", "64", "--global_batch", "256",
-        "--seq_len", "2048", "--micro_batches", "1"]
+ARGS = [
+  "--preset",
+  "laplace-3b",
+  "--target",
+  "neuron",
+  "--mesh_fsdp",
+  "64",
+  "--global_batch",
+  "256",
+  "--seq_len",
+  "2048",
+  "--micro_batches",
+  "1",
+]
 
 
 def one(scan_layers: str, hlo_dir: str) -> None:
   """In this process: lower once, the loop's lowering timer reading CPU seconds; print the summary JSON."""
   import time
+
   time.perf_counter = time.process_time  # train.loop's lower_s becomes CPU seconds
   from train.__main__ import main
+
   main([*ARGS, "--model.scan_layers", scan_layers, "--hlo_dir", hlo_dir, "--no_progress"])
 
 
@@ -44,16 +59,26 @@ def main() -> None:
   for _ in range(args.runs):
     for form in got:
       with tempfile.TemporaryDirectory() as d:
-        out = subprocess.run([sys.executable, __file__, "--one", form, "--hlo_dir", d], cwd=ROOT, env=env,
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+          [sys.executable, __file__, "--one", form, "--hlo_dir", d],
+          cwd=ROOT,
+          env=env,
+          capture_output=True,
+          text=True,
+          check=True,
+        ).stdout
         got[form].append(json.loads(out.strip().splitlines()[-1])["lower_s"])
         size[form] = (pathlib.Path(d) / "train_step.mlir").stat().st_size
   for form, cpu in got.items():
     name = "scanned" if form == "true" else "unrolled"
-    print(f"{name:9s} lowering CPU s {', '.join(f'{c:.2f}' for c in cpu)} (median {statistics.median(cpu):.2f}); "
-          f"StableHLO {size[form]:,} bytes")
-  print(f"unrolled / scanned: CPU {statistics.median(got['false']) / statistics.median(got['true']):.2f}x, "
-        f"text {size['false'] / size['true']:.2f}x")
+    print(
+      f"{name:9s} lowering CPU s {', '.join(f'{c:.2f}' for c in cpu)} (median {statistics.median(cpu):.2f}); "
+      f"StableHLO {size[form]:,} bytes"
+    )
+  print(
+    f"unrolled / scanned: CPU {statistics.median(got['false']) / statistics.median(got['true']):.2f}x, "
+    f"text {size['false'] / size['true']:.2f}x"
+  )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ laplace_jax/attention.py). Decoding writes each token's keys and values into a K
 per layer inside the explicit state and attends over it, so its memory and time grow with the context;
 Laplace's state does not. Weights are random: only its cost is measured, never its text.
 """
+
 from __future__ import annotations
 
 import jax

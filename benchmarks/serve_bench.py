@@ -17,6 +17,7 @@ Sections (each prints a table; --json writes all numbers; `overhead` runs only w
   agent, prefix, cache_memory, cache_overhead: the state cache (benchmarks/serve_bench_cache.py; not in the default).
 Timings are medians over repeated steps; sizes default to what a 2-core CPU finishes in a few minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,44 +30,79 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from laplace_jax import model
-from laplace_jax.timing import matmul_peak_flops, median_seconds
-from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
 import serve_baseline as baseline
 import serve_bench_cache as bench_cache
-from serve_bench_common import gb as _gb, laplace_params, table as _table
-from serve.loading import cast_params
+from serve_bench_common import gb as _gb
+from serve_bench_common import laplace_params
+from serve_bench_common import table as _table
+
+from laplace_jax import model
+from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
+from laplace_jax.timing import matmul_peak_flops, median_seconds
 from serve.engine import Engine, Request
+from serve.loading import cast_params
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python benchmarks/serve_bench.py", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python benchmarks/serve_bench.py",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   ints = lambda s: [int(x) for x in s.split(",") if x]
-  p.add_argument("--sections", default="throughput,context,memory,flops",
-                 help="comma list of sections to run (default: all)")
-  p.add_argument("--preset", default="small", choices=sorted(PRESETS),
-                 help="model for context, memory and flops (default: small)")
-  p.add_argument("--throughput-preset", default="tiny", choices=sorted(PRESETS),
-                 help="model for the throughput section (default: tiny, so 1,280 slots prefill in seconds on a CPU)")
+  p.add_argument(
+    "--sections",
+    default="throughput,context,memory,flops",
+    help="comma list of sections to run (default: all)",
+  )
+  p.add_argument(
+    "--preset",
+    default="small",
+    choices=sorted(PRESETS),
+    help="model for context, memory and flops (default: small)",
+  )
+  p.add_argument(
+    "--throughput-preset",
+    default="tiny",
+    choices=sorted(PRESETS),
+    help="model for the throughput section (default: tiny, so 1,280 slots prefill in seconds on a CPU)",
+  )
   p.add_argument("--concurrency", type=ints, default=[1, 8, 64, 256, 1280], help="default: 1,8,64,256,1280")
   p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length per request (default: 16)")
-  p.add_argument("--throughput-context", type=int, default=1024,
-                 help="baseline cache length in the throughput section (default: 1024)")
+  p.add_argument(
+    "--throughput-context",
+    type=int,
+    default=1024,
+    help="baseline cache length in the throughput section (default: 1024)",
+  )
   p.add_argument("--steps", type=int, default=5, help="timed decode steps per point (default: 5)")
   p.add_argument("--contexts", type=ints, default=[1024, 8192, 65536], help="default: 1024,8192,65536")
-  p.add_argument("--max-real-prefill", type=int, default=1024,
-                 help="longest prompt Laplace really prefills in the context section (default: 1024)")
-  p.add_argument("--overhead-rounds", type=int, default=5,
-                 help="interleaved rounds in the overhead section (default: 5)")
+  p.add_argument(
+    "--max-real-prefill",
+    type=int,
+    default=1024,
+    help="longest prompt Laplace really prefills in the context section (default: 1024)",
+  )
+  p.add_argument(
+    "--overhead-rounds", type=int, default=5, help="interleaved rounds in the overhead section (default: 5)"
+  )
   p.add_argument("--context-steps", type=int, default=12, help="timed steps per context (default: 12)")
   p.add_argument("--flops-slots", type=int, default=1280, help="slots in the flops section (default: 1280)")
-  p.add_argument("--matmul-size", type=int, default=2048, help="side of the peak-matmul probe (default: 2048)")
-  p.add_argument("--baseline-mem-gb", type=float, default=8.0,
-                 help="largest baseline KV cache the bench allocates (default: 8 GB)")
-  p.add_argument("--params-dtype", default="compute", choices=["compute", "param"],
-                 help="serve weights cast to the compute dtype (default) or as stored")
+  p.add_argument(
+    "--matmul-size", type=int, default=2048, help="side of the peak-matmul probe (default: 2048)"
+  )
+  p.add_argument(
+    "--baseline-mem-gb",
+    type=float,
+    default=8.0,
+    help="largest baseline KV cache the bench allocates (default: 8 GB)",
+  )
+  p.add_argument(
+    "--params-dtype",
+    default="compute",
+    choices=["compute", "param"],
+    help="serve weights cast to the compute dtype (default) or as stored",
+  )
   p.add_argument("--json", help="also write every number to this file")
   bench_cache.add_args(p)
   return p.parse_args(argv)
@@ -74,11 +110,14 @@ def parse_args(argv=None):
 
 # ---- helpers ----
 
+
 def laplace_decode_flops_per_token(cfg) -> float:
   """Matmul FLOPs of one decoded token: 2 per weight of the hidden matrices and LM head, plus the GLA
   state update and readout (4·d_k·d_v per head per layer)."""
   counts = param_counts(cfg)
-  return 2 * (counts["muon"] + cfg.d_model * cfg.vocab_size) + cfg.n_layers * cfg.n_heads * 4 * cfg.d_k * cfg.d_v
+  return (
+    2 * (counts["muon"] + cfg.d_model * cfg.vocab_size) + cfg.n_layers * cfg.n_heads * 4 * cfg.d_k * cfg.d_v
+  )
 
 
 def baseline_params(cfg, how):
@@ -106,7 +145,9 @@ class BaselineStep:
   def __init__(self, params, cfg, batch, context):
     self.params = params
     self.fn = jax.jit(functools.partial(baseline.decode_step, cfg=cfg), donate_argnums=(1,))
-    self.cache = jax.jit(lambda key: baseline.init_cache(cfg, batch, context, fill_rng=key))(jax.random.key(2))
+    self.cache = jax.jit(lambda key: baseline.init_cache(cfg, batch, context, fill_rng=key))(
+      jax.random.key(2)
+    )
     self.tokens = jnp.zeros((batch,), jnp.int32)
     self.pos = jnp.full((batch,), context - 1, jnp.int32)
 
@@ -116,6 +157,7 @@ class BaselineStep:
 
 
 # ---- sections ----
+
 
 def run_throughput(args, out):
   cfg = get_config(args.throughput_preset)
@@ -128,8 +170,12 @@ def run_throughput(args, out):
     t0 = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t0
-    reqs = [Request(prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(),
-                    max_tokens=1 << 20, temperature=0.0) for _ in range(c)]
+    reqs = [
+      Request(
+        prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(), max_tokens=1 << 20, temperature=0.0
+      )
+      for _ in range(c)
+    ]
     t0 = time.perf_counter()
     for r in reqs:
       engine.submit(r)
@@ -157,16 +203,44 @@ def run_throughput(args, out):
       base_tps = f"{c / base_s:,.0f}"
     else:
       base_s, base_tps = None, f"n/a (cache needs {_gb(need)})"
-    rows.append([c, f"{engine_tps:,.0f}", f"{c / lap_s:,.0f}", f"{engine_tps * lap_s / c:.0%}",
-                 f"{lap_s * 1e3:.2f}", base_tps,
-                 f"{admit_s:.1f}", f"{compile_s:.1f}"])
-    res.append({"concurrency": c, "engine_tokens_per_s": engine_tps, "laplace_step_s": lap_s,
-                "baseline_step_s": base_s, "baseline_cache_bytes": need, "admit_s": admit_s,
-                "compile_s": compile_s})
-  _table(f"throughput ({args.throughput_preset}; prompts of {args.prompt_tokens} tokens, greedy; baseline "
-         f"cache {args.throughput_context} tokens)",
-         ["concurrent", "engine tok/s", "Laplace decode_step tok/s", "engine / decode_step", "Laplace step ms",
-          "baseline decode tok/s", "admission s", "compile s"], rows)
+    rows.append(
+      [
+        c,
+        f"{engine_tps:,.0f}",
+        f"{c / lap_s:,.0f}",
+        f"{engine_tps * lap_s / c:.0%}",
+        f"{lap_s * 1e3:.2f}",
+        base_tps,
+        f"{admit_s:.1f}",
+        f"{compile_s:.1f}",
+      ]
+    )
+    res.append(
+      {
+        "concurrency": c,
+        "engine_tokens_per_s": engine_tps,
+        "laplace_step_s": lap_s,
+        "baseline_step_s": base_s,
+        "baseline_cache_bytes": need,
+        "admit_s": admit_s,
+        "compile_s": compile_s,
+      }
+    )
+  _table(
+    f"throughput ({args.throughput_preset}; prompts of {args.prompt_tokens} tokens, greedy; baseline "
+    f"cache {args.throughput_context} tokens)",
+    [
+      "concurrent",
+      "engine tok/s",
+      "Laplace decode_step tok/s",
+      "engine / decode_step",
+      "Laplace step ms",
+      "baseline decode tok/s",
+      "admission s",
+      "compile s",
+    ],
+    rows,
+  )
   out["throughput"] = {"preset": args.throughput_preset, "points": res}
 
 
@@ -197,13 +271,22 @@ def run_context(args, out):
   first = args.contexts[0]
   for ctx in args.contexts:
     b = base_times[ctx]
-    rows.append([ctx, f"{lap_times[ctx] * 1e3:.2f}", f"{lap_times[ctx] / lap_times[first]:.3f}",
-                 "n/a (cache over --baseline-mem-gb)" if b is None else f"{b * 1e3:.2f}",
-                 "" if b is None or base_times[first] is None else f"{b / base_times[first]:.2f}"])
+    rows.append(
+      [
+        ctx,
+        f"{lap_times[ctx] * 1e3:.2f}",
+        f"{lap_times[ctx] / lap_times[first]:.3f}",
+        "n/a (cache over --baseline-mem-gb)" if b is None else f"{b * 1e3:.2f}",
+        "" if b is None or base_times[first] is None else f"{b / base_times[first]:.2f}",
+      ]
+    )
     res.append({"context": ctx, "laplace_s": lap_times[ctx], "baseline_s": b})
-  _table(f"time per decoded token, one sequence ({args.preset}; Laplace state from a real "
-         f"{prefill_tokens}-token prefill in {prefill_s:.1f} s)",
-         ["context", "Laplace ms/token", f"Laplace vs {first}", "baseline ms/token", f"baseline vs {first}"], rows)
+  _table(
+    f"time per decoded token, one sequence ({args.preset}; Laplace state from a real "
+    f"{prefill_tokens}-token prefill in {prefill_s:.1f} s)",
+    ["context", "Laplace ms/token", f"Laplace vs {first}", "baseline ms/token", f"baseline vs {first}"],
+    rows,
+  )
   out["context"] = {"preset": args.preset, "real_prefill_tokens": prefill_tokens, "points": res}
 
 
@@ -216,10 +299,19 @@ def run_memory(args, out):
     assert lap == state_bytes_per_sequence(cfg)
     kv = {ctx: baseline.kv_cache_bytes_per_sequence(cfg, ctx) for ctx in args.contexts}
     rows.append([name, _gb(lap)] + [f"{_gb(kv[c])} ({kv[c] / lap:,.1f}×)" for c in args.contexts])
-    res.append({"preset": name, "laplace_state_bytes": lap, "baseline_kv_bytes": kv,
-                "baseline_dtype": cfg.compute_dtype})
-  _table("memory per sequence (Laplace fp32 state vs baseline KV cache in the compute dtype)",
-         ["preset", "Laplace state"] + [f"baseline KV @ {c}" for c in args.contexts], rows)
+    res.append(
+      {
+        "preset": name,
+        "laplace_state_bytes": lap,
+        "baseline_kv_bytes": kv,
+        "baseline_dtype": cfg.compute_dtype,
+      }
+    )
+  _table(
+    "memory per sequence (Laplace fp32 state vs baseline KV cache in the compute dtype)",
+    ["preset", "Laplace state"] + [f"baseline KV @ {c}" for c in args.contexts],
+    rows,
+  )
   out["memory"] = res
 
 
@@ -234,13 +326,28 @@ def run_flops(args, out):
   peak = max(peak, matmul_peak_flops(n, dt, reps=10))
   flops = args.flops_slots * laplace_decode_flops_per_token(cfg)
   achieved = flops / step_s
-  _table(f"decode step FLOP/s ({args.preset}, {args.flops_slots} slots, {cfg.compute_dtype})",
-         ["step s", "model GFLOP/step", "model GFLOP/s", f"matmul {n}³ peak GFLOP/s", "fraction of peak"],
-         [[f"{step_s:.3f}", f"{flops / 1e9:.1f}", f"{achieved / 1e9:.1f}", f"{peak / 1e9:.1f}",
-           f"{achieved / peak:.2f}"]])
-  out["flops"] = {"preset": args.preset, "slots": args.flops_slots, "step_s": step_s,
-                  "model_flops_per_step": flops, "achieved_flops": achieved, "matmul_peak_flops": peak,
-                  "fraction_of_peak": achieved / peak}
+  _table(
+    f"decode step FLOP/s ({args.preset}, {args.flops_slots} slots, {cfg.compute_dtype})",
+    ["step s", "model GFLOP/step", "model GFLOP/s", f"matmul {n}³ peak GFLOP/s", "fraction of peak"],
+    [
+      [
+        f"{step_s:.3f}",
+        f"{flops / 1e9:.1f}",
+        f"{achieved / 1e9:.1f}",
+        f"{peak / 1e9:.1f}",
+        f"{achieved / peak:.2f}",
+      ]
+    ],
+  )
+  out["flops"] = {
+    "preset": args.preset,
+    "slots": args.flops_slots,
+    "step_s": step_s,
+    "model_flops_per_step": flops,
+    "achieved_flops": achieved,
+    "matmul_peak_flops": peak,
+    "fraction_of_peak": achieved / peak,
+  }
 
 
 def run_overhead(args, out):
@@ -254,8 +361,10 @@ def run_overhead(args, out):
   for c in args.concurrency:
     engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=50257)
     engine.warmup()
-    reqs = [Request(prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(), max_tokens=1 << 20)
-            for _ in range(c)]
+    reqs = [
+      Request(prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(), max_tokens=1 << 20)
+      for _ in range(c)
+    ]
     for r in reqs:
       engine.submit(r)
     while engine.queue or engine.prefill is not None:
@@ -266,7 +375,7 @@ def run_overhead(args, out):
     # The memory floor: every state array of c slots read and written once, in place.
     scale = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5, s), donate_argnums=0)
 
-    def floor_step():
+    def floor_step(step=step):
       step.state = scale(step.state)
       jax.block_until_ready(step.state)
 
@@ -288,19 +397,55 @@ def run_overhead(args, out):
     del engine, reqs, step
     gc.collect()
     e, b, f = float(np.median(eng_s)), float(np.median(bare_s)), float(np.median(floor_s))
-    rows.append([c, f"{e * 1e3:.2f}", f"{b * 1e3:.2f}", f"{b / e:.0%}", f"{c / e:,.0f}", f"{f * 1e3:.2f}",
-                 f"{f / e:.0%}"])
-    res.append({"concurrency": c, "engine_step_s": e, "decode_step_s": b, "state_floor_s": f, "ratio": b / e,
-                "engine_tokens_per_s": c / e, "engine_rounds_s": eng_s, "decode_rounds_s": bare_s,
-                "floor_rounds_s": floor_s})
-  _table(f"engine overhead ({args.throughput_preset}; greedy; {args.overhead_rounds} rounds of {args.steps} "
-         "steps, interleaved)", ["concurrent", "engine ms/step", "decode_step ms", "engine / decode_step tok/s",
-                                 "engine tok/s", "state r+w floor ms", "engine / floor-bound tok/s"], rows)
+    rows.append(
+      [
+        c,
+        f"{e * 1e3:.2f}",
+        f"{b * 1e3:.2f}",
+        f"{b / e:.0%}",
+        f"{c / e:,.0f}",
+        f"{f * 1e3:.2f}",
+        f"{f / e:.0%}",
+      ]
+    )
+    res.append(
+      {
+        "concurrency": c,
+        "engine_step_s": e,
+        "decode_step_s": b,
+        "state_floor_s": f,
+        "ratio": b / e,
+        "engine_tokens_per_s": c / e,
+        "engine_rounds_s": eng_s,
+        "decode_rounds_s": bare_s,
+        "floor_rounds_s": floor_s,
+      }
+    )
+  _table(
+    f"engine overhead ({args.throughput_preset}; greedy; {args.overhead_rounds} rounds of {args.steps} "
+    "steps, interleaved)",
+    [
+      "concurrent",
+      "engine ms/step",
+      "decode_step ms",
+      "engine / decode_step tok/s",
+      "engine tok/s",
+      "state r+w floor ms",
+      "engine / floor-bound tok/s",
+    ],
+    rows,
+  )
   out["overhead"] = {"preset": args.throughput_preset, "points": res}
 
 
-SECTIONS = {"throughput": run_throughput, "overhead": run_overhead, "context": run_context, "memory": run_memory,
-            "flops": run_flops, **bench_cache.SECTIONS}
+SECTIONS = {
+  "throughput": run_throughput,
+  "overhead": run_overhead,
+  "context": run_context,
+  "memory": run_memory,
+  "flops": run_flops,
+  **bench_cache.SECTIONS,
+}
 
 
 def main(argv=None):
@@ -310,7 +455,9 @@ def main(argv=None):
   if unknown:
     raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {sorted(SECTIONS)}")
   dev = jax.devices()[0]
-  machine = f"{platform.processor() or platform.machine()}, {dev.platform}: {dev.device_kind}, jax {jax.__version__}"
+  machine = (
+    f"{platform.processor() or platform.machine()}, {dev.platform}: {dev.device_kind}, jax {jax.__version__}"
+  )
   print(f"# serve_bench on {machine}")
   out = {"machine": machine, "args": vars(args)}
   for s in sections:

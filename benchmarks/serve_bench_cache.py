@@ -12,15 +12,18 @@
 Engine model: --cache-preset (default tiny: the cache's effect is in the token counts and in time ratios,
 which a small model shows on a CPU in minutes).
 """
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import serve_baseline as baseline
+from serve_bench_common import gb as _gb
+from serve_bench_common import laplace_params
+from serve_bench_common import table as _table
 
 from laplace_jax.config import get_config, state_bytes_per_sequence
-import serve_baseline as baseline
-from serve_bench_common import gb as _gb, laplace_params, table as _table
 from serve.engine import Engine, Request
 from serve.state_cache import StateCache, model_identity
 
@@ -43,8 +46,16 @@ def add_args(p):
 
 def _engine(params, cfg, n_slots, cache_on, **kw):
   cache = StateCache(model_identity(cfg, params), 64 << 30) if cache_on else None
-  eng = Engine(params, cfg, n_slots=n_slots, prefill_batch=kw.pop("prefill_batch", 4), max_queue=100_000,
-               valid_vocab=GPT2, state_cache=cache, **kw)
+  eng = Engine(
+    params,
+    cfg,
+    n_slots=n_slots,
+    prefill_batch=kw.pop("prefill_batch", 4),
+    max_queue=100_000,
+    valid_vocab=GPT2,
+    state_cache=cache,
+    **kw,
+  )
   eng.warmup()
   return eng
 
@@ -67,28 +78,47 @@ def run_agent(args, out):
       reqs = []
       for i in range(C):
         convs[i] += rng.integers(0, GPT2, args.turn_tokens).tolist()
-        reqs.append(Request(prompt_ids=list(convs[i]), max_tokens=args.gen_tokens, temperature=0.0,
-                            stop_ids=()))
+        reqs.append(
+          Request(prompt_ids=list(convs[i]), max_tokens=args.gen_tokens, temperature=0.0, stop_ids=())
+        )
       before = eng.stats["prefill_tokens"]
       t0 = time.perf_counter()
       eng.submit_all(reqs)
       eng.run_until_idle()
       wall = time.perf_counter() - t0
       ttft = float(np.mean([r.first_token_at - r.submitted_at for r in reqs]))
-      turns.append({"turn": t + 1, "context": len(convs[0]), "prefill_tokens": eng.stats["prefill_tokens"] - before,
-                    "mean_ttft_s": ttft, "wall_s": wall})
+      turns.append(
+        {
+          "turn": t + 1,
+          "context": len(convs[0]),
+          "prefill_tokens": eng.stats["prefill_tokens"] - before,
+          "mean_ttft_s": ttft,
+          "wall_s": wall,
+        }
+      )
       for i, r in enumerate(reqs):
         convs[i] += r.output_ids
     res["on" if on else "off"] = turns
   rows = []
   for a, b in zip(res["off"], res["on"]):
-    rows.append([a["turn"], a["context"], a["prefill_tokens"], b["prefill_tokens"],
-                 f"{a['prefill_tokens'] / max(b['prefill_tokens'], 1):.1f}x", f"{a['mean_ttft_s']:.3f}",
-                 f"{b['mean_ttft_s']:.3f}", f"{a['mean_ttft_s'] / b['mean_ttft_s']:.1f}x"])
-  _table(f"agent loop: {C} conversations x {T} turns (+{args.turn_tokens} tokens, {args.gen_tokens} generated "
-         f"per turn), {args.cache_preset}",
-         ["turn", "prompt tokens", "prefill tokens off", "on", "ratio", "mean TTFT s off", "on", "ratio"],
-         rows)
+    rows.append(
+      [
+        a["turn"],
+        a["context"],
+        a["prefill_tokens"],
+        b["prefill_tokens"],
+        f"{a['prefill_tokens'] / max(b['prefill_tokens'], 1):.1f}x",
+        f"{a['mean_ttft_s']:.3f}",
+        f"{b['mean_ttft_s']:.3f}",
+        f"{a['mean_ttft_s'] / b['mean_ttft_s']:.1f}x",
+      ]
+    )
+  _table(
+    f"agent loop: {C} conversations x {T} turns (+{args.turn_tokens} tokens, {args.gen_tokens} generated "
+    f"per turn), {args.cache_preset}",
+    ["turn", "prompt tokens", "prefill tokens off", "on", "ratio", "mean TTFT s off", "on", "ratio"],
+    rows,
+  )
   out["agent"] = res
 
 
@@ -105,16 +135,27 @@ def run_prefix(args, out):
     t0 = time.perf_counter()
     eng.submit_all(reqs)
     eng.run_until_idle()
-    res["on" if on else "off"] = {"prefill_tokens": eng.stats["prefill_tokens"], "wall_s": time.perf_counter() - t0,
-                                  "mean_ttft_s": float(np.mean([r.first_token_at - r.submitted_at for r in reqs]))}
+    res["on" if on else "off"] = {
+      "prefill_tokens": eng.stats["prefill_tokens"],
+      "wall_s": time.perf_counter() - t0,
+      "mean_ttft_s": float(np.mean([r.first_token_at - r.submitted_at for r in reqs])),
+    }
   a, b = res["off"], res["on"]
-  _table(f"{args.prefix_requests} requests sharing a {args.prefix_tokens}-token prefix (+64 own, 16 generated), "
-         f"{args.cache_preset}, 64 slots",
-         ["cache", "prefill tokens", "wall s", "mean TTFT s"],
-         [["off", a["prefill_tokens"], f"{a['wall_s']:.2f}", f"{a['mean_ttft_s']:.2f}"],
-          ["on", b["prefill_tokens"], f"{b['wall_s']:.2f}", f"{b['mean_ttft_s']:.2f}"],
-          ["off / on", f"{a['prefill_tokens'] / b['prefill_tokens']:.1f}x", f"{a['wall_s'] / b['wall_s']:.1f}x",
-           f"{a['mean_ttft_s'] / b['mean_ttft_s']:.1f}x"]])
+  _table(
+    f"{args.prefix_requests} requests sharing a {args.prefix_tokens}-token prefix (+64 own, 16 generated), "
+    f"{args.cache_preset}, 64 slots",
+    ["cache", "prefill tokens", "wall s", "mean TTFT s"],
+    [
+      ["off", a["prefill_tokens"], f"{a['wall_s']:.2f}", f"{a['mean_ttft_s']:.2f}"],
+      ["on", b["prefill_tokens"], f"{b['wall_s']:.2f}", f"{b['mean_ttft_s']:.2f}"],
+      [
+        "off / on",
+        f"{a['prefill_tokens'] / b['prefill_tokens']:.1f}x",
+        f"{a['wall_s'] / b['wall_s']:.1f}x",
+        f"{a['mean_ttft_s'] / b['mean_ttft_s']:.1f}x",
+      ],
+    ],
+  )
   out["prefix"] = res
 
 
@@ -135,8 +176,11 @@ def run_cache_memory(args, out):
     st = state_bytes_per_sequence(c)
     rows.append([preset, _gb(st)] + [f"{_gb(k)} ({k / st:.1f}x)" for k in kv])
     res.append({"preset": preset, "state_bytes": st, "kv_bytes": dict(zip(args.cache_contexts, kv))})
-  _table(f"memory per cached conversation (measured entry for {args.cache_preset}: {measured} B)",
-         ["preset", "Laplace state (any context)"] + [f"KV cache @ {n}" for n in args.cache_contexts], rows)
+  _table(
+    f"memory per cached conversation (measured entry for {args.cache_preset}: {measured} B)",
+    ["preset", "Laplace state (any context)"] + [f"KV cache @ {n}" for n in args.cache_contexts],
+    rows,
+  )
   out["cache_memory"] = {"measured_entry_bytes": measured, "rows": res}
 
 
@@ -149,8 +193,12 @@ def run_cache_overhead(args, out):
     eng = _engine(params, cfg, S, on, prefill_batch=min(S, 64), cache_min_tokens=1)
     rng = np.random.default_rng(2)
     # Staggered lengths: requests finish (and are copied out) on many different steps, while others decode.
-    reqs = [Request(prompt_ids=rng.integers(0, GPT2, 16).tolist(), max_tokens=int(rng.integers(20, 60)),
-                    temperature=0.0) for _ in range(S)]
+    reqs = [
+      Request(
+        prompt_ids=rng.integers(0, GPT2, 16).tolist(), max_tokens=int(rng.integers(20, 60)), temperature=0.0
+      )
+      for _ in range(S)
+    ]
     eng.submit_all(reqs)
     while eng.prefill is not None or eng.queue:  # prefill everything first; time the decode steps
       eng.step()
@@ -161,12 +209,18 @@ def run_cache_overhead(args, out):
     if on:
       res["copied_states"] = eng.cache.stats["stored"]
   off, on = max(res["off"]), max(res["on"])
-  _table(f"decode throughput with the state cache copying every finished slot out ({S} slots, "
-         f"{args.cache_preset}; best of 2 each)",
-         ["cache off tok/s", "cache on tok/s", "on / off", "states copied out"],
-         [[f"{off:.0f}", f"{on:.0f}", f"{on / off:.3f}", res["copied_states"]]])
+  _table(
+    f"decode throughput with the state cache copying every finished slot out ({S} slots, "
+    f"{args.cache_preset}; best of 2 each)",
+    ["cache off tok/s", "cache on tok/s", "on / off", "states copied out"],
+    [[f"{off:.0f}", f"{on:.0f}", f"{on / off:.3f}", res["copied_states"]]],
+  )
   out["cache_overhead"] = res
 
 
-SECTIONS = {"agent": run_agent, "prefix": run_prefix, "cache_memory": run_cache_memory,
-            "cache_overhead": run_cache_overhead}
+SECTIONS = {
+  "agent": run_agent,
+  "prefix": run_prefix,
+  "cache_memory": run_cache_memory,
+  "cache_overhead": run_cache_overhead,
+}

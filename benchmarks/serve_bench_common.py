@@ -1,5 +1,6 @@
 """What the serving benchmark's sections share (benchmarks/serve_bench.py and serve_bench_cache.py): the
 Laplace params they time and the markdown tables they print."""
+
 from __future__ import annotations
 
 import jax

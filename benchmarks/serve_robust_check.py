@@ -5,6 +5,7 @@ answered while /health is polled every 20 ms: what each got and the slowest /hea
 
 Engine: `tiny` with random weights (what matters here is the HTTP side and the event loop, not the model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ import aiohttp
 
 sys.path.insert(0, "tests")
 import serve_fixtures as sf  # noqa: E402
-
 from serve_bench_common import table  # noqa: E402
 
 
@@ -33,6 +33,7 @@ async def _probe(session, url, body, label):
         await h.read()
       worst = max(worst, time.perf_counter() - t)
       await asyncio.sleep(0.02)
+
   poller = asyncio.ensure_future(poll())
   t = time.perf_counter()
   async with session.post(url + "/v1/completions", json=body, headers=sf.AUTH) as r:
@@ -49,20 +50,35 @@ async def _probe(session, url, body, label):
 async def run(url, lim):
   ids = list(range(1000, 1000 + min(8192, lim.max_prompt_tokens)))
   cases = [
-      ("top_k 2**31 (finding 1)", {"prompt": "hi", "top_k": 2**31}),
-      ("stop ['☃' x 20000], n 2, max_tokens 2048 (finding 2)",
-       {"prompt": "hi", "stop": ["\u2603" * 20000], "n": 2, "max_tokens": 2048, "ignore_eos": True}),
-      ("4 stops of 512 ☃, n 4, max_tokens 1024, streamed (the most allowed)",
-       {"prompt": "hi", "stop": ["\u2603" * 511 + c for c in "abcd"], "n": 4, "max_tokens": 1024,
-        "ignore_eos": True, "stream": True}),
-      ("129 prompts x n 8 x 4096 tokens (finding 4)",
-       {"prompt": ["hi"] * 129, "n": 8, "max_tokens": 4096}),
-      ("echo + logprobs 5 + n 8 over 4 x 8192 ids (finding 4)",
-       {"prompt": [ids] * 4, "n": 8, "echo": True, "logprobs": 5, "max_tokens": 1}),
-      ("echo + logprobs 5 + n 4 over 4 x 8192 ids (16 choices: within --max-choices)",
-       {"prompt": [ids] * 4, "n": 4, "echo": True, "logprobs": 5, "max_tokens": 1}),
-      ("echo + logprobs 5 over 1 x 8192 ids (allowed)",
-       {"prompt": [ids], "echo": True, "logprobs": 5, "max_tokens": 1}),
+    ("top_k 2**31 (finding 1)", {"prompt": "hi", "top_k": 2**31}),
+    (
+      "stop ['☃' x 20000], n 2, max_tokens 2048 (finding 2)",
+      {"prompt": "hi", "stop": ["\u2603" * 20000], "n": 2, "max_tokens": 2048, "ignore_eos": True},
+    ),
+    (
+      "4 stops of 512 ☃, n 4, max_tokens 1024, streamed (the most allowed)",
+      {
+        "prompt": "hi",
+        "stop": ["\u2603" * 511 + c for c in "abcd"],
+        "n": 4,
+        "max_tokens": 1024,
+        "ignore_eos": True,
+        "stream": True,
+      },
+    ),
+    ("129 prompts x n 8 x 4096 tokens (finding 4)", {"prompt": ["hi"] * 129, "n": 8, "max_tokens": 4096}),
+    (
+      "echo + logprobs 5 + n 8 over 4 x 8192 ids (finding 4)",
+      {"prompt": [ids] * 4, "n": 8, "echo": True, "logprobs": 5, "max_tokens": 1},
+    ),
+    (
+      "echo + logprobs 5 + n 4 over 4 x 8192 ids (16 choices: within --max-choices)",
+      {"prompt": [ids] * 4, "n": 4, "echo": True, "logprobs": 5, "max_tokens": 1},
+    ),
+    (
+      "echo + logprobs 5 over 1 x 8192 ids (allowed)",
+      {"prompt": [ids], "echo": True, "logprobs": 5, "max_tokens": 1},
+    ),
   ]
   rows = []
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
@@ -83,8 +99,11 @@ def main():
   lim = sf.limits(tok, eng, max_tokens=4096, max_prompt_tokens=32768, max_prompts=args.slots + args.queue)
   with sf.serving(eng, tok, lim, api_key=sf.KEY) as (url, _):
     rows = asyncio.run(run(url, lim))
-  table("abusive requests (tiny, random weights)", ["request", "status (param)", "reply bytes", "seconds",
-                                                   "slowest /health meanwhile"], rows)
+  table(
+    "abusive requests (tiny, random weights)",
+    ["request", "status (param)", "reply bytes", "seconds", "slowest /health meanwhile"],
+    rows,
+  )
   print(json.dumps({"slots": args.slots, "queue": args.queue}))
 
 

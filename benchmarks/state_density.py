@@ -8,6 +8,7 @@ them (nothing is allocated), and checked against `config.state_bytes_per_sequenc
 floor(memory / bytes per sequence) with weights, activations and the server's own tables aside — a 141 GB
 H200 (141·10⁹ B, the spec sheet's figure) and a 96 GiB Trainium2 chip (96·2³⁰ B).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,18 @@ def density(preset: str, patterns, window: int, contexts) -> list[dict]:
       b = state_bytes(cfg, ctx)
       want = state_bytes_per_sequence(cfg, ctx if "A" in pattern else None)
       if b != want:
-        raise AssertionError(f"{pattern} at {ctx}: init_state holds {b} B, state_bytes_per_sequence says {want}")
+        raise AssertionError(
+          f"{pattern} at {ctx}: init_state holds {b} B, state_bytes_per_sequence says {want}"
+        )
       per_seq[ctx] = b
-    rows.append({"pattern": pattern, "window": window if "S" in pattern else None,
-                 "bytes_per_seq": per_seq,
-                 "seqs_per_chip": {chip: {ctx: mem // b for ctx, b in per_seq.items()}
-                                   for chip, mem in CHIPS.items()}})
+    rows.append(
+      {
+        "pattern": pattern,
+        "window": window if "S" in pattern else None,
+        "bytes_per_seq": per_seq,
+        "seqs_per_chip": {chip: {ctx: mem // b for ctx, b in per_seq.items()} for chip, mem in CHIPS.items()},
+      }
+    )
   return rows
 
 
@@ -59,9 +66,12 @@ def _ctx(n: int) -> str:
 
 def markdown(rows, contexts) -> str:
   head = " / ".join(_ctx(c) for c in contexts)
-  out = [f"| pattern | bytes per sequence at {head} | "
-         + " | ".join(f"sequences per {chip} at {head}" for chip in CHIPS) + " |",
-         "|---|---|" + "---|" * len(CHIPS)]
+  out = [
+    f"| pattern | bytes per sequence at {head} | "
+    + " | ".join(f"sequences per {chip} at {head}" for chip in CHIPS)
+    + " |",
+    "|---|---|" + "---|" * len(CHIPS),
+  ]
   for r in rows:
     name = r["pattern"] + (f" (W = {r['window']:,})" if r["window"] else "")
     size = " / ".join(_size(r["bytes_per_seq"][c]) for c in contexts)

@@ -5,6 +5,7 @@ compiled side by side and timed alternately in one process (so both see the same
 
 Prints the median step time of each and their ratio (state passing / plain). Random tokens; one device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,9 @@ import time
 import jax
 import numpy as np
 
-from laplace_jax import optimizer as optim, sharding, train_step as ts
+from laplace_jax import optimizer as optim
+from laplace_jax import sharding
+from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 
 
@@ -30,22 +33,26 @@ def main(argv=None):
   opt = optim.make_optimizer(optim.OptimizerConfig(total_steps=1000, warmup_steps=10), mesh=mesh)
   steps, states = {}, {}
   for sp in (False, True):
-    steps[sp] = ts.compile_train_step(cfg, opt, mesh, global_batch=a.batch, seq_len=a.seq_len, state_passing=sp)
+    steps[sp] = ts.compile_train_step(
+      cfg, opt, mesh, global_batch=a.batch, seq_len=a.seq_len, state_passing=sp
+    )
     states[sp] = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0, carry_batch=a.batch if sp else 0)
   rng = np.random.default_rng(0)
   times = {False: [], True: []}
   for r in range(a.rounds + 2):
     tok = rng.integers(0, 50257, (a.batch, a.seq_len + 1)).astype(np.int32)
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
-    for sp in ((False, True) if r % 2 else (True, False)):
+    for sp in (False, True) if r % 2 else (True, False):
       t0 = time.perf_counter()
       states[sp], m = steps[sp](states[sp], batch)
       jax.block_until_ready((states[sp], m))
       if r >= 2:
         times[sp].append(time.perf_counter() - t0)
   plain, sp = statistics.median(times[False]), statistics.median(times[True])
-  print(f"{a.preset} at {a.batch} x {a.seq_len} on {jax.default_backend()}: plain {plain * 1e3:.1f} ms, "
-        f"state passing {sp * 1e3:.1f} ms, ratio {sp / plain:.3f} (median of {a.rounds} alternating steps)")
+  print(
+    f"{a.preset} at {a.batch} x {a.seq_len} on {jax.default_backend()}: plain {plain * 1e3:.1f} ms, "
+    f"state passing {sp * 1e3:.1f} ms, ratio {sp / plain:.3f} (median of {a.rounds} alternating steps)"
+  )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ count as exponent; Neuron documents `power` only with constant exponents. Here 1
 with log β a Python constant. The state is optax's ScaleByAdamState, so checkpoints written with
 optax.adamw restore unchanged; updates equal optax.adamw's to float rounding (tests/test_optimizer.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,9 @@ def bias_correction(decay: float, count: jax.Array) -> jax.Array:
   return 1.0 - jnp.exp(jnp.asarray(count, jnp.float32) * math.log(decay))
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
-                  mu_dtype=None) -> optax.GradientTransformation:
+def scale_by_adam(
+  b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype=None
+) -> optax.GradientTransformation:
   """optax.scale_by_adam (without Nesterov) with `bias_correction`'s form of 1 − βᵗ."""
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
@@ -39,7 +41,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     count = optax.safe_int32_increment(state.count)
     c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
     new = jax.tree.map(
-        lambda m, v: (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype) + eps_root) + eps), mu, nu)
+      lambda m, v: (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype) + eps_root) + eps), mu, nu
+    )
     mu = jax.tree.map(lambda m, old: m.astype(mu_dtype or old.dtype), mu, state.mu)
     nu = jax.tree.map(lambda v, old: v.astype(old.dtype), nu, state.nu)
     return new, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
@@ -47,9 +50,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-4, mask=None) -> optax.GradientTransformation:
+def adamw(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 1e-4,
+  mask=None,
+) -> optax.GradientTransformation:
   """optax.adamw (same arguments, same state tree) with `scale_by_adam` above."""
-  return optax.chain(scale_by_adam(b1, b2, eps),
-                     optax.add_decayed_weights(weight_decay, mask),
-                     optax.scale_by_learning_rate(learning_rate))
+  return optax.chain(
+    scale_by_adam(b1, b2, eps),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
+  )

@@ -14,6 +14,7 @@ Layout as in gla.py: q, k, v, o [B, T, H, hd]. Scores and softmax in fp32, scale
       written at pos_B (one [H, hd] row per sequence). On Neuron the matmul form, elsewhere two-operand
       reduces (`decode_in_place`, shared with window_attention's rings).
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,7 +32,7 @@ def rope(x_BxTxHxd, pos_BxT, base: float = 10000.0):
   # a constant (numpy, float64 rounded once): a traced arange as the exponent is a runtime power, which
   # Neuron's rules refuse (laplace_jax/neuron_check.py)
   freq = (base ** (-np.arange(half) / half)).astype(np.float32)
-  ang = pos_BxT.astype(F32)[:, :, None, None] * freq                    # [B, T, 1, half]
+  ang = pos_BxT.astype(F32)[:, :, None, None] * freq  # [B, T, 1, half]
   x1, x2 = x_BxTxHxd[..., :half].astype(F32), x_BxTxHxd[..., half:].astype(F32)
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxTxHxd.dtype)
@@ -43,7 +44,9 @@ def _attend(q_BxTxHxd, k_BxSxHxd, v_BxSxHxd, visible_BxTxS, kv_layout: str = "bs
   s_BxHxTxS = jnp.einsum(f"bthd,{kv_layout}->bhts", q_BxTxHxd, k_BxSxHxd, preferred_element_type=F32) * scale
   s_BxHxTxS = jnp.where(visible_BxTxS[:, None], s_BxHxTxS, -jnp.inf)
   p = jax.nn.softmax(s_BxHxTxS, axis=-1)
-  return jnp.einsum(f"bhts,{kv_layout}->bthd", p.astype(v_BxSxHxd.dtype), v_BxSxHxd, preferred_element_type=F32)
+  return jnp.einsum(
+    f"bhts,{kv_layout}->bthd", p.astype(v_BxSxHxd.dtype), v_BxSxHxd, preferred_element_type=F32
+  )
 
 
 def causal_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd):
@@ -106,8 +109,9 @@ def _sum_pairs(a, b):
   return a[0] + b[0], a[1] + b[1]
 
 
-def decode_in_place(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, visible_BxS, index_B,
-                    seq_axis: int):
+def decode_in_place(
+  q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, visible_BxS, index_B, seq_axis: int
+):
   """One query per row over layer `layer` of the stacked key/value tables where `visible_BxS`, and over its own
   new key; then its key and value written at index_B (write_rows). Returns (o [B, 1, H, hd] fp32, k_table,
   v_table). `seq_axis` as in write_rows: 2 for caches [L, B, S, H, hd], 3 for head-major rings [L, B, H, W, hd].
@@ -122,23 +126,27 @@ def decode_in_place(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, vi
   copy the table). Scores, softmax and sums in fp32; q, k, v rounded to the tables' dtype first, as the
   matmul form and prefill see them. Neuron has no variadic reductions: callers keep a matmul form there."""
   dt = k_table.dtype
-  as_table = lambda x: x[:, 0].astype(dt).astype(F32)                          # [B, H, hd]
+  as_table = lambda x: x[:, 0].astype(dt).astype(F32)  # [B, H, hd]
   q, k_new, v_new = as_table(q_Bx1xHxd), as_table(k_Bx1xHxd), as_table(v_Bx1xHxd)
   q = q * q.shape[-1] ** -0.5
-  k1 = jax.lax.dynamic_slice_in_dim(k_table, layer, 1, 0)                     # [1, B, ...]
+  k1 = jax.lax.dynamic_slice_in_dim(k_table, layer, 1, 0)  # [1, B, ...]
   v1 = jax.lax.dynamic_slice_in_dim(v_table, layer, 1, 0)
-  at_seq = lambda x: jnp.expand_dims(x, (0, seq_axis))                        # [B, H, hd] -> the table's rank
+  at_seq = lambda x: jnp.expand_dims(x, (0, seq_axis))  # [B, H, hd] -> the table's rank
   qk_new = jnp.broadcast_to(at_seq(q * k_new), k1.shape)
-  s, s_new = jax.lax.reduce((at_seq(q) * k1.astype(F32), qk_new), (F32(0), F32(0)), _sum_pairs, (4,))  # over hd
-  head_major = lambda x: x if seq_axis == 3 else jnp.swapaxes(x, 1, 2)        # [B, S, H] <-> [B, H, S]
+  s, s_new = jax.lax.reduce(
+    (at_seq(q) * k1.astype(F32), qk_new), (F32(0), F32(0)), _sum_pairs, (4,)
+  )  # over hd
+  head_major = lambda x: x if seq_axis == 3 else jnp.swapaxes(x, 1, 2)  # [B, S, H] <-> [B, H, S]
   s_BxHxS, s_new_BxH = head_major(s[0]), jnp.take(s_new[0], 0, axis=seq_axis - 1)
   s_BxHxS = jnp.where(visible_BxS[:, None, :], s_BxHxS, -jnp.inf)
   m_BxH = jnp.maximum(s_BxHxS.max(-1), s_new_BxH)
   p_BxHxS, p_new_BxH = jnp.exp(s_BxHxS - m_BxH[..., None]), jnp.exp(s_new_BxH - m_BxH)
   p = jnp.broadcast_to(head_major(p_BxHxS)[None, ..., None], v1.shape)
-  pv, p_sum = jax.lax.reduce((p * v1.astype(F32), p), (F32(0), F32(0)), _sum_pairs, (seq_axis,))  # [1, B, H, hd]
+  pv, p_sum = jax.lax.reduce(
+    (p * v1.astype(F32), p), (F32(0), F32(0)), _sum_pairs, (seq_axis,)
+  )  # [1, B, H, hd]
   o_BxHxd = (pv[0] + p_new_BxH[..., None] * v_new) / (p_sum[0] + p_new_BxH[..., None])
-  never = o_BxHxd[:, :1, :1] > jnp.inf                                        # false, also for NaN
+  never = o_BxHxd[:, :1, :1] > jnp.inf  # false, also for NaN
   k_table = write_rows(k_table, layer, index_B, jnp.where(never, 0, k_Bx1xHxd[:, 0]), seq_axis)
   v_table = write_rows(v_table, layer, index_B, jnp.where(never, 0, v_Bx1xHxd[:, 0]), seq_axis)
   return o_BxHxd[:, None], k_table, v_table
@@ -161,7 +169,11 @@ def _cache_decode_matmuls(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, lay
   k_table = write_rows(k_table, layer, pos_B, k_Bx1xHxd[:, 0], 2)
   v_table = write_rows(v_table, layer, pos_B, v_Bx1xHxd[:, 0], 2)
   visible_Bx1xS = (jnp.arange(S)[None, :] <= pos_B[:, None])[:, None, :]
-  return _attend(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xS), k_table, v_table
+  return (
+    _attend(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xS),
+    k_table,
+    v_table,
+  )
 
 
 def _cache_decode_reduces(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):

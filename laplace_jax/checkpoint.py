@@ -15,6 +15,7 @@ mid-save leaves the previous steps intact; old steps are deleted only after a ne
 A params-only export for serving is a separate directory: `<path>/params/` (StandardSave) and
 `<path>/config/metadata` (JSON).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,6 +52,7 @@ class CheckpointSaveError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Restored:
   """What `Checkpointer.restore` returns."""
+
   step: int
   train_state: Any
   data_state: Any  # dict or bytes as saved, or None
@@ -63,30 +65,44 @@ class Checkpointer:
   Use as a context manager, or call `close()`: it waits for the last save.
   """
 
-  def __init__(self, directory, *, max_to_keep: int | None = 3, save_interval_steps: int = 1,
-               async_save: bool = True):
+  def __init__(
+    self, directory, *, max_to_keep: int | None = 3, save_interval_steps: int = 1, async_save: bool = True
+  ):
     if max_to_keep is not None and max_to_keep < 1:
-      raise ValueError(f"max_to_keep={max_to_keep!r}: expected an integer >= 1 or None (keep all). "
-                       "Keep at least the newest checkpoint.")
+      raise ValueError(
+        f"max_to_keep={max_to_keep!r}: expected an integer >= 1 or None (keep all). "
+        "Keep at least the newest checkpoint."
+      )
     if save_interval_steps < 1:
-      raise ValueError(f"save_interval_steps={save_interval_steps!r}: expected an integer >= 1. "
-                       "Use 1 to allow a save at every step.")
+      raise ValueError(
+        f"save_interval_steps={save_interval_steps!r}: expected an integer >= 1. "
+        "Use 1 to allow a save at every step."
+      )
     self.directory = epath.Path(directory).absolute()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-        enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
-    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+      max_to_keep=max_to_keep,
+      save_interval_steps=save_interval_steps,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
+      create=True,
+    )
+    self._mgr = ocp.CheckpointManager(
+      self.directory,
+      options=options,
+      item_handlers={
         TRAIN_STATE: ocp.StandardCheckpointHandler(),
         DATA_STATE: grain_ckpt.CheckpointHandler(),
         META: ocp.JsonCheckpointHandler(),
-    })
+      },
+    )
     self._in_flight: int | None = None  # the step whose async save is not yet known to be complete
     self._barriers = 0
 
   # -- saving ------------------------------------------------------------------------------------
 
-  def save(self, step: int, train_state, data_state=None, metadata: dict | None = None, *,
-           force: bool = False) -> bool:
+  def save(
+    self, step: int, train_state, data_state=None, metadata: dict | None = None, *, force: bool = False
+  ) -> bool:
     """Starts an async save of `step` if the interval says so (or `force`); returns whether it did.
 
     The arrays are copied to host before this returns, so the caller may donate them right away.
@@ -136,17 +152,24 @@ class Checkpointer:
       self._remove_partial(step)
     self._mgr.reload()  # Orbax's step cache may have dropped steps that are still on disk
     good = self.latest_step()
-    kept = ("there is no earlier checkpoint" if good is None else
-            f"the last good checkpoint (step {good}) is untouched")
+    kept = (
+      "there is no earlier checkpoint"
+      if good is None
+      else f"the last good checkpoint (step {good}) is untouched"
+    )
     if _is_disk_full(error):
       fix = f"The disk is full: free space under {self.directory} (or pick another directory)"
     elif isinstance(error, OSError):
       fix = f"Check that {self.directory} is writable and has free space"
     else:  # e.g. a leaf Orbax cannot write
-      fix = ("Fix the cause above (leaves must be jax.Arrays or numpy arrays; in a multi-process run, "
-             "global jax.Arrays)")
-    return CheckpointSaveError(f"Saving checkpoint step {step} to {self.directory} failed "
-                               f"({type(error).__name__}: {error}); {kept}. {fix}, then save again.")
+      fix = (
+        "Fix the cause above (leaves must be jax.Arrays or numpy arrays; in a multi-process run, "
+        "global jax.Arrays)"
+      )
+    return CheckpointSaveError(
+      f"Saving checkpoint step {step} to {self.directory} failed "
+      f"({type(error).__name__}: {error}); {kept}. {fix}, then save again."
+    )
 
   def _remove_partial(self, step):
     """Deletes the failed step's temporary folder, freeing its space (a full disk stays full otherwise).
@@ -161,8 +184,12 @@ class Checkpointer:
       for tmp in leftovers:
         shutil.rmtree(tmp, ignore_errors=True)
       time.sleep(0.1)
-    log.warning("Could not remove the partial save of step %d under %s yet; it is ignored, and removed "
-                "when a Checkpointer next opens the directory.", step, self.directory)
+    log.warning(
+      "Could not remove the partial save of step %d under %s yet; it is ignored, and removed "
+      "when a Checkpointer next opens the directory.",
+      step,
+      self.directory,
+    )
 
   # -- reading -----------------------------------------------------------------------------------
 
@@ -182,8 +209,9 @@ class Checkpointer:
     step = self._pick_step(step)
     return _strip_kind(self._read_meta(step))
 
-  def restore(self, step: int | None = None, abstract_state=None, *, config=None,
-              restore_data: bool = True) -> Restored:
+  def restore(
+    self, step: int | None = None, abstract_state=None, *, config=None, restore_data: bool = True
+  ) -> Restored:
     """Restores `step` (default: the newest good one) onto the shardings of `abstract_state`.
 
     `abstract_state`: a pytree like the saved one whose leaves are `jax.ShapeDtypeStruct`s (with
@@ -199,8 +227,10 @@ class Checkpointer:
       return self._restore_step(self._pick_step(step), abstract_state, config, restore_data)
     steps = self.all_steps()
     if not steps:
-      raise FileNotFoundError(f"No finished checkpoint in {self.directory}. Train from scratch, or pass "
-                              "the directory that holds the <step>/ folders.")
+      raise FileNotFoundError(
+        f"No finished checkpoint in {self.directory}. Train from scratch, or pass "
+        "the directory that holds the <step>/ folders."
+      )
     problems, bad = [], []
     for s in reversed(steps):
       try:
@@ -214,8 +244,9 @@ class Checkpointer:
         self._set_aside(b)
       return restored
     raise CorruptCheckpointError(
-        f"No checkpoint in {self.directory} could be restored (steps {steps}). If every step fails the "
-        "same way, suspect the abstract state's shardings rather than the files:\n  " + "\n  ".join(problems))
+      f"No checkpoint in {self.directory} could be restored (steps {steps}). If every step fails the "
+      "same way, suspect the abstract state's shardings rather than the files:\n  " + "\n  ".join(problems)
+    )
 
   def _set_aside(self, step):
     """Renames a damaged step to `<step>.corrupt` (kept for inspection) so new saves can reuse its number."""
@@ -239,8 +270,10 @@ class Checkpointer:
       return steps[-1]
     step = _check_step(step)
     if step not in steps:
-      raise FileNotFoundError(f"Checkpoint step {step} is not in {self.directory} (finished steps: "
-                              f"{steps}). Pick one of those, or step=None for the latest.")
+      raise FileNotFoundError(
+        f"Checkpoint step {step} is not in {self.directory} (finished steps: "
+        f"{steps}). Pick one of those, or step=None for the latest."
+      )
     return step
 
   def _read_meta(self, step) -> dict:
@@ -265,8 +298,9 @@ class Checkpointer:
       _check_structure(saved_tree, abstract_state, where=f"checkpoint step {step} in {self.directory}")
       target = abstract_state
     try:
-      state = self._mgr.restore(step, args=ocp.args.Composite(
-          **{TRAIN_STATE: ocp.args.StandardRestore(target)}))[TRAIN_STATE]
+      state = self._mgr.restore(
+        step, args=ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(target)})
+      )[TRAIN_STATE]
     except Exception as e:
       raise self._corrupt(step, TRAIN_STATE, e) from e
     data = self._restore_data(step, meta) if restore_data else None
@@ -286,9 +320,11 @@ class Checkpointer:
     want = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
     found = sorted(p.name for p in d.glob("process_*.json")) if d.exists() else []
     if found and not any(n.endswith(f"-of-{jax.process_count()}.json") for n in found):
-      raise ValueError(f"Checkpoint step {step} in {self.directory} holds data-iterator states {found} "
-                       f"but this run has {jax.process_count()} process(es) (needs {want}). Resume with "
-                       "the same process count, or pass restore_data=False to restart the data stream.")
+      raise ValueError(
+        f"Checkpoint step {step} in {self.directory} holds data-iterator states {found} "
+        f"but this run has {jax.process_count()} process(es) (needs {want}). Resume with "
+        "the same process count, or pass restore_data=False to restart the data stream."
+      )
     box = _DataStateBox()
     try:
       self._mgr.restore(step, args=ocp.args.Composite(**{DATA_STATE: grain_ckpt.CheckpointRestore(box)}))
@@ -301,19 +337,23 @@ class Checkpointer:
 
   def _corrupt(self, step, item, error) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"Checkpoint step {step} in {self.directory} is corrupt or incomplete: its '{item}' item cannot "
-        f"be read ({type(error).__name__}: {error}). Restore another step (finished: {self.all_steps()}), "
-        f"or delete {self.directory / str(step)} if it is damaged for good.")
+      f"Checkpoint step {step} in {self.directory} is corrupt or incomplete: its '{item}' item cannot "
+      f"be read ({type(error).__name__}: {error}). Restore another step (finished: {self.all_steps()}), "
+      f"or delete {self.directory / str(step)} if it is damaged for good."
+    )
 
 
 # -- params-only export --------------------------------------------------------------------------
+
 
 def export_params(params, path, *, config=None) -> None:
   """Writes params (and the config, if given) to a new directory `path` for serving; synchronous."""
   path = epath.Path(path).absolute()
   if path.exists():
-    raise FileExistsError(f"Export path {path} already exists. Pick a new path, or delete the old "
-                          "export first (exports are never overwritten).")
+    raise FileExistsError(
+      f"Export path {path} already exists. Pick a new path, or delete the old "
+      "export first (exports are never overwritten)."
+    )
   items = {"params": ocp.args.StandardSave(params)}
   if config is not None:
     items["config"] = ocp.args.JsonSave(_config_dict(config))
@@ -325,20 +365,26 @@ def load_params(path, abstract_params=None, *, shardings=None, config=None):
   """Loads exported params onto `abstract_params`' shardings, or onto `shardings` (one Sharding or a
   pytree of them), or as host numpy arrays when neither is given; checks `config` if given."""
   if abstract_params is not None and shardings is not None:
-    raise ValueError("load_params got both abstract_params and shardings. Pass one: abstract_params "
-                     "carries its own shardings.")
+    raise ValueError(
+      "load_params got both abstract_params and shardings. Pass one: abstract_params "
+      "carries its own shardings."
+    )
   path = epath.Path(path).absolute()
   if not (path / "params").exists():
-    raise FileNotFoundError(f"No exported params at {path} (expected {path / 'params'}). Pass the "
-                            "directory written by export_params.")
+    raise FileNotFoundError(
+      f"No exported params at {path} (expected {path / 'params'}). Pass the "
+      "directory written by export_params."
+    )
   if config is not None:
     saved = _read_json(path / "config" / "metadata") if (path / "config").exists() else None
     check_config(saved, config, where=f"export {path}")
   try:
     saved_tree = ocp.StandardCheckpointHandler().metadata(path / "params").tree
   except Exception as e:
-    raise CorruptCheckpointError(f"Export {path} is corrupt or incomplete: its params metadata cannot be "
-                                 f"read ({type(e).__name__}: {e}). Export the params again.") from e
+    raise CorruptCheckpointError(
+      f"Export {path} is corrupt or incomplete: its params metadata cannot be "
+      f"read ({type(e).__name__}: {e}). Export the params again."
+    ) from e
   if abstract_params is None:
     target = abstract_from_metadata(saved_tree, shardings)
   else:
@@ -348,25 +394,34 @@ def load_params(path, abstract_params=None, *, shardings=None, config=None):
     with ocp.StandardCheckpointer() as ckptr:
       return ckptr.restore(path / "params", target)
   except Exception as e:
-    raise CorruptCheckpointError(f"Export {path} is corrupt or incomplete: its params cannot be read "
-                                 f"({type(e).__name__}: {e}). Export the params again.") from e
+    raise CorruptCheckpointError(
+      f"Export {path} is corrupt or incomplete: its params cannot be read "
+      f"({type(e).__name__}: {e}). Export the params again."
+    ) from e
 
 
 def export_config(path, *, preset: str | None = None):
   """The model config saved with an export of `python -m train` (checked against `preset` when given)."""
   from laplace_jax.config import LaplaceConfig, get_config
+
   path = epath.Path(path).absolute()
   if not (path / "params").exists():
-    raise FileNotFoundError(f"checkpoint {path}: no exported params there (expected {path / 'params'}); "
-                            "pass RUN/export/step_N as written by python -m train.")
+    raise FileNotFoundError(
+      f"checkpoint {path}: no exported params there (expected {path / 'params'}); "
+      "pass RUN/export/step_N as written by python -m train."
+    )
   if not (path / "config").exists():
-    raise ValueError(f"checkpoint {path} has no saved config, so its model is unknown; export it with "
-                     "checkpoint.export_params(params, path, config=cfg).")
+    raise ValueError(
+      f"checkpoint {path} has no saved config, so its model is unknown; export it with "
+      "checkpoint.export_params(params, path, config=cfg)."
+    )
   saved = _read_json(path / "config" / "metadata")
   try:
     cfg = LaplaceConfig(**saved)
   except TypeError as e:
-    raise ValueError(f"checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e}).")
+    raise ValueError(
+      f"checkpoint {path}: its config {saved} is not a LaplaceConfig of this version ({e})."
+    ) from e
   if preset:
     check_config(saved, get_config(preset), where=f"checkpoint {path} (checked against preset {preset})")
   return cfg
@@ -378,19 +433,26 @@ def load_export(path, shardings=None, *, preset: str | None = None):
   is one Sharding, or a function from the abstract params to a pytree of shardings (None: host numpy);
   `preset`, when given, refuses an export of another config. The loader of train.eval and python -m serve."""
   from laplace_jax import model
+
   path = epath.Path(path).absolute()
   cfg = export_config(path, preset=preset)
   abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   if callable(shardings):
     shardings = shardings(abstract)
   if shardings is not None:
-    shardings = (jax.tree.map(lambda _: shardings, abstract) if isinstance(shardings, jax.sharding.Sharding)
-                 else shardings)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    shardings = (
+      jax.tree.map(lambda _: shardings, abstract)
+      if isinstance(shardings, jax.sharding.Sharding)
+      else shardings
+    )
+    abstract = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
   return load_params(path, abstract if shardings is not None else None, config=cfg), cfg
 
 
 # -- helpers shared by both ------------------------------------------------------------------------
+
 
 def abstract_from_metadata(saved_tree, shardings=None):
   """ShapeDtypeStructs for a saved Orbax tree placed on `shardings` (one or a pytree), else numpy."""
@@ -398,8 +460,7 @@ def abstract_from_metadata(saved_tree, shardings=None):
     return jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved_tree)
   if isinstance(shardings, jax.sharding.Sharding):
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=shardings), saved_tree)
-  return jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), saved_tree,
-                      shardings)
+  return jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), saved_tree, shardings)
 
 
 def check_config(saved, given, *, where: str) -> None:
@@ -409,18 +470,24 @@ def check_config(saved, given, *, where: str) -> None:
   if saved is None:
     raise ValueError(f"{where} has no saved config to compare with. Pass config=None to skip the check.")
   if dataclasses.is_dataclass(given) and not isinstance(given, type):
-    saved = {**{f.name: f.default for f in dataclasses.fields(given)
-                if f.default is not dataclasses.MISSING}, **saved}
+    saved = {
+      **{f.name: f.default for f in dataclasses.fields(given) if f.default is not dataclasses.MISSING},
+      **saved,
+    }
     saved = json.loads(json.dumps(saved, default=_json_default))
   given = json.loads(json.dumps(_config_dict(given)))  # tuples → lists, as they were saved
   missing = object()
-  diffs = [f"{k}: saved {saved.get(k, '<absent>')!r}, given {given.get(k, '<absent>')!r}"
-           for k in sorted((set(saved) | set(given)) - LAYOUT_NEUTRAL)
-           if saved.get(k, missing) != given.get(k, missing)]
+  diffs = [
+    f"{k}: saved {saved.get(k, '<absent>')!r}, given {given.get(k, '<absent>')!r}"
+    for k in sorted((set(saved) | set(given)) - LAYOUT_NEUTRAL)
+    if saved.get(k, missing) != given.get(k, missing)
+  ]
   if diffs:
-    raise ValueError(f"{where} was saved with a different config ({'; '.join(diffs)}). Restore with the "
-                     "saved config (Checkpointer.metadata()['config']), or use a new checkpoint directory "
-                     "to start a fresh run.")
+    raise ValueError(
+      f"{where} was saved with a different config ({'; '.join(diffs)}). Restore with the "
+      "saved config (Checkpointer.metadata()['config']), or use a new checkpoint directory "
+      "to start a fresh run."
+    )
 
 
 def _check_structure(saved_tree, abstract, *, where: str) -> None:
@@ -429,12 +496,17 @@ def _check_structure(saved_tree, abstract, *, where: str) -> None:
   wanted = {_leaf_name(p): _saved_shape(x) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   diffs = [f"{k} missing from the checkpoint" for k in sorted(set(wanted) - set(saved))]
   diffs += [f"{k} in the checkpoint but not in the abstract state" for k in sorted(set(saved) - set(wanted))]
-  diffs += [f"{k}: saved shape {saved[k]}, expected {wanted[k]}" for k in sorted(set(saved) & set(wanted))
-            if wanted[k] is not None and saved[k] != wanted[k]]
+  diffs += [
+    f"{k}: saved shape {saved[k]}, expected {wanted[k]}"
+    for k in sorted(set(saved) & set(wanted))
+    if wanted[k] is not None and saved[k] != wanted[k]
+  ]
   if diffs:
     more = f" (and {len(diffs) - 8} more)" if len(diffs) > 8 else ""
-    raise ValueError(f"{where} does not match the abstract state: {'; '.join(diffs[:8])}{more}. Build the "
-                     "abstract state from the config the checkpoint was saved with.")
+    raise ValueError(
+      f"{where} does not match the abstract state: {'; '.join(diffs[:8])}{more}. Build the "
+      "abstract state from the config the checkpoint was saved with."
+    )
 
 
 def _leaf_name(path) -> str:
@@ -480,8 +552,10 @@ def _meta_json(metadata, data_state) -> dict:
   if "config" in meta:
     meta["config"] = _config_dict(meta["config"])
   if data_state is not None and not isinstance(data_state, (dict, bytes)):
-    raise TypeError(f"data_state of type {type(data_state).__name__}: expected a dict (grain "
-                    "DatasetIterator.get_state()) or bytes (DataLoaderIterator.get_state()).")
+    raise TypeError(
+      f"data_state of type {type(data_state).__name__}: expected a dict (grain "
+      "DatasetIterator.get_state()) or bytes (DataLoaderIterator.get_state())."
+    )
   meta[_KIND_KEY] = None if data_state is None else ("bytes" if isinstance(data_state, bytes) else "dict")
   for name, value in (("metadata", meta), ("data_state", data_state)):
     if isinstance(value, bytes):
@@ -489,8 +563,10 @@ def _meta_json(metadata, data_state) -> dict:
     try:
       json.dumps(value, default=_json_default)
     except (TypeError, ValueError) as e:
-      raise TypeError(f"{name} is not JSON-serialisable ({e}). Keep it to dicts, lists, strings, "
-                      "numbers and bools (config dataclasses are converted for you).") from e
+      raise TypeError(
+        f"{name} is not JSON-serialisable ({e}). Keep it to dicts, lists, strings, "
+        "numbers and bools (config dataclasses are converted for you)."
+      ) from e
   return json.loads(json.dumps(meta, default=_json_default))
 
 
@@ -517,8 +593,11 @@ def _read_json(path):
 
 
 def _check_step(step) -> int:
-  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) and not (
-      hasattr(step, "shape") and step.shape == () and np.issubdtype(step.dtype, np.integer)):
+  if (
+    isinstance(step, bool)
+    or not isinstance(step, (int, np.integer))
+    and not (hasattr(step, "shape") and step.shape == () and np.issubdtype(step.dtype, np.integer))
+  ):
     raise TypeError(f"step={step!r}: expected a non-negative integer. Pass the training step number.")
   step = int(step)
   if step < 0:
@@ -528,5 +607,6 @@ def _check_step(step) -> int:
 
 def _is_disk_full(error) -> bool:
   text = str(error)
-  return getattr(error, "errno", None) == errno.ENOSPC or "No space left" in text or \
-      "RESOURCE_EXHAUSTED" in text
+  return (
+    getattr(error, "errno", None) == errno.ENOSPC or "No space left" in text or "RESOURCE_EXHAUSTED" in text
+  )

@@ -9,6 +9,7 @@ convention of PEP 257, which Sphinx and editors read), so each field is describe
     d_model: int = 3072
     \"\"\"hidden width D\"\"\"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ class FlagParser(argparse.ArgumentParser):
     def checked(action):
       _check_spelling(action)
       return add(action)
+
     group._add_action = checked
     return group
 
@@ -63,8 +65,10 @@ class FlagParser(argparse.ArgumentParser):
 def _check_spelling(action):
   for s in action.option_strings:
     if s.startswith("--") and "-" in s[2:]:
-      raise ValueError(f"flag {s}: the command lines spell flags with underscores ({'--' + _key(s[2:])}); "
-                       "the dashed spelling is accepted as an alias automatically")
+      raise ValueError(
+        f"flag {s}: the command lines spell flags with underscores ({'--' + _key(s[2:])}); "
+        "the dashed spelling is accepted as an alias automatically"
+      )
 
 
 class Toggle(argparse.Action):
@@ -88,8 +92,13 @@ def field_docs(cls) -> dict[str, str]:
   body = tree.body[0].body
   docs = {}
   for node, after in zip(body, body[1:]):
-    if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-        and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+    if (
+      isinstance(node, ast.AnnAssign)
+      and isinstance(node.target, ast.Name)
+      and isinstance(after, ast.Expr)
+      and isinstance(after.value, ast.Constant)
+      and isinstance(after.value.value, str)
+    ):
       docs[node.target.id] = " ".join(after.value.value.split())
   return docs
 

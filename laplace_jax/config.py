@@ -3,6 +3,7 @@
 Names follow the published description (REFERENCE.md): D = d_model, H = n_heads, d_k / d_v per head,
 a fixed geometric decay schedule between half-lives `decay_t_min` and `decay_t_max` tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,11 @@ import math
 
 import numpy as np
 
-MIXERS = {"G": "simple GLA (the Laplace layer)", "A": "causal softmax attention with RoPE",
-          "S": "causal sliding-window softmax attention with RoPE over the last `window` tokens"}
+MIXERS = {
+  "G": "simple GLA (the Laplace layer)",
+  "A": "causal softmax attention with RoPE",
+  "S": "causal sliding-window softmax attention with RoPE over the last `window` tokens",
+}
 GPT2_VOCAB = 50_257
 PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
 
@@ -88,20 +92,44 @@ class LaplaceConfig:
     def bad(field, value, expect, fix):
       raise ValueError(f"LaplaceConfig.{field}={value!r}: expected {expect}. {fix}")
 
-    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_k", "d_v", "d_ff", "conv_size",
-              "n_decay_tiers", "chunk_size", "max_seq_len", "window"):
+    for f in (
+      "vocab_size",
+      "d_model",
+      "n_layers",
+      "n_heads",
+      "d_k",
+      "d_v",
+      "d_ff",
+      "conv_size",
+      "n_decay_tiers",
+      "chunk_size",
+      "max_seq_len",
+      "window",
+    ):
       v = getattr(self, f)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
         bad(f, v, "a positive integer", "Set it to a positive integer.")
     if self.n_heads % self.n_decay_tiers:
-      bad("n_decay_tiers", self.n_decay_tiers, f"a divisor of n_heads={self.n_heads}",
-          "Choose a tier count that splits the heads evenly.")
+      bad(
+        "n_decay_tiers",
+        self.n_decay_tiers,
+        f"a divisor of n_heads={self.n_heads}",
+        "Choose a tier count that splits the heads evenly.",
+      )
     if not (self.decay_t_min > 0 and self.decay_t_max > 0):
-      bad("decay_t_min/decay_t_max", (self.decay_t_min, self.decay_t_max), "positive half-lives",
-          "Half-lives are in tokens and must be > 0.")
+      bad(
+        "decay_t_min/decay_t_max",
+        (self.decay_t_min, self.decay_t_max),
+        "positive half-lives",
+        "Half-lives are in tokens and must be > 0.",
+      )
     if self.decay_t_max < self.decay_t_min:
-      bad("decay_t_max", self.decay_t_max, f">= decay_t_min={self.decay_t_min} (a non-reversed range)",
-          "Swap the two values.")
+      bad(
+        "decay_t_max",
+        self.decay_t_max,
+        f">= decay_t_min={self.decay_t_min} (a non-reversed range)",
+        "Swap the two values.",
+      )
     for f in ("param_dtype", "compute_dtype"):
       v = getattr(self, f)
       if v not in ("float32", "bfloat16", "float16"):
@@ -109,31 +137,64 @@ class LaplaceConfig:
     if isinstance(self.scan_layers, bool):  # Python and TOML booleans, kept in the flag's spelling
       object.__setattr__(self, "scan_layers", "true" if self.scan_layers else "false")
     if self.scan_layers not in SCAN_LAYERS:
-      bad("scan_layers", self.scan_layers, f"one of {SCAN_LAYERS}",
-          "auto scans the layers (one compiled body) except on Neuron, which unrolls them.")
+      bad(
+        "scan_layers",
+        self.scan_layers,
+        f"one of {SCAN_LAYERS}",
+        "auto scans the layers (one compiled body) except on Neuron, which unrolls them.",
+      )
     if self.gla_form not in GLA_FORMS:
-      bad("gla_form", self.gla_form, f"one of {GLA_FORMS}",
-          "auto picks per backend; parallel is faster on GPUs, scan on CPUs.")
+      bad(
+        "gla_form",
+        self.gla_form,
+        f"one of {GLA_FORMS}",
+        "auto picks per backend; parallel is faster on GPUs, scan on CPUs.",
+      )
     if not self.mixers or set(self.mixers) - set(MIXERS):
-      bad("mixers", self.mixers, f"a non-empty pattern of the letters {sorted(MIXERS)} "
-          f"({', '.join(f'{k} = {v}' for k, v in MIXERS.items())})", "E.g. 'G' (Laplace), 'A' (attention), "
-          "'GGGA' (three GLA layers, then attention, repeated), 'GGGS' (the same with windowed attention).")
+      bad(
+        "mixers",
+        self.mixers,
+        f"a non-empty pattern of the letters {sorted(MIXERS)} "
+        f"({', '.join(f'{k} = {v}' for k, v in MIXERS.items())})",
+        "E.g. 'G' (Laplace), 'A' (attention), "
+        "'GGGA' (three GLA layers, then attention, repeated), 'GGGS' (the same with windowed attention).",
+      )
     if self.n_layers % len(self.mixers):
-      bad("mixers", self.mixers, f"a pattern whose length {len(self.mixers)} divides n_layers={self.n_layers}",
-          "Layers are scanned in repeating groups: choose a pattern length that divides n_layers.")
+      bad(
+        "mixers",
+        self.mixers,
+        f"a pattern whose length {len(self.mixers)} divides n_layers={self.n_layers}",
+        "Layers are scanned in repeating groups: choose a pattern length that divides n_layers.",
+      )
     if not isinstance(self.ffn, (bool, np.bool_)):
       bad("ffn", self.ffn, "true or false", "true keeps each layer's GLU FFN; false drops it.")
-    if not isinstance(self.attn_heads, (int, np.integer)) or isinstance(self.attn_heads, bool) or self.attn_heads < 0:
+    if (
+      not isinstance(self.attn_heads, (int, np.integer))
+      or isinstance(self.attn_heads, bool)
+      or self.attn_heads < 0
+    ):
       bad("attn_heads", self.attn_heads, "an integer >= 0", "0 uses n_heads; e.g. 1 for one attention head.")
     if self.attn_width % self.attn_n_heads:
-      bad("attn_heads", self.attn_heads, f"a divisor of the attention width {self.attn_width} (n_heads · "
-          f"{self._attn_base_head_dim})", "Choose a head count that splits the width evenly, or 0 for n_heads.")
+      bad(
+        "attn_heads",
+        self.attn_heads,
+        f"a divisor of the attention width {self.attn_width} (n_heads · {self._attn_base_head_dim})",
+        "Choose a head count that splits the width evenly, or 0 for n_heads.",
+      )
     if set("AS") & set(self.mixers) and self.attn_head_dim % 2:
-      bad("mixers", self.mixers, f"an even attention head width for RoPE (got {self.attn_head_dim})",
-          "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width, or attn_heads.")
+      bad(
+        "mixers",
+        self.mixers,
+        f"an even attention head width for RoPE (got {self.attn_head_dim})",
+        "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width, or attn_heads.",
+      )
     if self.max_seq_len % self.chunk_size:
-      bad("max_seq_len", self.max_seq_len, f"a multiple of chunk_size={self.chunk_size}",
-          "Training sequences are split into whole chunks.")
+      bad(
+        "max_seq_len",
+        self.max_seq_len,
+        f"a multiple of chunk_size={self.chunk_size}",
+        "Training sequences are split into whole chunks.",
+      )
 
   # Derived widths of the fused projection W_qkvg: [q | k | v | g].
   @property
@@ -176,11 +237,13 @@ class LaplaceConfig:
   def n_mixer_layers(self, letter: str) -> int:
     return self.mixers.count(letter) * self.n_groups
 
-  def replace(self, **changes) -> "LaplaceConfig":
+  def replace(self, **changes) -> LaplaceConfig:
     unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
     if unknown:
-      raise ValueError(f"unknown config field(s) {sorted(unknown)}; valid fields: "
-                       f"{[f.name for f in dataclasses.fields(self)]}")
+      raise ValueError(
+        f"unknown config field(s) {sorted(unknown)}; valid fields: "
+        f"{[f.name for f in dataclasses.fields(self)]}"
+      )
     return dataclasses.replace(self, **changes)
 
 
@@ -217,13 +280,24 @@ def log_decays(cfg: LaplaceConfig) -> np.ndarray:
 
 
 PRESETS: dict[str, LaplaceConfig] = {
-    "laplace-3b": LaplaceConfig(),
-    # ≈148M parameters: the published ratios (d_k = D/2H, d_v = D/H) at GPT-2-small width.
-    "small": LaplaceConfig(d_model=768, n_layers=10, n_heads=8, d_k=48, d_v=96, d_ff=2048,
-                           n_decay_tiers=4, compute_dtype="float32"),
-    # Tests and demos: compiles in seconds on a CPU.
-    "tiny": LaplaceConfig(d_model=64, n_layers=2, n_heads=4, d_k=8, d_v=16, d_ff=128,
-                          n_decay_tiers=2, max_seq_len=256, compute_dtype="float32", remat=False),
+  "laplace-3b": LaplaceConfig(),
+  # ≈148M parameters: the published ratios (d_k = D/2H, d_v = D/H) at GPT-2-small width.
+  "small": LaplaceConfig(
+    d_model=768, n_layers=10, n_heads=8, d_k=48, d_v=96, d_ff=2048, n_decay_tiers=4, compute_dtype="float32"
+  ),
+  # Tests and demos: compiles in seconds on a CPU.
+  "tiny": LaplaceConfig(
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    d_k=8,
+    d_v=16,
+    d_ff=128,
+    n_decay_tiers=2,
+    max_seq_len=256,
+    compute_dtype="float32",
+    remat=False,
+  ),
 }
 
 
@@ -236,7 +310,7 @@ def get_config(name: str, **overrides) -> LaplaceConfig:
 # ---- counts ---------------------------------------------------------------------------------------
 
 MUON_PARAM_NAMES = ("w_qkvg", "w_out", "w1", "w2", "w3")  # the 2-D hidden matrices of each GLA layer
-ATTENTION_MUON_NAMES = ("w_qkv", "w_o")                    # an attention layer's instead of w_qkvg, w_out
+ATTENTION_MUON_NAMES = ("w_qkv", "w_o")  # an attention layer's instead of w_qkvg, w_out
 
 
 def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
@@ -244,6 +318,7 @@ def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, .
   same weights), keyed by leaf name: read from the parameters the layer declares and makes
   (laplace_jax.model.layer_param_specs), not written here a second time."""
   from laplace_jax import model  # imported here: model imports this module
+
   return model.layer_param_shapes(cfg, mixer)
 
 
@@ -251,6 +326,7 @@ def param_shapes(cfg: LaplaceConfig) -> dict[str, dict[str, tuple[int, ...]]]:
   """The GLA layer's parameter shapes (unstacked) plus the model-level ones, keyed by leaf name, from the
   model's declarations (laplace_jax.model.layer_param_specs, model_param_specs)."""
   from laplace_jax import model
+
   return {"layer": layer_shapes(cfg, "G"), "model": model.model_param_shapes(cfg)}
 
 
@@ -290,8 +366,10 @@ def state_bytes_per_sequence(cfg: LaplaceConfig, context: int | None = None) -> 
   if "A" not in cfg.mixers:
     return fixed
   if context is None:
-    raise ValueError(f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: "
-                     "pass context=N tokens.")
+    raise ValueError(
+      f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: "
+      "pass context=N tokens."
+    )
   return fixed + context * kv_cache_bytes_per_token(cfg)
 
 

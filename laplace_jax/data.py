@@ -33,6 +33,7 @@ state is, per row, the index of its current document and the offset inside it.
 so each step's inputs continue exactly where the row's previous inputs stopped (the last target of one step
 is the first input of the next) and a state carried across steps has read every token before.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -62,23 +63,29 @@ def shard_name(split: str, index: int) -> str:
 
 # ---- manifest ------------------------------------------------------------------------------------
 
+
 def load_manifest(data_dir) -> dict[str, Any]:
   """The manifest of a prepared data directory, checked for format and shard files."""
   data_dir = os.fspath(data_dir)
   path = os.path.join(data_dir, MANIFEST_NAME)
   if not os.path.isfile(path):
     raise FileNotFoundError(
-        f"no {MANIFEST_NAME} in {data_dir!r}: not a prepared data directory. Create one with "
-        f"`python -m train.prepare --output {data_dir} [FILES…]` (no files: the built-in KJV corpus).")
+      f"no {MANIFEST_NAME} in {data_dir!r}: not a prepared data directory. Create one with "
+      f"`python -m train.prepare --output {data_dir} [FILES…]` (no files: the built-in KJV corpus)."
+    )
   try:
     with open(path) as f:
       manifest = json.load(f)
   except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path} is unreadable or not JSON ({e}); re-run `python -m train.prepare "
-                     f"--output {data_dir} --overwrite`") from e
+    raise ValueError(
+      f"{path} is unreadable or not JSON ({e}); re-run `python -m train.prepare "
+      f"--output {data_dir} --overwrite`"
+    ) from e
   if manifest.get("format") != FORMAT:
-    raise ValueError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}; re-run "
-                     f"`python -m train.prepare --output {data_dir} --overwrite` with this version")
+    raise ValueError(
+      f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}; re-run "
+      f"`python -m train.prepare --output {data_dir} --overwrite` with this version"
+    )
   return manifest
 
 
@@ -88,23 +95,27 @@ def check_vocab(manifest: dict[str, Any], vocab_size: int) -> None:
   max_id = int(manifest.get("max_token_id", need - 1))
   if vocab_size < max(need, max_id + 1):
     raise ValueError(
-        f"model vocab_size={vocab_size} is smaller than the data's: tokenizer {manifest['tokenizer']!r} "
-        f"has {need} ids and the shards hold ids up to {max_id}. Use a model with vocab_size >= "
-        f"{max(need, max_id + 1)} (the presets use 50,304 = GPT-2 padded to a multiple of 64), or "
-        "prepare the data with the model's tokenizer.")
+      f"model vocab_size={vocab_size} is smaller than the data's: tokenizer {manifest['tokenizer']!r} "
+      f"has {need} ids and the shards hold ids up to {max_id}. Use a model with vocab_size >= "
+      f"{max(need, max_id + 1)} (the presets use 50,304 = GPT-2 padded to a multiple of 64), or "
+      "prepare the data with the model's tokenizer."
+    )
 
 
 def _resolve_processes(process_index, process_count, global_batch_size) -> tuple[int, int]:
   """(process_index, process_count), defaulting to JAX's, checked against the batch size."""
   if process_index is None or process_count is None:
     import jax
+
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} is outside [0, process_count={process_count})")
   if global_batch_size <= 0 or global_batch_size % process_count:
-    raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
-                     f"process_count={process_count}; each process feeds an equal share of the rows")
+    raise ValueError(
+      f"global_batch_size={global_batch_size} must be a positive multiple of "
+      f"process_count={process_count}; each process feeds an equal share of the rows"
+    )
   return int(process_index), int(process_count)
 
 
@@ -117,32 +128,39 @@ def _documents(data_dir, manifest, split: str) -> grain.MapDataset:
   info = splits[split]
   if info["documents"] == 0:
     raise ValueError(
-        f"split {split!r} of {data_dir!r} has no documents. Re-run `python -m train.prepare` with more "
-        "text" + (" or a larger --val_fraction" if split == "val" else " or a smaller --val_fraction"))
+      f"split {split!r} of {data_dir!r} has no documents. Re-run `python -m train.prepare` with more "
+      "text" + (" or a larger --val_fraction" if split == "val" else " or a smaller --val_fraction")
+    )
   paths = [os.path.join(data_dir, s["path"]) for s in info["shards"]]
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
-    raise FileNotFoundError(f"shards listed in {MANIFEST_NAME} are missing: {missing[:3]}; the data "
-                            "directory is incomplete, re-run `python -m train.prepare --overwrite`")
+    raise FileNotFoundError(
+      f"shards listed in {MANIFEST_NAME} are missing: {missing[:3]}; the data "
+      "directory is incomplete, re-run `python -m train.prepare --overwrite`"
+    )
   source = grain.sources.ArrayRecordDataSource(paths)
   if len(source) != info["documents"]:
-    raise ValueError(f"the {split!r} shards of {data_dir!r} hold {len(source)} records but the manifest "
-                     f"says {info['documents']}; re-run `python -m train.prepare --overwrite`")
+    raise ValueError(
+      f"the {split!r} shards of {data_dir!r} hold {len(source)} records but the manifest "
+      f"says {info['documents']}; re-run `python -m train.prepare --overwrite`"
+    )
   decode = functools.partial(np.frombuffer, dtype=np.dtype(manifest["dtype"]).newbyteorder("<"))
   return grain.MapDataset.source(source).map(decode)
 
 
 # ---- training stream -----------------------------------------------------------------------------
 
+
 class _PackedRows(grain.DatasetIterator):
   """B_local rows, each packing its own document stream into (seq_len+1)-token examples."""
 
-  def __init__(self, rows: list[grain.MapDataset], seq_len: int, eos_id: int, layout: dict,
-               contiguous: bool = False):
+  def __init__(
+    self, rows: list[grain.MapDataset], seq_len: int, eos_id: int, layout: dict, contiguous: bool = False
+  ):
     super().__init__()
     self._rows, self._width, self._eos, self._layout = rows, seq_len + 1, eos_id, layout
     self._contiguous = contiguous
-    self._pos = [[0, 0] for _ in rows]   # per row: [document index within the row, offset in doc+EOS]
+    self._pos = [[0, 0] for _ in rows]  # per row: [document index within the row, offset in doc+EOS]
     self._cache: list[tuple[int, np.ndarray] | None] = [None] * len(rows)
 
   def _doc(self, r: int, k: int) -> np.ndarray:
@@ -161,7 +179,7 @@ class _PackedRows(grain.DatasetIterator):
       while filled < self._width:
         doc = self._doc(r, pos[0])
         take = min(len(doc) - pos[1], self._width - filled)
-        x_BxW[r, filled:filled + take] = doc[pos[1]:pos[1] + take]
+        x_BxW[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
         filled += take
         pos[1] += take
         if pos[1] == len(doc):
@@ -171,20 +189,23 @@ class _PackedRows(grain.DatasetIterator):
           pos[1] -= 1
         else:
           pos[0], pos[1] = pos[0] - 1, len(self._doc(r, pos[0] - 1)) - 1
-    return {"inputs": np.ascontiguousarray(x_BxW[:, :-1]),
-            "targets": np.ascontiguousarray(x_BxW[:, 1:])}
+    return {"inputs": np.ascontiguousarray(x_BxW[:, :-1]), "targets": np.ascontiguousarray(x_BxW[:, 1:])}
 
   def get_state(self) -> dict[str, Any]:
     return {"layout": dict(self._layout), "rows": [list(p) for p in self._pos]}
 
   def set_state(self, state: dict[str, Any]) -> None:
     saved = state.get("layout", {})
-    diff = {k: (saved.get(k), self._layout.get(k)) for k in set(saved) | set(self._layout)
-            if saved.get(k) != self._layout.get(k)}
+    diff = {
+      k: (saved.get(k), self._layout.get(k))
+      for k in set(saved) | set(self._layout)
+      if saved.get(k) != self._layout.get(k)
+    }
     if diff or len(state.get("rows", ())) != len(self._rows):
       raise ValueError(
-          f"data iterator state does not fit this pipeline: (saved, now) differ in {diff}. Restore with "
-          "the same data, seed, seq_len, global_batch_size and process layout, or start a fresh stream.")
+        f"data iterator state does not fit this pipeline: (saved, now) differ in {diff}. Restore with "
+        "the same data, seed, seq_len, global_batch_size and process layout, or start a fresh stream."
+      )
     self._pos = [[int(k), int(o)] for k, o in state["rows"]]
     self._cache = [None] * len(self._rows)
 
@@ -197,7 +218,7 @@ class _ThreadPrefetch(grain.experimental.ThreadPrefetchDatasetIterator):
       super().close()
 
 
-_LIVE_ITERATORS: "weakref.WeakSet[TrainIterator]" = weakref.WeakSet()
+_LIVE_ITERATORS: weakref.WeakSet[TrainIterator] = weakref.WeakSet()
 
 
 @atexit.register
@@ -220,7 +241,7 @@ class TrainIterator(grain.DatasetIterator):
     self.total_wait_s = 0.0
     _LIVE_ITERATORS.add(self)
 
-  def __enter__(self) -> "TrainIterator":
+  def __enter__(self) -> TrainIterator:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -240,10 +261,19 @@ class TrainIterator(grain.DatasetIterator):
     self._parent.set_state(state)
 
 
-def make_train_iterator(data_dir, *, seq_len: int, global_batch_size: int, seed: int = 0,
-                        process_index: int | None = None, process_count: int | None = None,
-                        split: str = "train", prefetch: int = 2,
-                        vocab_size: int | None = None, contiguous: bool = False) -> TrainIterator:
+def make_train_iterator(
+  data_dir,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  seed: int = 0,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  split: str = "train",
+  prefetch: int = 2,
+  vocab_size: int | None = None,
+  contiguous: bool = False,
+) -> TrainIterator:
   """This process's endless stream of packed batches (see the module docstring); `prefetch` batches
   are built ahead on a background thread (0: build on demand); `contiguous`: rows continue across steps."""
   if seq_len <= 0:
@@ -257,11 +287,18 @@ def make_train_iterator(data_dir, *, seq_len: int, global_batch_size: int, seed:
   if vocab_size is not None:
     check_vocab(manifest, vocab_size)
   docs = _documents(data_dir, manifest, split)
-  stream = docs.shuffle(seed=seed).repeat()   # a new permutation every epoch
+  stream = docs.shuffle(seed=seed).repeat()  # a new permutation every epoch
   b_local = global_batch_size // n
   rows = [stream[r::global_batch_size] for r in range(p * b_local, (p + 1) * b_local)]
-  layout = {"split": split, "documents": len(docs), "seed": seed, "seq_len": seq_len,
-            "global_batch_size": global_batch_size, "process_index": p, "process_count": n}
+  layout = {
+    "split": split,
+    "documents": len(docs),
+    "seed": seed,
+    "seq_len": seq_len,
+    "global_batch_size": global_batch_size,
+    "process_index": p,
+    "process_count": n,
+  }
   if contiguous:  # a layout key only when set, so states saved before the option still restore
     layout["contiguous"] = True
   packed = _PackedRows(rows, seq_len, int(manifest["eos_id"]), layout, contiguous)
@@ -270,10 +307,18 @@ def make_train_iterator(data_dir, *, seq_len: int, global_batch_size: int, seed:
 
 # ---- held-out evaluation -------------------------------------------------------------------------
 
-def make_eval_batches(data_dir, *, seq_len: int, global_batch_size: int,
-                      process_index: int | None = None, process_count: int | None = None,
-                      split: str = "val", max_batches: int | None = None,
-                      vocab_size: int | None = None) -> list[dict[str, np.ndarray]]:
+
+def make_eval_batches(
+  data_dir,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  split: str = "val",
+  max_batches: int | None = None,
+  vocab_size: int | None = None,
+) -> list[dict[str, np.ndarray]]:
   """The held-out split in stored order, EOS-joined, packed into full global batches; this process's rows."""
   p, n = _resolve_processes(process_index, process_count, global_batch_size)
   manifest = load_manifest(data_dir)
@@ -294,11 +339,13 @@ def make_eval_batches(data_dir, *, seq_len: int, global_batch_size: int,
     n_batches = min(n_batches, max_batches)
   if n_batches == 0:
     raise ValueError(
-        f"split {split!r} holds {len(tokens)} tokens (with EOS), fewer than one eval batch of "
-        f"{global_batch_size} × {width}; use a smaller eval batch or seq_len, or re-run "
-        "`python -m train.prepare` with a larger --val_fraction")
+      f"split {split!r} holds {len(tokens)} tokens (with EOS), fewer than one eval batch of "
+      f"{global_batch_size} × {width}; use a smaller eval batch or seq_len, or re-run "
+      "`python -m train.prepare` with a larger --val_fraction"
+    )
   b_local = global_batch_size // n
-  x_NxBxW = tokens[:n_batches * global_batch_size * width].reshape(n_batches, global_batch_size, width)
-  x_NxBxW = x_NxBxW[:, p * b_local:(p + 1) * b_local]
-  return [{"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])}
-          for x in x_NxBxW]
+  x_NxBxW = tokens[: n_batches * global_batch_size * width].reshape(n_batches, global_batch_size, width)
+  x_NxBxW = x_NxBxW[:, p * b_local : (p + 1) * b_local]
+  return [
+    {"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])} for x in x_NxBxW
+  ]

@@ -13,6 +13,7 @@ the bits travel as unsigned integers of the same width, keeping the wire at 2 by
 (read from laplace_jax.platform.backend(), so `lowering_for("neuron")` chooses as on Trainium) gathers the
 compute dtype directly: Trn2 has no uint16, and collectives there take f32/bf16 operands.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -59,8 +60,10 @@ def split_dim(local_shape, full_shape) -> int | None:
     return None
   dims = [d for d, (a, b) in enumerate(zip(local_shape, full_shape)) if a != b]
   if len(local_shape) != len(full_shape) or len(dims) != 1 or full_shape[dims[0]] % local_shape[dims[0]]:
-    raise ValueError(f"a parameter shard of shape {tuple(local_shape)} is not one dim's split of its shape "
-                     f"{tuple(full_shape)}: FSDP shards exactly one dim (laplace_jax.sharding).")
+    raise ValueError(
+      f"a parameter shard of shape {tuple(local_shape)} is not one dim's split of its shape "
+      f"{tuple(full_shape)}: FSDP shards exactly one dim (laplace_jax.sharding)."
+    )
   return dims[0]
 
 

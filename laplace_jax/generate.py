@@ -7,6 +7,7 @@ A convenience for demos and evaluation; the serving engine (serve/) batches many
   greedy_next(params, tokens_BxT, positions_BxK, cfg=) -> ids [B, K]: the greedy next token after each prefix
       tokens[:, :p + 1], all from one causal forward (what generating one token after each prefix would give)
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,9 @@ def _decode_and_sample(params, state, tokens_B, key, *, cfg, temperature, top_k,
   return sample_logits(logits, key, temperature=temperature, top_k=top_k, valid_vocab=valid_vocab), state
 
 
-def _continue(params, prompts_BxT, max_new_tokens: int, *, cfg, temperature, top_k, seed, valid_vocab,
-              stop_id=None):
+def _continue(
+  params, prompts_BxT, max_new_tokens: int, *, cfg, temperature, top_k, seed, valid_vocab, stop_id=None
+):
   """Yield the next token of every row [B] (host ints), max_new_tokens times; stops after a step whose
   tokens all equal stop_id."""
   if max_new_tokens < 1:
@@ -55,36 +57,84 @@ def _continue(params, prompts_BxT, max_new_tokens: int, *, cfg, temperature, top
     if i == max_new_tokens - 1 or (stop_id is not None and (host == stop_id).all()):
       return
     key, sub = jax.random.split(key)
-    tok, state = _decode_and_sample(params, state, tok, sub, cfg=cfg, temperature=temperature, top_k=top_k,
-                                    valid_vocab=vv)
+    tok, state = _decode_and_sample(
+      params, state, tok, sub, cfg=cfg, temperature=temperature, top_k=top_k, valid_vocab=vv
+    )
 
 
-def generate(params, prompt_ids, max_new_tokens: int, *, cfg: LaplaceConfig, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, valid_vocab: int | None = None, stop_id: int | None = None):
+def generate(
+  params,
+  prompt_ids,
+  max_new_tokens: int,
+  *,
+  cfg: LaplaceConfig,
+  temperature: float = 0.8,
+  top_k: int = 40,
+  seed: int = 0,
+  valid_vocab: int | None = None,
+  stop_id: int | None = None,
+):
   """Continue one prompt (a list of token ids): returns the new token ids (stops early at stop_id)."""
   if not prompt_ids:
     raise ValueError("prompt_ids is empty: give at least one token (e.g. the EOS id to start fresh).")
-  return [int(t[0]) for t in _continue(params, [prompt_ids], max_new_tokens, cfg=cfg, temperature=temperature,
-                                       top_k=top_k, seed=seed, valid_vocab=valid_vocab, stop_id=stop_id)]
+  return [
+    int(t[0])
+    for t in _continue(
+      params,
+      [prompt_ids],
+      max_new_tokens,
+      cfg=cfg,
+      temperature=temperature,
+      top_k=top_k,
+      seed=seed,
+      valid_vocab=valid_vocab,
+      stop_id=stop_id,
+    )
+  ]
 
 
-def generate_batch(params, prompts_BxT, max_new_tokens: int, *, cfg: LaplaceConfig, temperature: float = 0.0,
-                   top_k: int = 0, seed: int = 0, valid_vocab: int | None = None) -> np.ndarray:
+def generate_batch(
+  params,
+  prompts_BxT,
+  max_new_tokens: int,
+  *,
+  cfg: LaplaceConfig,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  seed: int = 0,
+  valid_vocab: int | None = None,
+) -> np.ndarray:
   """Continue B prompts of equal length together (greedy by default): the new ids [B, max_new_tokens]."""
   prompts = np.asarray(prompts_BxT)
   if prompts.ndim != 2 or not prompts.size:
     raise ValueError(f"prompts have shape {prompts.shape}: expected [B, T] with B, T >= 1.")
-  return np.stack(list(_continue(params, prompts, max_new_tokens, cfg=cfg, temperature=temperature,
-                                 top_k=top_k, seed=seed, valid_vocab=valid_vocab)), axis=1)
+  return np.stack(
+    list(
+      _continue(
+        params,
+        prompts,
+        max_new_tokens,
+        cfg=cfg,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        valid_vocab=valid_vocab,
+      )
+    ),
+    axis=1,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _greedy_at(params, tokens_BxT, positions_BxK, *, cfg):
-  return jnp.argmax(model.forward(params, tokens_BxT, cfg=cfg, positions_BxK=positions_BxK), -1).astype(jnp.int32)
+  return jnp.argmax(model.forward(params, tokens_BxT, cfg=cfg, positions_BxK=positions_BxK), -1).astype(
+    jnp.int32
+  )
 
 
 def greedy_next(params, tokens_BxT, positions_BxK, *, cfg: LaplaceConfig) -> np.ndarray:
   """[B, K] greedy next token after each prefix tokens[b, :positions[b, k] + 1], from one causal forward (the
   model is causal, so each equals greedy generation of one token from that prefix)."""
-  return np.asarray(_greedy_at(params, jnp.asarray(tokens_BxT, jnp.int32), jnp.asarray(positions_BxK, jnp.int32),
-                               cfg=cfg))
+  return np.asarray(
+    _greedy_at(params, jnp.asarray(tokens_BxT, jnp.int32), jnp.asarray(positions_BxK, jnp.int32), cfg=cfg)
+  )

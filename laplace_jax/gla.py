@@ -9,6 +9,7 @@ Three forms: `chunk_simple_gla` (training / prefill: intra-chunk work in paralle
 number of chunks for the state), `recurrent_simple_gla_step` (one decode token) and
 `naive_recurrent_simple_gla` (the token-by-token reference the tests compare against).
 """
+
 from __future__ import annotations
 
 import jax
@@ -22,8 +23,10 @@ def _check(q, k, v, g_gamma, initial_state, mask):
   """Shape/dtype/sign validation with messages that name the value and the fix."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
-      raise ValueError(f"{name} has shape {x.shape}: expected rank 4 [B, T, H, {'V' if name == 'v' else 'K'}]"
-                       " (fla layout, time before heads).")
+      raise ValueError(
+        f"{name} has shape {x.shape}: expected rank 4 [B, T, H, {'V' if name == 'v' else 'K'}]"
+        " (fla layout, time before heads)."
+      )
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} has dtype {x.dtype}: expected a floating dtype (float32/bfloat16).")
   B, T, H, K = q.shape
@@ -34,11 +37,14 @@ def _check(q, k, v, g_gamma, initial_state, mask):
   if g_gamma.shape != (H,):
     raise ValueError(f"g_gamma has shape {g_gamma.shape}: expected [H] = [{H}], one log decay per head.")
   if not isinstance(g_gamma, jax.core.Tracer) and np.any(np.asarray(g_gamma) > 0):
-    raise ValueError(f"g_gamma={np.asarray(g_gamma)} has positive entries: log decays must be <= 0 "
-                     "(pass ln(lambda) with 0 < lambda <= 1), else the state grows without bound.")
+    raise ValueError(
+      f"g_gamma={np.asarray(g_gamma)} has positive entries: log decays must be <= 0 "
+      "(pass ln(lambda) with 0 < lambda <= 1), else the state grows without bound."
+    )
   if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
-    raise ValueError(f"initial_state has shape {initial_state.shape}: expected [B, H, K, V] = "
-                     f"{(B, H, K, v.shape[-1])}.")
+    raise ValueError(
+      f"initial_state has shape {initial_state.shape}: expected [B, H, K, V] = {(B, H, K, v.shape[-1])}."
+    )
   if mask is not None and mask.shape != (B, T):
     raise ValueError(f"mask has shape {mask.shape}: expected [B, T] = {(B, T)}.")
 
@@ -65,13 +71,15 @@ def _read(q_dec, s):
 
 def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll):
   """Every chunk's whole work inside one scan step (cache-sized working set): [B,H,N,C,·] -> (o, S)."""
+
   def step(s, xs):
-    o_intra, u, d_BxH, q_dec = _chunk_terms(*xs)                            # one chunk: [B, H, C, ·]
+    o_intra, u, d_BxH, q_dec = _chunk_terms(*xs)  # one chunk: [B, H, C, ·]
     return d_BxH[..., None, None] * s + u, o_intra + _read(q_dec, s)
 
   n_first = lambda x: jnp.moveaxis(x, 2, 0)
-  s, o_NxBxHxCxV = jax.lax.scan(step, s0, tuple(map(n_first, (q_, k_, v_, b_BxHxNxC))),
-                                unroll=0 if unroll else 1)  # 0: all chunks (True leaves one chunk a loop)
+  s, o_NxBxHxCxV = jax.lax.scan(
+    step, s0, tuple(map(n_first, (q_, k_, v_, b_BxHxNxC))), unroll=0 if unroll else 1
+  )  # 0: all chunks (True leaves one chunk a loop)
   return jnp.moveaxis(o_NxBxHxCxV, 0, 2), s
 
 
@@ -85,13 +93,24 @@ def _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll):
     return d_BxH[..., None, None] * s_prev + u, s_prev
 
   final_state, s_prev_NxBxHxKxV = jax.lax.scan(
-      step, s0, (jnp.moveaxis(d_BxHxN, 2, 0), jnp.moveaxis(u_BxHxNxKxV, 2, 0)),
-      unroll=0 if unroll else 1)  # 0: all chunks (True leaves one chunk a loop)
+    step, s0, (jnp.moveaxis(d_BxHxN, 2, 0), jnp.moveaxis(u_BxHxNxKxV, 2, 0)), unroll=0 if unroll else 1
+  )  # 0: all chunks (True leaves one chunk a loop)
   return o_intra + _read(q_dec, jnp.moveaxis(s_prev_NxBxHxKxV, 0, 2)), final_state
 
 
-def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_size=128,
-                     mask=None, unroll=False, form="parallel"):
+def chunk_simple_gla(
+  q,
+  k,
+  v,
+  g_gamma,
+  *,
+  scale=None,
+  initial_state=None,
+  chunk_size=128,
+  mask=None,
+  unroll=False,
+  form="parallel",
+):
   """Chunked simple GLA: (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] fp32), any T.
 
   `mask` [B, T] (optional, True = real token) skips positions entirely: no decay, no contribution, so a
@@ -107,10 +126,12 @@ def chunk_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, chunk_
   V = v.shape[-1]
   C = int(chunk_size)
   if C <= 0:
-    raise ValueError(f"chunk_size={chunk_size}: expected a positive integer (128 matches the published port).")
+    raise ValueError(
+      f"chunk_size={chunk_size}: expected a positive integer (128 matches the published port)."
+    )
   if form not in ("parallel", "scan"):
     raise ValueError(f"form={form!r}: expected 'parallel' (GPUs) or 'scan' (CPUs).")
-  scale = K ** -0.5 if scale is None else scale
+  scale = K**-0.5 if scale is None else scale
   out_dtype = v.dtype
 
   # Masked positions get key 0 and log decay 0: they neither feed nor decay the state. Padding T up to a
@@ -151,7 +172,7 @@ def recurrent_simple_gla_step(q, k, v, g_gamma, state, *, scale=None):
   B, H, K = q.shape
   if state.shape != (B, H, K, v.shape[-1]):
     raise ValueError(f"state has shape {state.shape}: expected [B, H, K, V] = {(B, H, K, v.shape[-1])}.")
-  scale = K ** -0.5 if scale is None else scale
+  scale = K**-0.5 if scale is None else scale
   lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
   s = lam_H[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k.astype(F32), v.astype(F32))
   o = jnp.einsum("bhk,bhkv->bhv", q.astype(F32) * scale, s)

@@ -21,6 +21,7 @@ mode (tests, on the CPU). A kernel asked for where it cannot run (another backen
 multi-device mesh set with `jax.set_mesh`) falls back to "xla" with one log line per reason. Callers that
 shard the table over several devices without setting a mesh must pass impl="xla".
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,13 +78,13 @@ def _kernel(layer_ref, lam_ref, q_ref, k_ref, v_ref, _table_in, o_ref, table_ref
   layer, lam = layer_ref[0], lam_ref[h]
   b = pl.ds(i * bb, bb)
   for v0, vp in pow2_pieces(V):
-    vv = v_ref[b, h, pl.ds(v0, vp)].astype(F32)                               # [bb, vp]
+    vv = v_ref[b, h, pl.ds(v0, vp)].astype(F32)  # [bb, vp]
     o = jnp.zeros((bb, vp), F32)
     for k0, kp in pow2_pieces(K):
-      q = q_ref[b, h, pl.ds(k0, kp)].astype(F32) * scale                      # [bb, kp]
+      q = q_ref[b, h, pl.ds(k0, kp)].astype(F32) * scale  # [bb, kp]
       k = k_ref[b, h, pl.ds(k0, kp)].astype(F32)
       idx = (layer, b, h, pl.ds(k0, kp), pl.ds(v0, vp))
-      s = lam * table_ref[idx] + k[:, :, None] * vv[:, None, :]                # [bb, kp, vp]
+      s = lam * table_ref[idx] + k[:, :, None] * vv[:, None, :]  # [bb, kp, vp]
       table_ref[idx] = s
       o = o + jnp.sum(q[:, :, None] * s, axis=1)
     o_ref[b, h, pl.ds(v0, vp)] = o.astype(o_ref.dtype)
@@ -96,9 +97,11 @@ def _pallas(q, k, v, g_gamma, table, layer, *, scale, block_b, interpret):
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
   return pl.pallas_call(
-      kernel, grid=(B // bb, H),
-      out_shape=(jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype)),
-      input_output_aliases={5: 1}, interpret=interpret,
+    kernel,
+    grid=(B // bb, H),
+    out_shape=(jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype)),
+    input_output_aliases={5: 1},
+    interpret=interpret,
   )(layer_1, lam_H, q, k, v, table)
 
 
@@ -116,12 +119,13 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale):
   """
   out_dtype, lam_H = v.dtype, jnp.exp(jnp.asarray(g_gamma, F32))
   q, k, v = q.astype(F32) * scale, k.astype(F32), v.astype(F32)
-  s1 = jax.lax.dynamic_slice_in_dim(table, layer, 1, 0)                       # [1, B, H, K, V]
+  s1 = jax.lax.dynamic_slice_in_dim(table, layer, 1, 0)  # [1, B, H, K, V]
   qk = jnp.broadcast_to((q * k)[None, ..., None], s1.shape)
-  qs, qk = jax.lax.reduce((q[None, ..., None] * s1, qk), (F32(0), F32(0)),
-                          lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,))      # sums over K: [1, B, H, V]
-  o = lam_H[:, None] * qs[0] + qk[0] * v                                       # = q·(λS + k vᵀ)
-  k = jnp.where(o[:, :1, :1] > jnp.inf, F32(0), k)   # never true (nor for NaN): each row's write after its o
+  qs, qk = jax.lax.reduce(
+    (q[None, ..., None] * s1, qk), (F32(0), F32(0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,)
+  )  # sums over K: [1, B, H, V]
+  o = lam_H[:, None] * qs[0] + qk[0] * v  # = q·(λS + k vᵀ)
+  k = jnp.where(o[:, :1, :1] > jnp.inf, F32(0), k)  # never true (nor for NaN): each row's write after its o
   s1 = lam_H[:, None, None] * s1 + (k[..., None] * v[..., None, :])[None]
   return o.astype(out_dtype), jax.lax.dynamic_update_slice_in_dim(table, s1, layer, 0)
 
@@ -129,13 +133,13 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale):
 def _xla_einsum(q, k, v, g_gamma, table, layer, *, scale):
   """The step with single-operand reductions only (for Neuron): S' = λ·S + k vᵀ, o = scale·qᵀS' (an einsum)."""
   lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
-  s = jax.lax.dynamic_index_in_dim(table, layer, 0, keepdims=False)            # [B, H, K, V]
+  s = jax.lax.dynamic_index_in_dim(table, layer, 0, keepdims=False)  # [B, H, K, V]
   s = lam_H[None, :, None, None] * s + jnp.einsum("bhk,bhv->bhkv", k.astype(F32), v.astype(F32))
   o = jnp.einsum("bhk,bhkv->bhv", q.astype(F32) * scale, s)
   return o.astype(v.dtype), jax.lax.dynamic_update_index_in_dim(table, s, layer, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pallas_compiles(shapes: tuple, scale: float, block_b: int) -> str | None:
   """None if the kernel compiles for these shapes on this backend, else the reason (cached per shape)."""
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
@@ -164,29 +168,37 @@ def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = 
 
   q, k [B,H,K], v [B,H,V] (any float dtype; math in fp32); g_gamma [H] log decays; `layer` a scalar int."""
   if table.ndim != 5 or table.dtype != F32:
-    raise ValueError(f"table is {table.dtype}{list(table.shape)}: expected float32 [L, B, H, K, V], the "
-                     "model's layer-stacked decode state (model.init_state(cfg, B)['gla']).")
+    raise ValueError(
+      f"table is {table.dtype}{list(table.shape)}: expected float32 [L, B, H, K, V], the "
+      "model's layer-stacked decode state (model.init_state(cfg, B)['gla'])."
+    )
   L, B, H, K, V = table.shape
   if q.shape != (B, H, K) or k.shape != (B, H, K) or v.shape != (B, H, V):
-    raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected q, k [B, H, K] = {(B, H, K)} and "
-                     f"v [B, H, V] = {(B, H, V)} to match the table {table.shape}.")
+    raise ValueError(
+      f"q {q.shape}, k {k.shape}, v {v.shape}: expected q, k [B, H, K] = {(B, H, K)} and "
+      f"v [B, H, V] = {(B, H, V)} to match the table {table.shape}."
+    )
   if not isinstance(block_b, int) or block_b < 1:
     raise ValueError(f"block_b={block_b!r}: expected a positive integer (slots per kernel program).")
-  scale = K ** -0.5 if scale is None else float(scale)
+  scale = K**-0.5 if scale is None else float(scale)
   impl = resolve_impl(impl)
   mesh = jax.sharding.get_abstract_mesh()
   if impl != "xla" and not mesh.empty and mesh.size > 1:
     # A pallas_call is one device's program: XLA cannot split it over a mesh's slots.
-    _log_once(f"gla_decode: the Pallas kernel runs on one device, not over a {mesh.size}-device mesh; "
-              "using the XLA step.")
+    _log_once(
+      f"gla_decode: the Pallas kernel runs on one device, not over a {mesh.size}-device mesh; "
+      "using the XLA step."
+    )
     impl = "xla"
   if impl == "pallas":
     shapes = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in (q, k, v, jnp.asarray(g_gamma), table))
     shapes += (((), jnp.dtype(jnp.int32)),)
     reason = _pallas_compiles(shapes, scale, block_b)
     if reason:
-      _log_once(f"gla_decode: the Pallas kernel does not compile for table {list(table.shape)} "
-                f"({reason}); using the XLA step.")
+      _log_once(
+        f"gla_decode: the Pallas kernel does not compile for table {list(table.shape)} "
+        f"({reason}); using the XLA step."
+      )
       impl = "xla"
   if impl == "xla":
     xla_step = _xla_einsum if platform.backend() == "neuron" else _xla

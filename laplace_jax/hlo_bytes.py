@@ -12,6 +12,7 @@ memory: it reads its operands and writes its result, except
 An instruction in a while body counts once per iteration (XLA's known_trip_count); one in a conditional
 counts once per branch (an upper bound). XLA's own `cost_analysis()` counts a loop body once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,26 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _PARAM_INDEX = re.compile(r"^(\d+)\)")
 
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-        "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
-        "async-start", "async-update", "async-done", "copy-done"}  # an async op's work is its computation
+FREE = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "while",
+  "conditional",
+  "call",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+  "add-dependency",
+  "domain",
+  "async-start",
+  "async-update",
+  "async-done",
+  "copy-done",
+}  # an async op's work is its computation
 SLICING = {"slice", "dynamic-slice", "gather"}
 IN_PLACE = {"dynamic-update-slice", "scatter"}
 
@@ -46,10 +64,10 @@ class OpTraffic:
   computation: str
   name: str
   opcode: str
-  read_bytes: int    # per execution
+  read_bytes: int  # per execution
   written_bytes: int
-  count: int         # executions per program run
-  op_name: str       # jax metadata: the named scopes that produced it
+  count: int  # executions per program run
+  op_name: str  # jax metadata: the named scopes that produced it
 
   @property
   def total_bytes(self) -> int:
@@ -62,7 +80,7 @@ def _split_operands(text: str) -> tuple[tuple[str, ...], str]:
   while i < len(text) and depth:
     depth += {"(": 1, ")": -1}.get(text[i], 0)
     i += 1
-  inner, attrs = text[:i - 1], text[i:]
+  inner, attrs = text[: i - 1], text[i:]
   names, depth, start = [], 0, 0
   for j, ch in enumerate(inner + ","):
     if ch in "({[":
@@ -85,8 +103,9 @@ def parse_instructions(lines: list[str]) -> list[Instr]:
     if m:
       root, name, type_text, opcode, rest = m.groups()
       operands, attrs = _split_operands(rest)
-      out.append(Instr(name, type_text, opcode, operands, attrs if opcode != "parameter" else rest,
-                       bool(root)))
+      out.append(
+        Instr(name, type_text, opcode, operands, attrs if opcode != "parameter" else rest, bool(root))
+      )
   return out
 
 

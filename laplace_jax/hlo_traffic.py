@@ -11,36 +11,66 @@ pairwise) volumes each device sends, and also receives:
 A collective inside a while loop counts once per iteration (XLA's known_trip_count); one inside a
 conditional counts once per branch (an upper bound).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
 from collections import defaultdict
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1}
-KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
-         "ragged-all-to-all", "collective-broadcast")
+DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "s4": 1,
+  "u4": 1,
+}
+KINDS = (
+  "all-to-all",
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "collective-permute",
+  "ragged-all-to-all",
+  "collective-broadcast",
+)
 
-_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(
-    k + suffix for k in sorted(KINDS, key=len, reverse=True) for suffix in ("-start", "")) + r")\((.*)$")
+_OPCODE = re.compile(
+  r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+("
+  + "|".join(k + suffix for k in sorted(KINDS, key=len, reverse=True) for suffix in ("-start", ""))
+  + r")\((.*)$"
+)
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLEES = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_RUNS_ITS_CALLEE = re.compile(r"\s(?:call|async-start)\(")  # ops whose called computation runs as instructions
+_RUNS_ITS_CALLEE = re.compile(
+  r"\s(?:call|async-start)\("
+)  # ops whose called computation runs as instructions
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  kind: str          # one of KINDS
-  name: str          # HLO instruction name
+  kind: str  # one of KINDS
+  name: str  # HLO instruction name
   buffer_bytes: int  # S (or R for all-gather) as in the module docstring
   group_size: int
-  count: int         # executions per program run (while-loop trip counts multiplied in)
-  op_name: str       # jax metadata op_name: the named scopes that produced it
-  dtype: str = ""    # element type of its largest array (e.g. "u16" for bf16 bits, "f32")
+  count: int  # executions per program run (while-loop trip counts multiplied in)
+  op_name: str  # jax metadata op_name: the named scopes that produced it
+  dtype: str = ""  # element type of its largest array (e.g. "u16" for bf16 bits, "f32")
 
   @property
   def sent_bytes(self) -> float:
@@ -88,7 +118,7 @@ def _buffer_bytes(kind: str, start: bool, type_text: str, group: int) -> int:
   if kind == "all-to-all" or kind == "ragged-all-to-all":
     return sum(arrays) if not start else arrays[-1]
   if kind == "all-gather":
-    return max(arrays)                      # the gathered result
+    return max(arrays)  # the gathered result
   if kind == "reduce-scatter":
     return group * (arrays[-1] if start else sum(arrays))  # the unreduced operand
   return arrays[0] if start else sum(arrays)
@@ -111,8 +141,13 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
-def execution_counts(comps: dict[str, list[str]], entry: str, *, condition_runs_once_more: bool = False,
-                     follow_fused: bool = True) -> dict[str, int]:
+def execution_counts(
+  comps: dict[str, list[str]],
+  entry: str,
+  *,
+  condition_runs_once_more: bool = False,
+  follow_fused: bool = True,
+) -> dict[str, int]:
   """How often each computation runs per program run: the entry once, a while body k times (XLA's
   known_trip_count, 1 if unknown), its condition k times (k + 1 with condition_runs_once_more: it also runs
   to end the loop), conditional branches and called computations as often as their caller. follow_fused=False
@@ -151,11 +186,20 @@ def parse_collectives(hlo_text: str, n_devices: int) -> list[Collective]:
         continue
       name, type_text, opcode, rest = m.groups()
       start = opcode.endswith("-start")
-      kind = opcode[:-len("-start")] if start else opcode
+      kind = opcode[: -len("-start")] if start else opcode
       group = _group_size(rest, n_devices)
       op = re.search(r'op_name="([^"]*)"', rest)
-      out.append(Collective(kind, name, _buffer_bytes(kind, start, type_text, group), group, counts[comp],
-                            op.group(1) if op else "", _largest_dtype(type_text)))
+      out.append(
+        Collective(
+          kind,
+          name,
+          _buffer_bytes(kind, start, type_text, group),
+          group,
+          counts[comp],
+          op.group(1) if op else "",
+          _largest_dtype(type_text),
+        )
+      )
   return out
 
 
@@ -174,5 +218,6 @@ def traffic_by_kind(collectives: list[Collective], op_name_filter: str | None = 
 
 def total_bytes(collectives: list[Collective], op_name_filter: str | None = None) -> float:
   """Bytes sent plus received per device per call."""
-  return sum(r["sent_bytes"] + r["received_bytes"] for r in traffic_by_kind(collectives, op_name_filter).values())
-
+  return sum(
+    r["sent_bytes"] + r["received_bytes"] for r in traffic_by_kind(collectives, op_name_filter).values()
+  )

@@ -12,6 +12,7 @@ At call time a piece takes the layer's whole decode state (a dict, or None: a se
 its row `idx` in its own tables, and returns (output, the state with only its own keys updated). A state
 without the piece's keys (a training carry has no attention cache) also means: start from position 0.
 """
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -51,8 +52,12 @@ def matmul(a, w, cfg: LaplaceConfig):
 def initializers(cfg: LaplaceConfig):
   """(normal, residual-output normal, ones, zeros): matrices N(0, std²), the residual output projections
   scaled by 1/√(2L) (GPT-2 / Megatron practice)."""
-  return (nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers)),
-          nn.initializers.ones, nn.initializers.zeros)
+  return (
+    nn.initializers.normal(cfg.init_std),
+    nn.initializers.normal(cfg.init_std / np.sqrt(2 * cfg.n_layers)),
+    nn.initializers.ones,
+    nn.initializers.zeros,
+  )
 
 
 def _uniform(bound):
@@ -72,6 +77,7 @@ def make_params(module: nn.Module, specs: dict) -> dict:
 
 class LayerPart(nn.Module):
   """Base of a layer's pieces: the declarations (none here) and the helpers every piece uses."""
+
   cfg: LaplaceConfig
   carried: ClassVar[bool] = True
 
@@ -114,8 +120,9 @@ class ShortConv(LayerPart):
     if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
       out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state["conv"], idx, state["pos"])
       return out, dict(state, conv=table)
-    out, ring = short_conv.conv_sequence(h_BxTxD, kernel, bias, state["conv"][idx], state["pos"],
-                                         lengths(mask_BxT, B, T))
+    out, ring = short_conv.conv_sequence(
+      h_BxTxD, kernel, bias, state["conv"][idx], state["pos"], lengths(mask_BxT, B, T)
+    )
     return out, dict(state, conv=jax.lax.dynamic_update_index_in_dim(state["conv"], ring, idx, 0))
 
 
@@ -128,8 +135,12 @@ class GLAMixer(LayerPart):
   def param_specs(cls, cfg):
     normal, out_init, ones, zeros = initializers(cfg)
     D = cfg.d_model
-    return {"w_qkvg": (normal, (D, cfg.qkvg_width)), "aug_balance": (zeros, (cfg.n_heads, cfg.d_k)),
-            "head_norm_scale": (ones, (cfg.n_decay_tiers, cfg.d_v)), "w_out": (out_init, (cfg.v_width, D))}
+    return {
+      "w_qkvg": (normal, (D, cfg.qkvg_width)),
+      "aug_balance": (zeros, (cfg.n_heads, cfg.d_k)),
+      "head_norm_scale": (ones, (cfg.n_decay_tiers, cfg.d_v)),
+      "w_out": (out_init, (cfg.v_width, D)),
+    }
 
   @classmethod
   def state_specs(cls, cfg, batch, max_len=None):
@@ -148,21 +159,33 @@ class GLAMixer(LayerPart):
     table = state["gla"] if self.has_state(state) else None  # every GLA layer's state [L_gla, B, H, K, V]
     if T == 1 and table is not None and mask_BxT is None:
       # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
-      o1, table = gla_decode.gla_decode_layer(q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma,
-                                              table, idx)
+      o1, table = gla_decode.gla_decode_layer(
+        q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma, table, idx
+      )
       o_BxTxHxV = o1[:, None]
     else:
       s0 = None if table is None else table[idx]
       form, unroll = gla_form_for_backend(cfg, platform.backend())
       o_BxTxHxV, s_new = gla.chunk_simple_gla(
-          q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_gamma, initial_state=s0, mask=mask_BxT,
-          chunk_size=min(cfg.chunk_size, T), unroll=unroll, form=form)
+        q_BxTxHxK,
+        k_BxTxHxK,
+        v_BxTxHxV,
+        g_gamma,
+        initial_state=s0,
+        mask=mask_BxT,
+        chunk_size=min(cfg.chunk_size, T),
+        unroll=unroll,
+        form=form,
+      )
       if table is not None:
         table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
 
     # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
-    gate_BxTxH = jax.nn.sigmoid(jnp.einsum("bthk,hk,bthk->bth", q_BxTxHxK.astype(F32),
-                                           w["aug_balance"].astype(F32), k_BxTxHxK.astype(F32)))
+    gate_BxTxH = jax.nn.sigmoid(
+      jnp.einsum(
+        "bthk,hk,bthk->bth", q_BxTxHxK.astype(F32), w["aug_balance"].astype(F32), k_BxTxHxK.astype(F32)
+      )
+    )
     o = o_BxTxHxV.astype(F32) + gate_BxTxH[..., None] * v_BxTxHxV.astype(F32)
     # Head RMSNorm, one weight per decay tier (heads of similar memory length share it).
     tier_scale_HxV = jnp.repeat(w["head_norm_scale"], H // cfg.n_decay_tiers, axis=0)
@@ -175,21 +198,28 @@ class AttentionMixer(LayerPart):
   """Causal softmax attention with RoPE (letter A): W_qkv → RoPE(q, k) → attention over every earlier
   position → W_o, W_qkv and W_o spending W_qkvg + W_out's budget. State: a KV cache [max_len, H, hd] in the
   compute dtype, its length fixed when the state is made; not carried (every training segment starts afresh)."""
+
   carried: ClassVar[bool] = False
 
   @classmethod
   def param_specs(cls, cfg):
     normal, out_init, _, _ = initializers(cfg)
-    return {"w_qkv": (normal, (cfg.d_model, 3 * cfg.attn_width)), "w_o": (out_init, (cfg.attn_width, cfg.d_model))}
+    return {
+      "w_qkv": (normal, (cfg.d_model, 3 * cfg.attn_width)),
+      "w_o": (out_init, (cfg.attn_width, cfg.d_model)),
+    }
 
   @classmethod
   def state_specs(cls, cfg, batch, max_len=None):
     if not isinstance(max_len, (int, np.integer)) or max_len < 1:
-      raise ValueError(f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "
-                       "KV cache length is fixed when the state is made; pass max_len=N, the longest context "
-                       "(prompt + generated tokens) the state must hold.")
-    kv = jax.ShapeDtypeStruct((batch, int(max_len), cfg.attn_n_heads, cfg.attn_head_dim),
-                              jnp.dtype(cfg.compute_dtype))
+      raise ValueError(
+        f"init_state(max_len={max_len!r}): mixers={cfg.mixers!r} has attention layers, whose "
+        "KV cache length is fixed when the state is made; pass max_len=N, the longest context "
+        "(prompt + generated tokens) the state must hold."
+      )
+    kv = jax.ShapeDtypeStruct(
+      (batch, int(max_len), cfg.attn_n_heads, cfg.attn_head_dim), jnp.dtype(cfg.compute_dtype)
+    )
     return {"k": kv, "v": kv}
 
   @nn.compact
@@ -203,7 +233,9 @@ class AttentionMixer(LayerPart):
     pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
     q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
     if cached:
-      o, state = self.attend_cached(q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None)
+      o, state = self.attend_cached(
+        q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None
+      )
     else:
       o = self.attend_sequence(q, k, v)
     return matmul(o.reshape(B, T, H * hd), w["w_o"], cfg), state
@@ -238,8 +270,9 @@ class WindowAttentionMixer(AttentionMixer):
 
   @classmethod
   def state_specs(cls, cfg, batch, max_len=None):
-    ring = jax.ShapeDtypeStruct((batch, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim),
-                                jnp.dtype(cfg.compute_dtype))
+    ring = jax.ShapeDtypeStruct(
+      (batch, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim), jnp.dtype(cfg.compute_dtype)
+    )
     return {"ring_k": ring, "ring_v": ring}
 
   def attend_sequence(self, q, k, v):

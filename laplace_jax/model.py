@@ -27,6 +27,7 @@ W_o, W3) scaled by 1/√(2L); norms 1; conv kernel U(±1/√k) with zero bias (P
 aug_balance 0 (a half-strength value skip at start). Parameters are made in the order norms, conv, mixer, FFN:
 the init RNG's split follows it.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -50,6 +51,7 @@ def _layer_norm(x, scale, eps):
 
 # ---- parameter declarations: {name: (initializer, unstacked shape)}, the one table of shapes ------------
 
+
 def _norm_param_specs(cfg: LaplaceConfig) -> dict:
   _, _, ones, _ = mixers.initializers(cfg)
   return {"ln1_scale": (ones, (cfg.d_model,)), **({"ln2_scale": (ones, (cfg.d_model,))} if cfg.ffn else {})}
@@ -66,8 +68,12 @@ def layer_param_specs(cfg: LaplaceConfig, mixer: str = "G") -> dict:
   {name: (initializer, unstacked shape)}, each piece's own declaration. Block makes exactly these;
   config.layer_shapes reads them."""
   ffn = mixers.GluFFN.param_specs(cfg) if cfg.ffn else {}
-  return {**_norm_param_specs(cfg), **mixers.ShortConv.param_specs(cfg), **_mixer_module(mixer).param_specs(cfg),
-          **ffn}
+  return {
+    **_norm_param_specs(cfg),
+    **mixers.ShortConv.param_specs(cfg),
+    **_mixer_module(mixer).param_specs(cfg),
+    **ffn,
+  }
 
 
 def layer_param_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
@@ -94,6 +100,7 @@ class Block(nn.Module):
   order norms, conv, mixer, FFN. Sequence mode (T tokens, state optional) and, for T == 1 with a state, the
   single-token recurrent step. The decode state of every layer rides in the carry and each piece updates its
   own rows in place: returning per-layer states as scan outputs would build a second full state copy."""
+
   cfg: LaplaceConfig
   mixer: str = "G"
   slot: int = 0
@@ -102,8 +109,8 @@ class Block(nn.Module):
   def __call__(self, carry, group_idx, mask_BxT):
     x_BxTxD, state = carry
     cfg, pattern = self.cfg, self.cfg.mixers
-    layer_idx = group_idx * len(pattern) + self.slot          # this layer's row in every-layer tables (conv)
-    mix_idx = group_idx * pattern.count(self.mixer) + pattern[:self.slot].count(self.mixer)  # in its mixer's
+    layer_idx = group_idx * len(pattern) + self.slot  # this layer's row in every-layer tables (conv)
+    mix_idx = group_idx * pattern.count(self.mixer) + pattern[: self.slot].count(self.mixer)  # in its mixer's
     norms = mixers.make_params(self, _norm_param_specs(cfg))
     conv, mixer = mixers.ShortConv(cfg), _mixer_module(self.mixer)(cfg)
     ffn = mixers.GluFFN(cfg) if cfg.ffn else None  # else a mixer-only layer
@@ -128,13 +135,15 @@ def _layer(cfg: LaplaceConfig, initializing: bool, scanned: bool = True):
   straight-line code could be, so the barrier stays."""
   cdt = jnp.dtype(cfg.compute_dtype)
   full = {n: s for letter in set(cfg.mixers) for n, s in layer_param_shapes(cfg, letter).items()}
-  block = nn.map_variables(Block, "params", lambda v: {c: fsdp.gather_tree(t, full, cdt) for c, t in v.items()},
-                           init=initializing)
+  block = nn.map_variables(
+    Block, "params", lambda v: {c: fsdp.gather_tree(t, full, cdt) for c, t in v.items()}, init=initializing
+  )
   return nn.remat(block, prevent_cse=not scanned) if cfg.remat else block
 
 
 class Group(nn.Module):
   """One repeat of a mixer pattern longer than one letter: its blocks in order (scanned over the groups)."""
+
   cfg: LaplaceConfig
 
   @nn.compact
@@ -150,6 +159,7 @@ class LaplaceLM(nn.Module):
 
   A one-letter mixer pattern scans its Block over the layers (params layers/{name: [L, ...]}); a longer
   one scans a Group of blocks over the pattern's repeats (params layers/block{i}/{name: [L/len, ...]})."""
+
   cfg: LaplaceConfig
 
   @nn.compact
@@ -167,9 +177,15 @@ class LaplaceLM(nn.Module):
     # Unrolled (scan_layers false): the same scan fully unrolled (unroll=0: every step, also a single one,
     # which True leaves a loop), so the parameter tree (stacked [L, ...]), the initialisation and the
     # checkpoints are the scanned form's; each layer reads a static slice of the stacked weights.
-    scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast), out_axes=0, length=cfg.n_groups,
-                      unroll=1 if scan else 0)(*args, name="layers")
+    scanned = nn.scan(
+      body,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(0, nn.broadcast),
+      out_axes=0,
+      length=cfg.n_groups,
+      unroll=1 if scan else 0,
+    )(*args, name="layers")
     (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT)
     over_B = None
     if new_state is not None:
@@ -192,6 +208,7 @@ class LaplaceLM(nn.Module):
 
 # ---- pure functions -----------------------------------------------------------------------------
 
+
 def init_params(cfg: LaplaceConfig, rng) -> dict:
   """Parameters as a plain nested dict: embed, final_norm_scale, lm_head, layers/{name: [L, ...]}."""
   tokens = jnp.zeros((1, cfg.chunk_size), jnp.int32)
@@ -206,8 +223,10 @@ def _check_tokens(tokens, cfg):
     return
   t = np.asarray(tokens)  # a host copy: compiled callers pass tracers and skip this
   if t.size and (t.min() < 0 or t.max() >= cfg.vocab_size):
-    raise ValueError(f"token ids span [{t.min()}, {t.max()}]: expected ids in [0, {cfg.vocab_size}) for this "
-                     "config's vocabulary. Check the tokenizer matches the model.")
+    raise ValueError(
+      f"token ids span [{t.min()}, {t.max()}]: expected ids in [0, {cfg.vocab_size}) for this "
+      "config's vocabulary. Check the tokenizer matches the model."
+    )
 
 
 def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
@@ -222,8 +241,9 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
 
 def _state_parts(cfg: LaplaceConfig) -> list[tuple[type[mixers.LayerPart], int]]:
   """Each piece of the layers that may hold decode state, with the number of layers that run it."""
-  return [(mixers.ShortConv, cfg.n_layers)] + [(mixers.MIXER_MODULES[letter], cfg.n_mixer_layers(letter))
-                                              for letter in dict.fromkeys(cfg.mixers)]
+  return [(mixers.ShortConv, cfg.n_layers)] + [
+    (mixers.MIXER_MODULES[letter], cfg.n_mixer_layers(letter)) for letter in dict.fromkeys(cfg.mixers)
+  ]
 
 
 def _zero_state(cfg: LaplaceConfig, batch_size: int, max_len, carried_only: bool) -> dict:
@@ -275,17 +295,21 @@ def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int
   """Raise ValueError unless `state` is a decode state of this config; return its batch size."""
   keys = sorted(jax.eval_shape(lambda: init_state(cfg, 1, 1)))
   if not isinstance(state, dict) or sorted(state) != keys:
-    raise ValueError(f"state has keys {sorted(state) if isinstance(state, dict) else type(state)}: expected "
-                     f"{keys} (mixers={cfg.mixers!r}) from laplace_jax.model.init_state(cfg, batch).")
+    raise ValueError(
+      f"state has keys {sorted(state) if isinstance(state, dict) else type(state)}: expected "
+      f"{keys} (mixers={cfg.mixers!r}) from laplace_jax.model.init_state(cfg, batch)."
+    )
   B = state["conv"].shape[state_batch_axes(state)["conv"]] if state["conv"].ndim == 4 else -1
   S = state["k"].shape[2] if "k" in state and state["k"].ndim == 5 else 1
   want = jax.eval_shape(lambda: init_state(cfg, max(B, 1), S))
   for name in keys:
     got = state[name]
     if got.shape != want[name].shape or got.dtype != want[name].dtype:
-      raise ValueError(f"state['{name}'] is {got.dtype}{list(got.shape)}: expected {want[name].dtype}"
-                       f"{list(want[name].shape)} for this config. The state was made for another config; "
-                       "build it with init_state(cfg, batch) for the model you run.")
+      raise ValueError(
+        f"state['{name}'] is {got.dtype}{list(got.shape)}: expected {want[name].dtype}"
+        f"{list(want[name].shape)} for this config. The state was made for another config; "
+        "build it with init_state(cfg, batch) for the model you run."
+      )
   if batch_size is not None and B != batch_size:
     raise ValueError(f"state holds {B} sequences but tokens have batch {batch_size}.")
   return B
@@ -294,15 +318,18 @@ def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int
 def _check_capacity(state, new_tokens_B) -> None:
   """Attention layers only: raise if a row's context would outgrow the KV cache (host values only;
   under jit such rows get NaN logits instead, see LaplaceLM)."""
-  if "k" not in state or isinstance(state["pos"], jax.core.Tracer) or isinstance(new_tokens_B,
-                                                                                    jax.core.Tracer):
+  if (
+    "k" not in state or isinstance(state["pos"], jax.core.Tracer) or isinstance(new_tokens_B, jax.core.Tracer)
+  ):
     return
   need = np.asarray(state["pos"]) + np.asarray(new_tokens_B)
   S = state["k"].shape[2]
   if (need > S).any():
-    raise ValueError(f"a context of {int(need.max())} tokens does not fit the attention layers' KV cache of "
-                     f"max_len={S} tokens: make the state with init_state(cfg, batch, max_len={int(need.max())}) "
-                     "or more (attention state grows with context; GLA layers' does not).")
+    raise ValueError(
+      f"a context of {int(need.max())} tokens does not fit the attention layers' KV cache of "
+      f"max_len={S} tokens: make the state with init_state(cfg, batch, max_len={int(need.max())}) "
+      "or more (attention state grows with context; GLA layers' does not)."
+    )
 
 
 def decode_step(params, state, tokens_B, *, cfg: LaplaceConfig):
@@ -354,6 +381,6 @@ def prefill(params, state, tokens_BxT, lengths_B=None, *, cfg: LaplaceConfig):
     n_B = np.clip(lengths - c * C, 0, C).astype(np.int32)
     if not n_B.any():
       break
-    logits, state = _prefill_chunk_jit(params, state, tokens[:, c * C:(c + 1) * C], n_B, cfg=cfg)
+    logits, state = _prefill_chunk_jit(params, state, tokens[:, c * C : (c + 1) * C], n_B, cfg=cfg)
     last_logits = jnp.where(jnp.asarray(n_B > 0)[:, None], logits, last_logits)
   return last_logits, state

@@ -20,11 +20,13 @@ alike on both (optimization barriers, per-matrix lax.map); padded ones, or ones 
 sender, are equal to rounding. The "gather" variant (all_gather every matrix, orthogonalise all, keep the
 own shard) exists to measure the traffic this saves.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +50,10 @@ class MuonState(NamedTuple):
 
 # ---- the per-matrix math ----------------------------------------------------------------------------
 
-def newton_schulz(x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7,
-                  dtype=None) -> jax.Array:
+
+def newton_schulz(
+  x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7, dtype=None
+) -> jax.Array:
   """Approximate U Vᵀ of one matrix: Frobenius-normalise, then `steps` quintic Newton–Schulz iterations.
 
   `dtype` (e.g. bfloat16, as the reference Muon runs it): the iterations' dtype; the norm is taken in the
@@ -74,7 +78,7 @@ def newton_schulz(x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: fl
 def ns_flops(shape: Sequence[int], steps: int = 5) -> int:
   """Matmul FLOPs of Newton–Schulz on one [m, n] matrix: per step 4·s²·l + 2·s³ (s = min, l = max)."""
   s, l = sorted(shape[-2:])
-  return steps * (4 * s * s * l + 2 * s ** 3)
+  return steps * (4 * s * s * l + 2 * s**3)
 
 
 def update_scale(shape: Sequence[int], mode: str) -> float:
@@ -94,9 +98,10 @@ def _ns_stack(x: jax.Array, ns: Callable) -> jax.Array:
 
 # ---- ownership plan: the same fixed-shape slots on every device -------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class _Mat:
-  leaf: int   # index in the flattened Muon leaves
+  leaf: int  # index in the flattened Muon leaves
   index: int  # index in the leaf's flattened leading dims
   shape: tuple[int, int]
   shard_dim: int  # 0: rows over fsdp, 1: columns over fsdp
@@ -121,11 +126,12 @@ class Plan:
 
   Every device runs the same slots: slot k is a [S_k, L_k] matrix (wide orientation) on every device, and
   device p's slot k holds matrix slot_mats[k][p] zero-padded to that shape (-1: an all-zero slot)."""
+
   n_devices: int
   mats: tuple[_Mat, ...]
-  slots: tuple[tuple[int, int], ...]      # per slot: its [S, L] shape, the same on every device
+  slots: tuple[tuple[int, int], ...]  # per slot: its [S, L] shape, the same on every device
   slot_mats: tuple[tuple[int, ...], ...]  # [slot][device]: index into mats, or -1 for an empty slot
-  chunk: int                              # elements each device sends to each peer: Σ_k S_k·L_k/N
+  chunk: int  # elements each device sends to each peer: Σ_k S_k·L_k/N
 
   @property
   def owned(self) -> tuple[tuple[int, ...], ...]:
@@ -155,10 +161,12 @@ def make_plan(shapes: Sequence[Sequence[int]], n_devices: int, ns_steps: int = 5
     m, n = shape[-2:]
     for index in range(math.prod(shape[:-2])):
       mats.append(_Mat(leaf, index, (m, n), sd, m * n // N))
-  order = sorted(range(len(mats)), key=lambda i: (-math.prod(mats[i].shape), tuple(-d for d in mats[i].wide_shape), i))
+  order = sorted(
+    range(len(mats)), key=lambda i: (-math.prod(mats[i].shape), tuple(-d for d in mats[i].wide_shape), i)
+  )
   slots, slot_mats = [], []
   for start in range(0, len(order), N):
-    tier = order[start:start + N]
+    tier = order[start : start + N]
     S = max(mats[i].wide_shape[0] for i in tier)
     L = max(mats[i].wide_shape[1] for i in tier)
     if any(mats[i].wide_shard_dim == 0 for i in tier):
@@ -171,8 +179,9 @@ def make_plan(shapes: Sequence[Sequence[int]], n_devices: int, ns_steps: int = 5
   return Plan(N, tuple(mats), tuple(slots), tuple(slot_mats), chunk)
 
 
-def ns_flops_per_device(shapes: Sequence[Sequence[int]], n_devices: int, *, ns_steps: int = 5,
-                        distribution: str = "all_to_all") -> dict[str, Any]:
+def ns_flops_per_device(
+  shapes: Sequence[Sequence[int]], n_devices: int, *, ns_steps: int = 5, distribution: str = "all_to_all"
+) -> dict[str, Any]:
   """Newton–Schulz FLOPs each device runs per step, zero padding included: per_device, max, mean (the even
   split of the matrices' own FLOPs), max/mean, total (the matrices' own) and padding_overhead (the FLOPs
   run on all devices over total, minus 1)."""
@@ -184,8 +193,14 @@ def ns_flops_per_device(shapes: Sequence[Sequence[int]], n_devices: int, *, ns_s
     per = [sum(ns_flops(s, ns_steps) for s in plan.slots)] * n_devices
   mean = total / n_devices
   run = per[0] if distribution == "gather" else sum(per)
-  return {"per_device": per, "max": max(per), "mean": mean, "max_over_mean": max(per) / mean,
-          "total": total, "padding_overhead": run / total - 1 if distribution != "gather" else 0.0}
+  return {
+    "per_device": per,
+    "max": max(per),
+    "mean": mean,
+    "max_over_mean": max(per) / mean,
+    "total": total,
+    "padding_overhead": run / total - 1 if distribution != "gather" else 0.0,
+  }
 
 
 # ---- packing padded shards to and from the [N, C] all_to_all buffers ----------------------------------
@@ -194,6 +209,7 @@ def ns_flops_per_device(shapes: Sequence[Sequence[int]], n_devices: int, *, ns_s
 # padded shards into an [S, L] matrix: the matrix padded with zeros, its rows (or columns) permuted so that
 # each device's zeros follow its own rows. Newton–Schulz commutes with permutations and keeps zero rows and
 # columns zero, so the owner's result holds the matrix's own iterate at the same places (test_muon).
+
 
 def _slot_piece(x_loc: jax.Array, mat: _Mat, slot: tuple[int, int], N: int) -> jax.Array:
   """This device's shard of `mat` ([m_loc, n_loc]) -> its flat padded piece of the slot, S·L/N values."""
@@ -207,9 +223,9 @@ def _from_slot_piece(piece: jax.Array, mat: _Mat, slot: tuple[int, int], N: int)
   """Inverse of _slot_piece: the flat padded piece -> this device's shard of `mat` ([m_loc, n_loc])."""
   (S, L), (s, l) = slot, mat.wide_shape
   if mat.wide_shard_dim == 0:
-    x = piece.reshape(S // N, L)[:s // N, :l]
+    x = piece.reshape(S // N, L)[: s // N, :l]
   else:
-    x = piece.reshape(S, L // N)[:s, :l // N]
+    x = piece.reshape(S, L // N)[:s, : l // N]
   return x.T if mat.tall else x
 
 
@@ -247,13 +263,17 @@ def _run_slots(recv_NxC: jax.Array, plan: Plan, ns: Callable) -> jax.Array:
   """Owner's work, the same on every device: each slot's N pieces -> [S, L], Newton–Schulz, -> N pieces."""
   N, outs, off = plan.n_devices, [], 0
   for k, (S, L) in enumerate(plan.slots):
-    seg = recv_NxC[:, off:off + S * L // N]
+    seg = recv_NxC[:, off : off + S * L // N]
     col = plan.col_assembled(k)
-    whole = _select_by_device(col, lambda: seg.reshape(N, S, L // N).transpose(1, 0, 2).reshape(S, L),
-                              lambda: seg.reshape(S, L))
+    whole = _select_by_device(
+      col, lambda: seg.reshape(N, S, L // N).transpose(1, 0, 2).reshape(S, L), lambda: seg.reshape(S, L)
+    )
     y = ns(whole)
-    outs.append(_select_by_device(col, lambda: y.reshape(S, N, L // N).transpose(1, 0, 2).reshape(N, -1),
-                                  lambda: y.reshape(N, -1)))
+    outs.append(
+      _select_by_device(
+        col, lambda: y.reshape(S, N, L // N).transpose(1, 0, 2).reshape(N, -1), lambda: y.reshape(N, -1)
+      )
+    )
     off += S * L // N
   return jnp.concatenate(outs, axis=1)
 
@@ -268,12 +288,13 @@ def _unpack_from_owners(back_NxC: jax.Array, locals_: Sequence[jax.Array], plan:
       size, i = slot[0] * slot[1] // N, plan.slot_mats[k][p]
       if i >= 0:
         mat = plan.mats[i]
-        pieces[mat.leaf][mat.index] = _from_slot_piece(back_NxC[p, off:off + size], mat, slot, N)
+        pieces[mat.leaf][mat.index] = _from_slot_piece(back_NxC[p, off : off + size], mat, slot, N)
       off += size
   return [jnp.stack(ps).reshape(x.shape) for ps, x in zip(pieces, locals_)]
 
 
 # ---- orthogonalisation of a list of leaves ------------------------------------------------------------
+
 
 def _orthogonalize_all_to_all(leaves, mesh: Mesh, ns: Callable, ns_steps: int):
   plan = make_plan([x.shape for x in leaves], mesh.shape[FSDP], ns_steps)
@@ -306,8 +327,16 @@ def _orthogonalize_gather(leaves, mesh: Mesh, ns: Callable):
   return list(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs)(*leaves))
 
 
-def orthogonalize(tree, *, mesh: Mesh | None = None, distribution: str = "all_to_all", ns_steps: int = 5,
-                  ns_coeffs=NS_COEFFS, eps: float = 1e-7, ns_dtype=None):
+def orthogonalize(
+  tree,
+  *,
+  mesh: Mesh | None = None,
+  distribution: str = "all_to_all",
+  ns_steps: int = 5,
+  ns_coeffs=NS_COEFFS,
+  eps: float = 1e-7,
+  ns_dtype=None,
+):
   """Newton–Schulz of every matrix in a tree of [..., fan_in, fan_out] leaves, on one device or a mesh."""
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
@@ -325,23 +354,31 @@ def orthogonalize(tree, *, mesh: Mesh | None = None, distribution: str = "all_to
 
 # ---- the optax transform --------------------------------------------------------------------------
 
+
 def _bad(name, value, expect, fix=""):
   raise ValueError(f"muon({name}={value!r}): expected {expect}. {fix}".rstrip())
 
 
-def _check_settings(learning_rate, beta, ns_steps, ns_coeffs, eps, weight_decay, scale_mode, mesh,
-                    distribution):
+def _check_settings(
+  learning_rate, beta, ns_steps, ns_coeffs, eps, weight_decay, scale_mode, mesh, distribution
+):
   if not callable(learning_rate):
     lr = float(learning_rate)
     if not (math.isfinite(lr) and lr >= 0):
-      _bad("learning_rate", learning_rate, "a finite value >= 0 (or a schedule)",
-           "Muon descends by itself; pass a positive learning rate.")
+      _bad(
+        "learning_rate",
+        learning_rate,
+        "a finite value >= 0 (or a schedule)",
+        "Muon descends by itself; pass a positive learning rate.",
+      )
   if not (0 <= float(beta) < 1):
     _bad("beta", beta, "a momentum decay in [0, 1)", "The reference value is 0.95.")
   if isinstance(ns_steps, bool) or not isinstance(ns_steps, (int, np.integer)) or ns_steps < 1:
     _bad("ns_steps", ns_steps, "an integer >= 1", "The reference value is 5.")
   if len(tuple(ns_coeffs)) != 3 or not all(math.isfinite(float(c)) for c in ns_coeffs):
-    _bad("ns_coeffs", ns_coeffs, "three finite quintic coefficients (a, b, c)", f"The reference is {NS_COEFFS}.")
+    _bad(
+      "ns_coeffs", ns_coeffs, "three finite quintic coefficients (a, b, c)", f"The reference is {NS_COEFFS}."
+    )
   if not (math.isfinite(float(eps)) and float(eps) >= 0):
     _bad("eps", eps, "a finite value >= 0")
   if not (math.isfinite(float(weight_decay)) and float(weight_decay) >= 0):
@@ -351,24 +388,41 @@ def _check_settings(learning_rate, beta, ns_steps, ns_coeffs, eps, weight_decay,
   if distribution not in DISTRIBUTIONS:
     _bad("distribution", distribution, f"one of {DISTRIBUTIONS}")
   if mesh is not None and FSDP not in mesh.shape:
-    _bad("mesh", dict(mesh.shape), f"a mesh with an '{FSDP}' axis",
-         "Build it with laplace_jax.sharding.make_mesh.")
+    _bad(
+      "mesh",
+      dict(mesh.shape),
+      f"a mesh with an '{FSDP}' axis",
+      "Build it with laplace_jax.sharding.make_mesh.",
+    )
 
 
 def _check_leaves(tree, mesh):
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
     name = jax.tree_util.keystr(path)
     if np.ndim(x) < 2:
-      raise ValueError(f"muon got leaf {name} of shape {np.shape(x)}: expected matrices [..., fan_in, fan_out]. "
-                       "Send vectors and scalars to AdamW (laplace_jax.optimizer does).")
+      raise ValueError(
+        f"muon got leaf {name} of shape {np.shape(x)}: expected matrices [..., fan_in, fan_out]. "
+        "Send vectors and scalars to AdamW (laplace_jax.optimizer does)."
+      )
     if mesh is not None:
       matrix_shard_dim(np.shape(x), mesh.shape[FSDP], name)
 
 
-def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
-         ns_steps: int = 5, ns_coeffs=NS_COEFFS, eps: float = 1e-7, weight_decay: float = 0.0,
-         scale_mode: str = "reference", mu_dtype=None, mesh: Mesh | None = None,
-         distribution: str = "all_to_all", ns_dtype=None) -> optax.GradientTransformation:
+def muon(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  beta: float = 0.95,
+  nesterov: bool = True,
+  ns_steps: int = 5,
+  ns_coeffs=NS_COEFFS,
+  eps: float = 1e-7,
+  weight_decay: float = 0.0,
+  scale_mode: str = "reference",
+  mu_dtype=None,
+  mesh: Mesh | None = None,
+  distribution: str = "all_to_all",
+  ns_dtype=None,
+) -> optax.GradientTransformation:
   """Muon on every leaf it is given (each a stack of [fan_in, fan_out] matrices); see the module doc.
   `ns_dtype="bfloat16"` runs the Newton–Schulz iterations in bf16 (the reference Muon's choice)."""
   _check_settings(learning_rate, beta, ns_steps, ns_coeffs, eps, weight_decay, scale_mode, mesh, distribution)
@@ -393,13 +447,21 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
     if nesterov:  # optax.contrib.muon's form: both terms bias-corrected
       c_mu, c_g = bias_correction(beta, count + 1), bias_correction(beta, count)  # no runtime power
       mu_hat = jax.tree.map(
-          lambda m, g: beta * (m / c_mu.astype(m.dtype)) + (1 - beta) * (g / c_g.astype(g.dtype)), mu, updates)
+        lambda m, g: beta * (m / c_mu.astype(m.dtype)) + (1 - beta) * (g / c_g.astype(g.dtype)), mu, updates
+      )
     else:
       c_mu = bias_correction(beta, count)
       mu_hat = jax.tree.map(lambda m: m / c_mu.astype(m.dtype), mu)
     mu, mu_hat = barrier((mu, mu_hat))
-    ortho = orthogonalize(mu_hat, mesh=mesh, distribution=distribution, ns_steps=ns_steps,
-                          ns_coeffs=ns_coeffs, eps=eps, ns_dtype=ns_dtype)
+    ortho = orthogonalize(
+      mu_hat,
+      mesh=mesh,
+      distribution=distribution,
+      ns_steps=ns_steps,
+      ns_coeffs=ns_coeffs,
+      eps=eps,
+      ns_dtype=ns_dtype,
+    )
     ortho, params = barrier((ortho, params if weight_decay else None))
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     # One scalar factor per term: no constant chain for XLA to refold differently on each path.

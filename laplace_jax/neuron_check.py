@@ -25,14 +25,16 @@ What this cannot see: collectives the SPMD partitioner inserts when the program 
 program writes, e.g. inside shard_map, are in the lowered text), scatter/gather index ranges, and anything
 the Neuron compiler itself decides (memory, tiling). docs/NEURON.md lists what only a Trainium host shows.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import re
 
-ALLOWED_TYPES = frozenset({"f32", "bf16", "f16", "f8E4M3FN", "f8E4M3", "f8E5M2", "i1", "i8", "ui8", "i32",
-                           "ui32"})
+ALLOWED_TYPES = frozenset(
+  {"f32", "bf16", "f16", "f8E4M3FN", "f8E4M3", "f8E5M2", "i1", "i8", "ui8", "i32", "ui32"}
+)
 COLLECTIVE_TYPES = frozenset({"f32", "bf16"})
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute")
 ALLOWED_CUSTOM_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
@@ -40,34 +42,34 @@ SORT_DIRECTIONS = frozenset({"LT", "LE", "GT", "GE"})
 THREEFRY_PARITY = "466688986"  # 0x1BD11BDA, Threefry's key-schedule constant: the inlined hash's signature
 
 FIXES = {
-    "cond": "lax.cond / lax.switch lower to a conditional, which jax-neuronx does not support (and an SPMD "
-            "program must be the same on every device): compute the branches and pick with jnp.where, or make "
-            "the choice static (a Python value).",
-    "while": "jax-neuronx supports only while loops with a static trip count: use lax.scan, or fori_loop with "
-             "Python-int bounds; a data-dependent loop needs a fixed bound and a mask.",
-    "threefry": "Threefry is not fully supported by jax-neuronx: set jax_default_prng_impl to 'rbg' (--prng rbg) "
-                "and draw without split/fold_in inside compiled steps ('rbg' still runs Threefry there); "
-                "per-row streams need a counter-based hash such as serve/philox.py (vmapped rbg/unsafe_rbg "
-                "draws every row from the first key on jax 0.10.0).",
-    "dtype": "not a Trn2 data type (FP32, TF32, BF16, FP16, FP8, INT8/UINT8, INT32/UINT32): keep jax_enable_x64 "
-             "off and compute in int32/uint32 or f32 (bf16 bits move as bf16, not uint16).",
-    "collective": "collectives on Neuron move f32/bf16 (all-reduce and reduce-scatter compute in FP32): send "
-                  "bf16 or f32 directly; bitcast 32-bit integers to f32 for pure data movement.",
-    "variadic_reduce": "jax-neuronx does not support variadic reductions (argmax's (value, index) pair is the "
-                       "exception): reduce each operand on its own (e.g. max, then a masked sum).",
-    "sort": "jax-neuronx's sort accepts only LT/LE/GT/GE comparators: sort one key (lax.sort with num_keys=1, "
-            "jnp.argsort) and carry the rest as payload.",
-    "custom_call": "neuronx-cc accepts only its own custom calls (NCC_EHCA005): use the pure-XLA path on Neuron "
-                   "(Pallas, Triton and CPU/GPU kernels have no Neuron lowering) or an NKI kernel.",
-    "power": "Use a constant exponent, exp(n * log(x)) for x > 0, or carry the "
-             "running product (e.g. beta**t as a state multiplied by beta each step).",
+  "cond": "lax.cond / lax.switch lower to a conditional, which jax-neuronx does not support (and an SPMD "
+  "program must be the same on every device): compute the branches and pick with jnp.where, or make "
+  "the choice static (a Python value).",
+  "while": "jax-neuronx supports only while loops with a static trip count: use lax.scan, or fori_loop with "
+  "Python-int bounds; a data-dependent loop needs a fixed bound and a mask.",
+  "threefry": "Threefry is not fully supported by jax-neuronx: set jax_default_prng_impl to 'rbg' (--prng rbg) "
+  "and draw without split/fold_in inside compiled steps ('rbg' still runs Threefry there); "
+  "per-row streams need a counter-based hash such as serve/philox.py (vmapped rbg/unsafe_rbg "
+  "draws every row from the first key on jax 0.10.0).",
+  "dtype": "not a Trn2 data type (FP32, TF32, BF16, FP16, FP8, INT8/UINT8, INT32/UINT32): keep jax_enable_x64 "
+  "off and compute in int32/uint32 or f32 (bf16 bits move as bf16, not uint16).",
+  "collective": "collectives on Neuron move f32/bf16 (all-reduce and reduce-scatter compute in FP32): send "
+  "bf16 or f32 directly; bitcast 32-bit integers to f32 for pure data movement.",
+  "variadic_reduce": "jax-neuronx does not support variadic reductions (argmax's (value, index) pair is the "
+  "exception): reduce each operand on its own (e.g. max, then a masked sum).",
+  "sort": "jax-neuronx's sort accepts only LT/LE/GT/GE comparators: sort one key (lax.sort with num_keys=1, "
+  "jnp.argsort) and carry the rest as payload.",
+  "custom_call": "neuronx-cc accepts only its own custom calls (NCC_EHCA005): use the pure-XLA path on Neuron "
+  "(Pallas, Triton and CPU/GPU kernels have no Neuron lowering) or an NKI kernel.",
+  "power": "Use a constant exponent, exp(n * log(x)) for x > 0, or carry the "
+  "running product (e.g. beta**t as a state multiplied by beta each step).",
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
-  rule: str     # a key of FIXES
-  line: int     # 1-based line of the StableHLO text
+  rule: str  # a key of FIXES
+  line: int  # 1-based line of the StableHLO text
   excerpt: str  # the op, shortened
   message: str  # what is wrong and the fix
 
@@ -75,7 +77,7 @@ class Violation:
 @dataclasses.dataclass
 class Report:
   violations: list
-  reduce_windows: collections.Counter   # window_dimensions tuple -> occurrences (reported, not a violation)
+  reduce_windows: collections.Counter  # window_dimensions tuple -> occurrences (reported, not a violation)
   replica_group_sizes: collections.Counter  # devices per replica group -> collectives using it
 
   def counts(self) -> dict:
@@ -84,8 +86,10 @@ class Report:
 
   def summary(self, name: str = "program", max_listed: int = 20) -> str:
     """A human-readable report: counts per rule, the first violations, the reported shapes."""
-    lines = [f"{name}: {len(self.violations)} violation(s)" +
-             (" " + ", ".join(f"{r} {n}" for r, n in sorted(self.counts().items())) if self.violations else "")]
+    lines = [
+      f"{name}: {len(self.violations)} violation(s)"
+      + (" " + ", ".join(f"{r} {n}" for r, n in sorted(self.counts().items())) if self.violations else "")
+    ]
     for v in self.violations[:max_listed]:
       lines.append(f"  line {v.line} [{v.rule}] {v.excerpt}\n      {v.message}")
     if len(self.violations) > max_listed:
@@ -109,7 +113,12 @@ _CALL = re.compile(r"\bcall\s+@([\w.$\-]+)")
 _FUNC = re.compile(r"func\.func\s+(?:public|private)?\s*@([\w.$\-]+)")
 _REPLICA = re.compile(r"replica_groups\s*=\s*dense<[^>]*>\s*:\s*tensor<(\d+)x(\d+)x")
 _WINDOW = re.compile(r"window_dimensions\s*=\s*array<i64(?::\s*([0-9, ]*))?>")
-_PASS_THROUGH = ("stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.reshape", "stablehlo.bitcast_convert")
+_PASS_THROUGH = (
+  "stablehlo.broadcast_in_dim",
+  "stablehlo.convert",
+  "stablehlo.reshape",
+  "stablehlo.bitcast_convert",
+)
 
 
 def _strip_attributes(line: str) -> str:
@@ -149,7 +158,7 @@ def _signature_types(sig_line: str) -> tuple:
   s = _strip_attributes(sig_line)
   i = s.rfind(") : ")
   i = s.rfind(" : ") if i < 0 else i + 1
-  sig = s[i + 3:] if i >= 0 else s
+  sig = s[i + 3 :] if i >= 0 else s
   if "->" in sig:
     ins, outs = sig.split("->", 1)
     return [t for _, t in _TENSOR.findall(ins)], [t for _, t in _TENSOR.findall(outs)]
@@ -172,8 +181,11 @@ class _Program:
       if "stablehlo.while(" in line:  # %iterArg = %init pairs define the loop's block arguments
         for name in re.findall(r"%([\w$.\-]+)\s*=\s*%", line.split("stablehlo.while(", 1)[1]):
           self.defs[name].append(i)
-      for name in re.findall(r"%([\w$.\-]+)\s*:\s*tensor<", line) if ("^bb" in line or "func.func" in line
-                                                                       or ") {" in line) else ():
+      for name in (
+        re.findall(r"%([\w$.\-]+)\s*:\s*tensor<", line)
+        if ("^bb" in line or "func.func" in line or ") {" in line)
+        else ()
+      ):
         self.defs[name].append(i)
 
   def definition(self, name: str, before: int) -> int | None:
@@ -202,10 +214,11 @@ class _Program:
 
 def _excerpt(line: str, width: int = 160) -> str:
   s = " ".join(line.split())
-  return s if len(s) <= width else s[:width - 1] + "…"
+  return s if len(s) <= width else s[: width - 1] + "…"
 
 
 # ---- the rules ----------------------------------------------------------------------------------
+
 
 def check(text: str) -> Report:
   """Check one program's StableHLO text (`jax.jit(f).lower(...).as_text()`) against the rules above."""
@@ -257,7 +270,9 @@ def check(text: str) -> Report:
     cm = _CUSTOM_CALL.search(line)
     if cm:
       target = cm.group(1) or cm.group(2)
-      if target not in ALLOWED_CUSTOM_CALLS and not target.startswith("AwsNeuron") and "threefry" not in target:
+      if (
+        target not in ALLOWED_CUSTOM_CALLS and not target.startswith("AwsNeuron") and "threefry" not in target
+      ):
         flag("custom_call", i, f"custom call @{target}")
     if "stablehlo.power " in line:
       operands = _NAME.findall(line.split("stablehlo.power", 1)[1].split(":")[0])
@@ -336,7 +351,9 @@ def _while_not_static(prog: _Program, i: int) -> str | None:
     return "its condition could not be read"
   cond_val = _NAME.findall(lines[ret].split("stablehlo.return", 1)[1])[0]
   d = prog.definition(cond_val, ret)
-  m = re.search(r"stablehlo\.compare\s+(\w+),\s*(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[d] if d is not None else "")
+  m = re.search(
+    r"stablehlo\.compare\s+(\w+),\s*(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[d] if d is not None else ""
+  )
   if not m:
     return "its condition is not a comparison of a counter with a bound"
   _, a, b = m.groups()
@@ -357,8 +374,9 @@ def _while_not_static(prog: _Program, i: int) -> str | None:
         return f"the counter %{counter} starts at a runtime value"
       nxt = _returned(prog, body_lines, k)
       dn = prog.definition(nxt, body_lines[-1] + 1) if nxt else None
-      step = re.search(r"stablehlo\.(?:add|subtract)\s+(%[\w$.\-#]+),\s*(%[\w$.\-#]+)",
-                       lines[dn] if dn is not None else "")
+      step = re.search(
+        r"stablehlo\.(?:add|subtract)\s+(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[dn] if dn is not None else ""
+      )
       ops = [o.lstrip("%").split("#")[0] for o in step.groups()] if step else []
       if counter not in ops or not any(prog.is_constant(o, dn) for o in ops if o != counter):
         return f"the counter %{counter} does not step by a constant"
@@ -391,9 +409,14 @@ def _variadic_reduce(prog: _Program, i: int) -> str | None:
     return None
   start = i + 1 if i + 1 < len(lines) and "reducer(" in lines[i + 1] else i  # pretty form: `reducer(...) {`
   end = _region_end(lines, start) if _brace_delta(lines[start]) > 0 else i
-  body = "\n".join(lines[i + 1:end + 1])
-  if n == 2 and ins[1] in ("i32", "ui32") and _is_iota(prog, line, i) and "stablehlo.select" in body \
-      and "stablehlo.compare" in body:
+  body = "\n".join(lines[i + 1 : end + 1])
+  if (
+    n == 2
+    and ins[1] in ("i32", "ui32")
+    and _is_iota(prog, line, i)
+    and "stablehlo.select" in body
+    and "stablehlo.compare" in body
+  ):
     return None  # argmax / argmin: (value, iota index), a compare-and-select reducer
   return f"reduce over {n} operands ({', '.join(ins[:n])})"
 
@@ -427,6 +450,7 @@ def check_programs(texts: dict, hlo_dir: str | None = None) -> tuple[dict, str]:
   """Check several programs' StableHLO ({name: text}); with `hlo_dir`, write each to hlo_dir/<name>.mlir.
   Returns ({name: Report}, the printable report of all of them)."""
   import pathlib
+
   if hlo_dir:
     pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
   reports, parts = {}, []
@@ -436,6 +460,8 @@ def check_programs(texts: dict, hlo_dir: str | None = None) -> tuple[dict, str]:
     reports[name] = check(text)
     parts.append(reports[name].summary(name))
   total = sum(len(r.violations) for r in reports.values())
-  parts.append(f"neuron conformance: {total} violation(s) in {len(reports)} program(s)"
-               + (f"; StableHLO in {hlo_dir}/" if hlo_dir else ""))
+  parts.append(
+    f"neuron conformance: {total} violation(s) in {len(reports)} program(s)"
+    + (f"; StableHLO in {hlo_dir}/" if hlo_dir else "")
+  )
   return reports, "\n".join(parts)

@@ -8,11 +8,12 @@ with β = (0.9, 0.95), eps 1e-8 and decoupled weight decay 0.1 on the embedding 
 scales, conv, aug_balance are not decayed). Gradients are clipped to a global norm of 1.0 before either
 optimizer sees them. AdamW is laplace_jax.adamw's (optax's, with bias corrections free of runtime `power`).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,7 @@ class OptimizerConfig:
     if self.muon_ns_dtype not in ("float32", "bfloat16"):
       bad("muon_ns_dtype", "'float32' or 'bfloat16'")
 
-  def replace(self, **changes) -> "OptimizerConfig":
+  def replace(self, **changes) -> OptimizerConfig:
     return dataclasses.replace(self, **changes)
 
 
@@ -114,19 +115,24 @@ def lr_schedule(peak: float, ocfg: OptimizerConfig) -> optax.Schedule:
     progress = jnp.clip((t - warmup) / max(total - warmup, 1), 0.0, 1.0)
     cosine = end + (peak - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
     return jnp.where(t < warmup, warm, cosine)
+
   return schedule
 
 
 def param_labels(params):
   """'muon' for layers/{w_qkvg, w_out, w1, w2, w3}, 'adamw' for every other leaf."""
+
   def label(path, x):
     names = path_names(path)
     if not is_muon_leaf(names):
       return "adamw"
     if len(x.shape) != 3:
-      raise ValueError(f"{'/'.join(names)} has shape {tuple(x.shape)}: expected a layer stack "
-                       "[L, fan_in, fan_out]. Parameters come from laplace_jax.model.init_params.")
+      raise ValueError(
+        f"{'/'.join(names)} has shape {tuple(x.shape)}: expected a layer stack "
+        "[L, fan_in, fan_out]. Parameters come from laplace_jax.model.init_params."
+      )
     return "muon"
+
   return jax.tree_util.tree_map_with_path(label, params)
 
 
@@ -134,30 +140,49 @@ def _adamw_decay_mask(params):
   return jax.tree_util.tree_map_with_path(lambda path, _: path_names(path)[-1] in ADAMW_DECAYED, params)
 
 
-def make_optimizer(ocfg: OptimizerConfig = OptimizerConfig(), *, mesh: Mesh | None = None
-                   ) -> optax.GradientTransformation:
+def make_optimizer(
+  ocfg: OptimizerConfig = OptimizerConfig(), *, mesh: Mesh | None = None
+) -> optax.GradientTransformation:
   """Clip by global norm, then Muon on the hidden matrices and AdamW on the rest (see the module doc)."""
-  muon_tx = muon(lr_schedule(ocfg.muon_lr, ocfg), beta=ocfg.muon_beta, nesterov=ocfg.muon_nesterov,
-                 ns_steps=ocfg.muon_ns_steps, weight_decay=ocfg.muon_weight_decay,
-                 scale_mode=ocfg.muon_scale_mode, mesh=mesh, distribution=ocfg.muon_distribution,
-                 ns_dtype=None if ocfg.muon_ns_dtype == "float32" else jnp.bfloat16)
-  adamw_tx = adamw(lr_schedule(ocfg.adamw_lr, ocfg), b1=ocfg.adamw_b1, b2=ocfg.adamw_b2,
-                         eps=ocfg.adamw_eps, weight_decay=ocfg.adamw_weight_decay, mask=_adamw_decay_mask)
+  muon_tx = muon(
+    lr_schedule(ocfg.muon_lr, ocfg),
+    beta=ocfg.muon_beta,
+    nesterov=ocfg.muon_nesterov,
+    ns_steps=ocfg.muon_ns_steps,
+    weight_decay=ocfg.muon_weight_decay,
+    scale_mode=ocfg.muon_scale_mode,
+    mesh=mesh,
+    distribution=ocfg.muon_distribution,
+    ns_dtype=None if ocfg.muon_ns_dtype == "float32" else jnp.bfloat16,
+  )
+  adamw_tx = adamw(
+    lr_schedule(ocfg.adamw_lr, ocfg),
+    b1=ocfg.adamw_b1,
+    b2=ocfg.adamw_b2,
+    eps=ocfg.adamw_eps,
+    weight_decay=ocfg.adamw_weight_decay,
+    mask=_adamw_decay_mask,
+  )
   parts = optax.partition({"muon": muon_tx, "adamw": adamw_tx}, param_labels)
   return optax.chain(optax.clip_by_global_norm(ocfg.clip_norm), parts) if ocfg.clip_norm else parts
 
 
 # ---- gradient accumulation ------------------------------------------------------------------------
 
+
 def split_microbatches(batch, n_micro: int):
   """[B, ...] leaves -> [n_micro, B/n_micro, ...]. Micro-batch k takes rows k, k+n, k+2n, ... so each
   device's rows of a batch-sharded array stay on that device (no resharding)."""
+
   def split(path, x):
     B = x.shape[0]
     if B % n_micro:
-      raise ValueError(f"batch/{'/'.join(path_names(path))}: batch size {B} does not split into {n_micro} "
-                       f"micro-batches. Use a batch size that is a multiple of {n_micro}.")
+      raise ValueError(
+        f"batch/{'/'.join(path_names(path))}: batch size {B} does not split into {n_micro} "
+        f"micro-batches. Use a batch size that is a multiple of {n_micro}."
+      )
     return jnp.swapaxes(x.reshape((B // n_micro, n_micro) + x.shape[1:]), 0, 1)
+
   return jax.tree_util.tree_map_with_path(split, batch)
 
 
@@ -178,15 +203,22 @@ def accumulate_gradients(loss_and_grad_fn: Callable, params, microbatches):
     loss_sum, aux_sum, grads = carry
     (l, aux), g = loss_and_grad_fn(params, mb)
     aux, out = split_carry(aux) if isinstance(aux, dict) else (aux, None)
-    return (loss_sum + l.astype(jnp.float32), jax.tree.map(jnp.add, aux_sum, f32(aux)),
-            jax.tree.map(jnp.add, grads, f32(g))), out
+    return (
+      loss_sum + l.astype(jnp.float32),
+      jax.tree.map(jnp.add, aux_sum, f32(aux)),
+      jax.tree.map(jnp.add, grads, f32(g)),
+    ), out
 
   first = jax.tree.map(lambda x: x[0], microbatches)
   aux_shape = jax.eval_shape(lambda: loss_and_grad_fn(params, first)[0][1])
   if isinstance(aux_shape, dict):
     aux_shape = split_carry(aux_shape)[0]
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  init = (jnp.zeros([], jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape), zeros)
+  init = (
+    jnp.zeros([], jnp.float32),
+    jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
+    zeros,
+  )
   (loss_sum, aux, grads), carries = jax.lax.scan(body, init, microbatches)
   tokens = aux["tokens"] if isinstance(aux, dict) else aux
   if carries is not None:

@@ -8,6 +8,7 @@ exactly the branches it would take on a Trainium host, and `jax.jit(...).lower(.
 A jitted function caches its trace by its arguments, not by this setting: lower a function for another target
 in a fresh process (as the `--target` CLIs do) or from a function object that has not been traced yet.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,9 @@ def prng_impl(choice: str = "auto") -> str:
   elsewhere. rbg draws bits with `rng_bit_generator` but still splits and folds keys with Threefry;
   unsafe_rbg does neither (see docs/NEURON.md)."""
   if choice not in PRNG_CHOICES:
-    raise ValueError(f"PRNG {choice!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry "
-                     "elsewhere).")
+    raise ValueError(
+      f"PRNG {choice!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry elsewhere)."
+    )
   if choice != "auto":
     return choice
   return "rbg" if backend() == "neuron" else "threefry"

@@ -27,6 +27,7 @@ pass key ? the pass key is" and the five digits as the answer.
   parse_task("mqar:64,4" | "zoology:64,4" | "passkey:1024") -> (kind, settings)
   accuracy(logits_or_ids, targets, weights) -> scored positions answered right / scored positions
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,9 @@ import numpy as np
 MQAR_VOCAB = 8192
 MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))  # (sequence, pairs): the Zoology grid
 
-_FILLER = ("the grass is green . the sky is blue . the sun is yellow . here we go . "
-           "there and back again .").split()
+_FILLER = (
+  "the grass is green . the sky is blue . the sun is yellow . here we go . there and back again ."
+).split()
 _KEY = "the pass key is {} . remember it . {} is the pass key .".split()
 _QUESTION = "what is the pass key ? the pass key is".split()
 DIGITS = [str(d) for d in range(10)]
@@ -49,25 +51,30 @@ MIN_PASSKEY_CONTEXT = len(_KEY) + 2 * (PASSKEY_DIGITS - 1) + len(_QUESTION)  # k
 
 def _check_mqar(seq_len: int, n_pairs: int, vocab_size: int):
   if n_pairs < 1 or seq_len < 4 * n_pairs:
-    raise ValueError(f"MQAR setting (seq_len={seq_len}, n_pairs={n_pairs}): a sequence holds 2·n_pairs "
-                     f"tokens of pairs and then n_pairs queries at even offsets, so it needs seq_len >= "
-                     f"4·n_pairs = {4 * max(n_pairs, 1)}. Use a longer sequence or fewer pairs.")
+    raise ValueError(
+      f"MQAR setting (seq_len={seq_len}, n_pairs={n_pairs}): a sequence holds 2·n_pairs "
+      f"tokens of pairs and then n_pairs queries at even offsets, so it needs seq_len >= "
+      f"4·n_pairs = {4 * max(n_pairs, 1)}. Use a longer sequence or fewer pairs."
+    )
   if vocab_size < 4 * n_pairs or vocab_size % 2:
-    raise ValueError(f"MQAR vocab_size={vocab_size}: expected an even size with at least 2·n_pairs distinct "
-                     f"keys in its lower half (n_pairs={n_pairs}); the standard is {MQAR_VOCAB}.")
+    raise ValueError(
+      f"MQAR vocab_size={vocab_size}: expected an even size with at least 2·n_pairs distinct "
+      f"keys in its lower half (n_pairs={n_pairs}); the standard is {MQAR_VOCAB}."
+    )
 
 
-def mqar_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB,
-               power_a: float = 0.01) -> dict[str, np.ndarray]:
+def mqar_batch(
+  seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB, power_a: float = 0.01
+) -> dict[str, np.ndarray]:
   """`batch` MQAR sequences of `seq_len` inputs; see the module doc. Deterministic in its arguments."""
   _check_mqar(seq_len, n_pairs, vocab_size)
   rng = np.random.default_rng([seed, seq_len, n_pairs, vocab_size])
   half = vocab_size // 2
   keys_BxN = np.stack([rng.choice(np.arange(1, half), n_pairs, replace=False) for _ in range(batch)])
   vals_BxN = rng.integers(half, vocab_size, (batch, n_pairs))
-  x_BxW = rng.integers(0, vocab_size, (batch, seq_len + 1))       # random non-query tokens
-  x_BxW[:, 0:2 * n_pairs:2], x_BxW[:, 1:2 * n_pairs:2] = keys_BxN, vals_BxN
-  space = (seq_len - 2 * n_pairs) // 2                             # query slots after the pairs
+  x_BxW = rng.integers(0, vocab_size, (batch, seq_len + 1))  # random non-query tokens
+  x_BxW[:, 0 : 2 * n_pairs : 2], x_BxW[:, 1 : 2 * n_pairs : 2] = keys_BxN, vals_BxN
+  space = (seq_len - 2 * n_pairs) // 2  # query slots after the pairs
   p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
   p /= p.sum()
   gaps_BxN = np.stack([rng.choice(space, n_pairs, replace=False, p=p) for _ in range(batch)])
@@ -78,8 +85,11 @@ def mqar_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: in
   x_BxW[rows, q_pos_BxN + 1] = vals_BxN[rows, order_BxN]
   weights = np.zeros((batch, seq_len), np.float32)
   weights[rows, q_pos_BxN] = 1.0
-  return {"inputs": x_BxW[:, :-1].astype(np.int32), "targets": x_BxW[:, 1:].astype(np.int32),
-          "weights": weights}
+  return {
+    "inputs": x_BxW[:, :-1].astype(np.int32),
+    "targets": x_BxW[:, 1:].astype(np.int32),
+    "weights": weights,
+  }
 
 
 def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
@@ -94,8 +104,9 @@ def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
     out[again] = rng.integers(low, high, (int(again.sum()), k))
 
 
-def zoology_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB,
-                  power_a: float = 0.01) -> dict[str, np.ndarray]:
+def zoology_batch(
+  seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB, power_a: float = 0.01
+) -> dict[str, np.ndarray]:
   """`batch` sequences in Zoology's MQAR layout (module doc); deterministic in its arguments. A data set of
   100,000 is one call (the gaps drawn without replacement by the Gumbel top-k trick, which samples the same
   law as drawing them one by one)."""
@@ -107,10 +118,10 @@ def zoology_batch(seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size:
   space = (seq_len - 2 * n_pairs) // 2
   log_p = (power_a - 1) * np.log(np.arange(1, space + 1, dtype=np.float64))
   gumbel = -np.log(-np.log(rng.uniform(size=(batch, space))))
-  gaps_BxN = np.argsort(-(log_p + gumbel), axis=1)[:, :n_pairs]    # pair i is asked at gap gaps[:, i]
+  gaps_BxN = np.argsort(-(log_p + gumbel), axis=1)[:, :n_pairs]  # pair i is asked at gap gaps[:, i]
   rows = np.arange(batch)[:, None]
   x_BxT = np.zeros((batch, seq_len), np.int32)
-  x_BxT[:, 0:2 * n_pairs:2], x_BxT[:, 1:2 * n_pairs:2] = keys_BxN, vals_BxN
+  x_BxT[:, 0 : 2 * n_pairs : 2], x_BxT[:, 1 : 2 * n_pairs : 2] = keys_BxN, vals_BxN
   q_pos_BxN = 2 * n_pairs + 2 * gaps_BxN
   x_BxT[rows, q_pos_BxN] = keys_BxN
   targets = np.zeros((batch, seq_len), np.int32)
@@ -129,35 +140,44 @@ def max_passkey_distance(context: int) -> int:
   return context - MIN_PASSKEY_CONTEXT
 
 
-def passkey_example(seed: int, context: int, depth: float | None = None, distance: int | None = None
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def passkey_example(
+  seed: int, context: int, depth: float | None = None, distance: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """(prompt ids, answer ids [5]): a prompt of exactly `context` tokens with the key sentence at `depth`
   (0: the start of the filler, 1: just before the question) or `distance` filler tokens before the
   question (one of the two)."""
   key = _KEY[:]
   if context < MIN_PASSKEY_CONTEXT:
-    raise ValueError(f"passkey context={context}: the key sentence and the question alone take "
-                     f"{MIN_PASSKEY_CONTEXT} tokens; use a context of at least that.")
+    raise ValueError(
+      f"passkey context={context}: the key sentence and the question alone take "
+      f"{MIN_PASSKEY_CONTEXT} tokens; use a context of at least that."
+    )
   if (depth is None) == (distance is None):
-    raise ValueError("passkey_example: give exactly one of depth (a fraction of the filler) or distance (tokens).")
+    raise ValueError(
+      "passkey_example: give exactly one of depth (a fraction of the filler) or distance (tokens)."
+    )
   if depth is not None and not 0.0 <= depth <= 1.0:
     raise ValueError(f"passkey depth={depth}: expected a fraction in [0, 1] of the filler.")
   if distance is not None and not 0 <= distance <= max_passkey_distance(context):
-    raise ValueError(f"passkey distance={distance}: a {context}-token prompt holds 0 to "
-                     f"{max_passkey_distance(context)} filler tokens after the key; use a longer context.")
+    raise ValueError(
+      f"passkey distance={distance}: a {context}-token prompt holds 0 to "
+      f"{max_passkey_distance(context)} filler tokens after the key; use a longer context."
+    )
   place = int(round(depth * 1000)) if depth is not None else 10**6 + distance
   rng = np.random.default_rng([seed, context, place])
   digits = _digits(rng)
   i = key.index("{}")
-  key[i:i + 1] = digits
+  key[i : i + 1] = digits
   j = key.index("{}")
-  key[j:j + 1] = digits
+  key[j : j + 1] = digits
   n_fill = context - len(key) - len(_QUESTION)
   fill = [_FILLER[t % len(_FILLER)] for t in range(n_fill)]
   at = int(round(depth * n_fill)) if depth is not None else n_fill - distance
   words = fill[:at] + key + fill[at:] + _QUESTION
-  return (np.array([PASSKEY_ID[w] for w in words], np.int32),
-          np.array([PASSKEY_ID[d] for d in digits], np.int32))
+  return (
+    np.array([PASSKEY_ID[w] for w in words], np.int32),
+    np.array([PASSKEY_ID[d] for d in digits], np.int32),
+  )
 
 
 def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -173,7 +193,7 @@ def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
     seq = np.concatenate([prompt, answer])
     pad = seq_len + 1 - len(seq)
     x_BxW[b] = np.concatenate([[PASSKEY_ID[_FILLER[t % len(_FILLER)]] for t in range(pad)], seq])
-    weights[b, pad + len(prompt) - 1:pad + len(seq) - 1] = 1.0  # positions whose next token is a digit
+    weights[b, pad + len(prompt) - 1 : pad + len(seq) - 1] = 1.0  # positions whose next token is a digit
   return {"inputs": x_BxW[:, :-1], "targets": x_BxW[:, 1:], "weights": weights}
 
 
@@ -190,9 +210,11 @@ def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
     return kind, nums
   if kind == "passkey" and nums and len(nums) == 1 and nums[0] >= MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS:
     return kind, nums
-  raise ValueError(f"recall task {spec!r}: expected 'mqar:SEQ,PAIRS[,VOCAB]' (e.g. mqar:64,4; vocabulary "
-                   f"{MQAR_VOCAB} unless given), 'zoology:SEQ,PAIRS[,VOCAB]' (Zoology's layout) or 'passkey:SEQ' "
-                   f"(e.g. passkey:1024, at least {MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS} tokens).")
+  raise ValueError(
+    f"recall task {spec!r}: expected 'mqar:SEQ,PAIRS[,VOCAB]' (e.g. mqar:64,4; vocabulary "
+    f"{MQAR_VOCAB} unless given), 'zoology:SEQ,PAIRS[,VOCAB]' (Zoology's layout) or 'passkey:SEQ' "
+    f"(e.g. passkey:1024, at least {MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS} tokens)."
+  )
 
 
 def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
@@ -213,12 +235,22 @@ class RecallStream:
   """Endless training batches of a task: batch i is task_batch(spec, seed·10⁶ + i); this process's rows.
   get_state/set_state hold the batch counter, so a resumed run sees the batches an uninterrupted one would."""
 
-  def __init__(self, spec: str, *, seq_len: int, global_batch: int, seed: int = 0, process_index: int = 0,
-               process_count: int = 1):
+  def __init__(
+    self,
+    spec: str,
+    *,
+    seq_len: int,
+    global_batch: int,
+    seed: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+  ):
     kind, nums = parse_task(spec)
     if nums[0] != seq_len:
-      raise ValueError(f"recall task {spec!r} has sequences of {nums[0]} tokens but seq_len={seq_len}; "
-                       f"set --seq_len {nums[0]}.")
+      raise ValueError(
+        f"recall task {spec!r} has sequences of {nums[0]} tokens but seq_len={seq_len}; "
+        f"set --seq_len {nums[0]}."
+      )
     if global_batch % process_count:
       raise ValueError(f"global_batch={global_batch} does not split over {process_count} processes.")
     self.spec, self.seed, self.i = spec, seed, 0
@@ -241,8 +273,10 @@ class RecallStream:
 
   def set_state(self, state: dict) -> None:
     if state.get("task") != self.spec or state.get("seed") != self.seed:
-      raise ValueError(f"data state {state} was saved for another recall stream (task {self.spec!r}, seed "
-                       f"{self.seed}); resume with the same --data_source and --seed.")
+      raise ValueError(
+        f"data state {state} was saved for another recall stream (task {self.spec!r}, seed "
+        f"{self.seed}); resume with the same --data_source and --seed."
+      )
     self.i = int(state["batches"])
 
   def close(self) -> None:
@@ -259,8 +293,10 @@ def scored_positions(weights_BxT) -> np.ndarray:
   w = np.asarray(weights_BxT) > 0
   k = w.sum(1)
   if k.min() != k.max() or k.min() == 0:
-    raise ValueError(f"rows score {sorted(set(k.tolist()))} positions: expected the same number (> 0) in "
-                     "every row, as recall batches have.")
+    raise ValueError(
+      f"rows score {sorted(set(k.tolist()))} positions: expected the same number (> 0) in "
+      "every row, as recall batches have."
+    )
   return np.nonzero(w)[1].reshape(w.shape[0], int(k[0])).astype(np.int32)
 
 
@@ -271,8 +307,10 @@ def accuracy(pred, targets, weights) -> float:
   if pred.ndim == targets.ndim + 1:
     pred = pred.argmax(-1)
   if pred.shape != targets.shape or weights.shape != targets.shape:
-    raise ValueError(f"pred {pred.shape}, targets {targets.shape}, weights {weights.shape}: expected the "
-                     "same [B, T] (logits [B, T, V]).")
+    raise ValueError(
+      f"pred {pred.shape}, targets {targets.shape}, weights {weights.shape}: expected the "
+      "same [B, T] (logits [B, T, V])."
+    )
   scored = weights > 0
   if not scored.any():
     raise ValueError("no scored positions (all weights are 0): nothing to measure.")

@@ -11,22 +11,27 @@ Which dimension of a leaf goes over "fsdp":
   - otherwise the largest eligible dim that the fsdp size divides (the earlier one on a tie). A large
     leaf with no such dim is a ValueError naming it: it is never silently replicated.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
 
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)  # batch dims are split over every device
 MIN_SHARD_ELEMENTS = 2**16  # 256 KiB of fp32: smaller non-Muon leaves are replicated
-_SIMULATE_HINT = ("To simulate N CPU devices, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
-                  "in the environment before JAX is imported.")
+_SIMULATE_HINT = (
+  "To simulate N CPU devices, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+  "in the environment before JAX is imported."
+)
 
 
 def _is_pos_int(v) -> bool:
@@ -41,19 +46,24 @@ def make_mesh(data: int = 1, fsdp: int | None = None, devices: Sequence[Any] | N
     raise ValueError(f"make_mesh(data={data!r}): expected a positive integer number of data replicas.")
   if fsdp is None:
     if n % data:
-      raise ValueError(f"make_mesh(data={data}): {n} devices do not split into {data} data replicas; "
-                       f"pass a data size that divides {n}, or fsdp explicitly.")
+      raise ValueError(
+        f"make_mesh(data={data}): {n} devices do not split into {data} data replicas; "
+        f"pass a data size that divides {n}, or fsdp explicitly."
+      )
     fsdp = n // data
   if not _is_pos_int(fsdp):
     raise ValueError(f"make_mesh(fsdp={fsdp!r}): expected a positive integer FSDP size.")
   if data * fsdp > n:
-    raise ValueError(f"make_mesh(data={data}, fsdp={fsdp}) needs {data * fsdp} devices but {n} are present "
-                     f"({jax.default_backend()}). Use a smaller mesh. {_SIMULATE_HINT}")
+    raise ValueError(
+      f"make_mesh(data={data}, fsdp={fsdp}) needs {data * fsdp} devices but {n} are present "
+      f"({jax.default_backend()}). Use a smaller mesh. {_SIMULATE_HINT}"
+    )
   axis_types = (jax.sharding.AxisType.Auto,) * 2  # jit propagates shardings (pjit style)
-  return jax.make_mesh((int(data), int(fsdp)), (DATA, FSDP), axis_types, devices=devices[:int(data * fsdp)])
+  return jax.make_mesh((int(data), int(fsdp)), (DATA, FSDP), axis_types, devices=devices[: int(data * fsdp)])
 
 
 # ---- parameters and optimizer state -------------------------------------------------------------
+
 
 def traced_under_auto_mesh() -> bool:
   """True while tracing under a mesh (`jax.set_mesh`) outside any shard_map: arrays may then be split over
@@ -83,14 +93,15 @@ def is_stacked(names: Sequence[str]) -> bool:
 def is_muon_leaf(names: Sequence[str]) -> bool:
   """The 2-D hidden matrices that Muon optimizes: layers/[blockN/]{w_qkvg, w_out, w_qkv, w_o, w1, w2, w3}
   (hybrid mixer patterns nest one block per pattern position under 'layers')."""
-  return (len(names) >= 2 and "layers" in names[:-1]
-          and names[-1] in MUON_PARAM_NAMES + ATTENTION_MUON_NAMES)
+  return len(names) >= 2 and "layers" in names[:-1] and names[-1] in MUON_PARAM_NAMES + ATTENTION_MUON_NAMES
 
 
 def _fsdp_size(mesh: Mesh) -> int:
   if FSDP not in mesh.shape:
-    raise ValueError(f"mesh axes {tuple(mesh.shape)}: expected an '{FSDP}' axis. Build meshes with "
-                     "laplace_jax.sharding.make_mesh.")
+    raise ValueError(
+      f"mesh axes {tuple(mesh.shape)}: expected an '{FSDP}' axis. Build meshes with "
+      "laplace_jax.sharding.make_mesh."
+    )
   return mesh.shape[FSDP]
 
 
@@ -118,8 +129,10 @@ def matrix_shard_dim(shape: Sequence[int], n: int, name: str = "matrix") -> int 
   for dim in (len(shape) - 2, len(shape) - 1):
     if shape[dim] % n == 0:
       return dim
-  raise ValueError(f"{name}: shape {tuple(shape)} has neither matrix dim ({shape[-2]}, {shape[-1]}) "
-                   f"divisible by the '{FSDP}' axis size {n}. Choose an fsdp size that divides one of them.")
+  raise ValueError(
+    f"{name}: shape {tuple(shape)} has neither matrix dim ({shape[-2]}, {shape[-1]}) "
+    f"divisible by the '{FSDP}' axis size {n}. Choose an fsdp size that divides one of them."
+  )
 
 
 def matrix_spec(shape: Sequence[int], mesh: Mesh, name: str = "matrix") -> P:
@@ -127,8 +140,9 @@ def matrix_spec(shape: Sequence[int], mesh: Mesh, name: str = "matrix") -> P:
   return _spec_with(len(shape), matrix_shard_dim(shape, _fsdp_size(mesh), name))
 
 
-def leaf_spec(names: Sequence[str], shape: Sequence[int], mesh: Mesh, *,
-              min_shard_elements: int = MIN_SHARD_ELEMENTS) -> P:
+def leaf_spec(
+  names: Sequence[str], shape: Sequence[int], mesh: Mesh, *, min_shard_elements: int = MIN_SHARD_ELEMENTS
+) -> P:
   """Partition spec of one parameter (or optimizer-state) leaf; see the module docstring for the rule."""
   name = "/".join(names) or "<root>"
   if is_muon_leaf(names):
@@ -140,18 +154,21 @@ def leaf_spec(names: Sequence[str], shape: Sequence[int], mesh: Mesh, *,
   dim = _pick_dim(shape, dims, n)
   if dim is None:
     where = " after the layer axis" if is_stacked(names) else ""
-    raise ValueError(f"{name}: shape {tuple(shape)} has no dim{where}"
-                     f" divisible by the '{FSDP}' axis size {n}, and {math.prod(shape):,} elements is too "
-                     f"large to replicate (min_shard_elements={min_shard_elements:,}). Choose an fsdp size "
-                     "that divides one of its dims, or raise min_shard_elements to replicate it.")
+    raise ValueError(
+      f"{name}: shape {tuple(shape)} has no dim{where}"
+      f" divisible by the '{FSDP}' axis size {n}, and {math.prod(shape):,} elements is too "
+      f"large to replicate (min_shard_elements={min_shard_elements:,}). Choose an fsdp size "
+      "that divides one of its dims, or raise min_shard_elements to replicate it."
+    )
   return _spec_with(len(shape), dim)
 
 
 def param_specs(tree, mesh: Mesh, *, min_shard_elements: int = MIN_SHARD_ELEMENTS):
   """PartitionSpecs for a parameter or optimizer-state tree (arrays or ShapeDtypeStructs)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: leaf_spec(path_names(path), np.shape(x), mesh, min_shard_elements=min_shard_elements),
-      tree)
+    lambda path, x: leaf_spec(path_names(path), np.shape(x), mesh, min_shard_elements=min_shard_elements),
+    tree,
+  )
 
 
 def param_shardings(tree, mesh: Mesh, *, min_shard_elements: int = MIN_SHARD_ELEMENTS):
@@ -162,14 +179,17 @@ def param_shardings(tree, mesh: Mesh, *, min_shard_elements: int = MIN_SHARD_ELE
 
 # ---- batches and decode state -------------------------------------------------------------------
 
+
 def _batch_axis_spec(shape, mesh: Mesh, dim: int, what: str) -> P:
   n = mesh.shape[DATA] * _fsdp_size(mesh)
   if len(shape) <= dim:
     raise ValueError(f"{what}: shape {tuple(shape)} has no batch dim {dim}.")
   if shape[dim] % n:
-    raise ValueError(f"{what}: batch size {shape[dim]} (dim {dim} of shape {tuple(shape)}) does not divide "
-                     f"over the {n} devices of the mesh (data={mesh.shape[DATA]} × fsdp={mesh.shape[FSDP]}). "
-                     f"Use a batch size that is a multiple of {n}.")
+    raise ValueError(
+      f"{what}: batch size {shape[dim]} (dim {dim} of shape {tuple(shape)}) does not divide "
+      f"over the {n} devices of the mesh (data={mesh.shape[DATA]} × fsdp={mesh.shape[FSDP]}). "
+      f"Use a batch size that is a multiple of {n}."
+    )
   parts = [None] * len(shape)
   parts[dim] = BATCH_AXES
   return P(*parts)
@@ -183,16 +203,22 @@ def batch_spec(shape: Sequence[int], mesh: Mesh, *, batch_dim: int = 0) -> P:
 def batch_shardings(tree, mesh: Mesh, *, batch_dim: int = 0):
   """NamedShardings for a batch pytree: each leaf split over all devices along `batch_dim`."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, _batch_axis_spec(np.shape(x), mesh, batch_dim,
-                                                           "batch/" + "/".join(path_names(path)))), tree)
+    lambda path, x: NamedSharding(
+      mesh, _batch_axis_spec(np.shape(x), mesh, batch_dim, "batch/" + "/".join(path_names(path)))
+    ),
+    tree,
+  )
 
 
 def decode_state_shardings(state, mesh: Mesh):
   """NamedShardings for a decode state {gla: [L,B,...], conv: [L,B,...], (k, v: [L,B,...], pos: [B])}:
   split over the batch dim (1 for the layer-major leaves, 0 for the attention layers' positions)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, _batch_axis_spec(np.shape(x), mesh, min(1, np.ndim(x) - 1),
-                                                           "state/" + "/".join(path_names(path)))), state)
+    lambda path, x: NamedSharding(
+      mesh, _batch_axis_spec(np.shape(x), mesh, min(1, np.ndim(x) - 1), "state/" + "/".join(path_names(path)))
+    ),
+    state,
+  )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

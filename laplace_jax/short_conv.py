@@ -14,6 +14,7 @@ p would be negative hold zeros (a fresh state), which is the zero padding a sequ
       scatter), then the ring read once with the taps rotated by pos per row (selects on the [W, D] kernel:
       the window itself is never shifted nor copied).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -34,8 +35,8 @@ def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=
   else:  # the ring in position order, oldest first: position pos − W + j sits in slot (pos + j) mod W
     order_BxW = jnp.mod(pos_B[:, None] + jnp.arange(W)[None], W)
     past_BxWxD = jnp.take_along_axis(ring_BxWxD, order_BxW[:, :, None], axis=1)
-  ext = jnp.concatenate([past_BxWxD.astype(dt), h_BxTxD], axis=1)            # [B, W+T, D]; pos p at p−pos+W
-  out = sum(ext[:, 1 + i:1 + i + T] * kernel_WxD[i].astype(dt) for i in range(W)) + bias_D.astype(dt)
+  ext = jnp.concatenate([past_BxWxD.astype(dt), h_BxTxD], axis=1)  # [B, W+T, D]; pos p at p−pos+W
+  out = sum(ext[:, 1 + i : 1 + i + T] * kernel_WxD[i].astype(dt) for i in range(W)) + bias_D.astype(dt)
   if ring_BxWxD is None:
     return out, None
   # New ring by gather: slot s takes the newest real position p'_s ≡ s (mod W), at index p'_s − pos + W.
@@ -57,7 +58,6 @@ def conv_decode(h_Bx1xD, kernel_WxD, bias_D, table, layer, pos_B):
   tap_BxW = jnp.mod(jnp.arange(W)[None] - pos_B[:, None] - 1, W)
   out = bias_D.astype(dt)
   for s in range(W):
-    kernel_s_BxD = sum(jnp.where(tap_BxW[:, s, None] == i, kernel_WxD[i].astype(dt), 0)
-                       for i in range(W))
+    kernel_s_BxD = sum(jnp.where(tap_BxW[:, s, None] == i, kernel_WxD[i].astype(dt), 0) for i in range(W))
     out = out + ring[:, s].astype(dt) * kernel_s_BxD
   return out[:, None], table

@@ -1,4 +1,5 @@
 """Wall-clock measurement shared by the programs and benchmarks: medians of blocking calls, matmul peak."""
+
 from __future__ import annotations
 
 import statistics
@@ -25,4 +26,4 @@ def matmul_peak_flops(n: int = 2048, dtype=jnp.float32, reps: int = 5) -> float:
   a = jax.random.normal(jax.random.key(0), (n, n), dtype)
   b = jax.random.normal(jax.random.key(1), (n, n), dtype)
   mm = jax.jit(lambda a, b: a @ b)
-  return 2 * n ** 3 / median_seconds(lambda: mm(a, b).block_until_ready(), reps)
+  return 2 * n**3 / median_seconds(lambda: mm(a, b).block_until_ready(), reps)

@@ -15,6 +15,7 @@ checkpoint. A non-finite step resets it to zero (its states may hold the NaN).
 `compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
 so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax import fsdp, model, sharding
 from laplace_jax import optimizer as optim
@@ -35,8 +37,9 @@ F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
   """Settings of the compiled step (not of the model or the optimizer)."""
-  micro_batches: int = 1   # the global batch is split into this many sequential micro-batches
-  z_loss: float = 0.0      # weight of logsumexp² (keeps the softmax normaliser near 1)
+
+  micro_batches: int = 1  # the global batch is split into this many sequential micro-batches
+  z_loss: float = 0.0  # weight of logsumexp² (keeps the softmax normaliser near 1)
 
   def __post_init__(self):
     if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -107,8 +110,12 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0,
     (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(p, mb)
     # Sharded leaves come back reduce-scattered (fsdp.gather's backward); whole ones (norm scales, conv,
     # biases: ≈0.02% of laplace-3b) hold this device's partial sum.
-    grads = jax.tree.map(lambda g, spec: g if any(spec) else jax.lax.psum(g, sharding.BATCH_AXES), grads, specs,
-                         is_leaf=lambda x: isinstance(x, P))
+    grads = jax.tree.map(
+      lambda g, spec: g if any(spec) else jax.lax.psum(g, sharding.BATCH_AXES),
+      grads,
+      specs,
+      is_leaf=lambda x: isinstance(x, P),
+    )
     new_carry = aux.pop("carry", None)
     loss, aux = jax.lax.psum((loss, aux), sharding.BATCH_AXES)
     return (loss, aux if new_carry is None else {**aux, "carry": new_carry}), grads
@@ -116,12 +123,25 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0,
   aux_spec = {"ce": P(), "z": P(), "tokens": P(), "carry": P(sharding.BATCH_AXES)} if carry else P()
   # check_vma=False: the model's scans start from zero carries that the per-device type check would need
   # marked as varying; the collectives here are written out, so nothing relies on it.
-  return jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(sharding.BATCH_AXES)),
-                       out_specs=((P(), aux_spec), specs), check_vma=False)
+  return jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=(specs, P(sharding.BATCH_AXES)),
+    out_specs=((P(), aux_spec), specs),
+    check_vma=False,
+  )
 
 
-def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTransformation,
-               step_cfg: StepConfig = StepConfig(), mesh: Mesh | None = None, lr_schedule=None):
+def train_step(
+  state,
+  batch,
+  *,
+  cfg: LaplaceConfig,
+  optimizer: optax.GradientTransformation,
+  step_cfg: StepConfig = StepConfig(),
+  mesh: Mesh | None = None,
+  lr_schedule=None,
+):
   """One optimizer step over the global batch, accumulated over micro-batches; pure."""
   params = state["params"]
   if "carry" in state:
@@ -129,8 +149,12 @@ def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTra
   grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(p, mb, cfg=cfg, z_loss=step_cfg.z_loss), has_aux=True)
   micro = optim.split_microbatches(batch, step_cfg.micro_batches)  # [m, B/m, ...], rows interleaved
   if mesh is not None:  # each micro-batch stays spread over every device
-    micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2))))), micro)
+    micro = jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2))))
+      ),
+      micro,
+    )
     grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry="carry" in state)
   _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
   aux = dict(aux)
@@ -145,17 +169,23 @@ def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTra
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
   new_state = {
-      "params": keep(new_params, params),
-      "opt_state": keep(new_opt, state["opt_state"]),
-      "step": state["step"] + ok.astype(jnp.int32),
-      "rng": state["rng"],
-      "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
+    "params": keep(new_params, params),
+    "opt_state": keep(new_opt, state["opt_state"]),
+    "step": state["step"] + ok.astype(jnp.int32),
+    "rng": state["rng"],
+    "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
   }
   if carry_MxR is not None:
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
     new_state["carry"] = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_MxR)
-  metrics = {"loss": loss, "z_loss": aux["z"] / n_tok, "grad_norm": grad_norm, "tokens": aux["tokens"],
-             "skipped": ~ok, "bad_steps": new_state["bad_steps"]}
+  metrics = {
+    "loss": loss,
+    "z_loss": aux["z"] / n_tok,
+    "grad_norm": grad_norm,
+    "tokens": aux["tokens"],
+    "skipped": ~ok,
+    "bad_steps": new_state["bad_steps"],
+  }
   if lr_schedule is not None:
     metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), F32)
   return new_state, metrics
@@ -163,13 +193,20 @@ def train_step(state, batch, *, cfg: LaplaceConfig, optimizer: optax.GradientTra
 
 # ---- state, shardings, compile --------------------------------------------------------------------
 
-def init_train_state(cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int,
-                     carry_batch: int = 0) -> dict:
+
+def init_train_state(
+  cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int, carry_batch: int = 0
+) -> dict:
   """`carry_batch` > 0: state passing, a zero carry for that many rows (the global batch)."""
   key = jax.random.key(seed)
   params = model.init_params(cfg, key)
-  state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-           "rng": jax.random.key_data(key), "bad_steps": jnp.zeros((), jnp.int32)}
+  state = {
+    "params": params,
+    "opt_state": optimizer.init(params),
+    "step": jnp.zeros((), jnp.int32),
+    "rng": jax.random.key_data(key),
+    "bad_steps": jnp.zeros((), jnp.int32),
+  }
   if carry_batch:
     state["carry"] = init_carry(cfg, carry_batch)
   return state
@@ -178,17 +215,23 @@ def init_train_state(cfg: LaplaceConfig, optimizer: optax.GradientTransformation
 def train_state_shardings(abstract_state, mesh: Mesh):
   """FSDP shardings for params and optimizer state (same rule, so moments sit with their params)."""
   rep = sharding.replicated(mesh)
-  shards = {"params": sharding.param_shardings(abstract_state["params"], mesh),
-            "opt_state": sharding.param_shardings(abstract_state["opt_state"], mesh),
-            "step": rep, "rng": rep, "bad_steps": rep}
+  shards = {
+    "params": sharding.param_shardings(abstract_state["params"], mesh),
+    "opt_state": sharding.param_shardings(abstract_state["opt_state"], mesh),
+    "step": rep,
+    "rng": rep,
+    "bad_steps": rep,
+  }
   if "carry" in abstract_state:  # sharded with the batch's rows
-    shards["carry"] = jax.tree.map(lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)),
-                                   abstract_state["carry"])
+    shards["carry"] = jax.tree.map(
+      lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)), abstract_state["carry"]
+    )
   return shards
 
 
-def abstract_train_state(cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0,
-                         carry_batch: int = 0):
+def abstract_train_state(
+  cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0, carry_batch: int = 0
+):
   """ShapeDtypeStructs of the train state (with shardings when a mesh is given); allocates nothing."""
   shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed, carry_batch))
   if mesh is None:
@@ -197,14 +240,17 @@ def abstract_train_state(cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shards)
 
 
-def init_train_state_on_mesh(cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int, carry_batch: int = 0) -> dict:
+def init_train_state_on_mesh(
+  cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int, carry_batch: int = 0
+) -> dict:
   """Create the train state directly in its sharded layout (no full copy on one device)."""
   shards = jax.tree.map(lambda s: s.sharding, abstract_train_state(cfg, optimizer, mesh, seed, carry_batch))
   return jax.jit(lambda: init_train_state(cfg, optimizer, seed, carry_batch), out_shardings=shards)()
 
 
-def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None, *, weighted: bool = False
-                   ) -> dict:
+def abstract_batch(
+  global_batch: int, seq_len: int, mesh: Mesh | None = None, *, weighted: bool = False
+) -> dict:
   """Batch shapes; `weighted` adds per-token loss weights (recall tasks score only their answers)."""
   sh = None if mesh is None else NamedSharding(mesh, sharding.batch_spec((global_batch, seq_len), mesh))
   tok = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sh)
@@ -214,42 +260,82 @@ def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh | None = None, *,
   return batch
 
 
-def compile_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
-                       step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None,
-                       weighted: bool = False, state_passing: bool = False) -> Any:
+def compile_train_step(
+  cfg: LaplaceConfig,
+  optimizer,
+  mesh: Mesh,
+  *,
+  global_batch: int,
+  seq_len: int,
+  step_cfg: StepConfig = StepConfig(),
+  lr_schedule=None,
+  abstract_state=None,
+  weighted: bool = False,
+  state_passing: bool = False,
+) -> Any:
   """Lower and compile the step ahead of time for these shapes and shardings; returns the executable.
 
   Raises ValueError before compiling when the batch does not split over the mesh or the micro-batches."""
-  return lower_train_step(cfg, optimizer, mesh, global_batch=global_batch, seq_len=seq_len, step_cfg=step_cfg,
-                          lr_schedule=lr_schedule, abstract_state=abstract_state, weighted=weighted,
-                          state_passing=state_passing).compile()
+  return lower_train_step(
+    cfg,
+    optimizer,
+    mesh,
+    global_batch=global_batch,
+    seq_len=seq_len,
+    step_cfg=step_cfg,
+    lr_schedule=lr_schedule,
+    abstract_state=abstract_state,
+    weighted=weighted,
+    state_passing=state_passing,
+  ).compile()
 
 
-def lower_train_step(cfg: LaplaceConfig, optimizer, mesh: Mesh, *, global_batch: int, seq_len: int,
-                     step_cfg: StepConfig = StepConfig(), lr_schedule=None, abstract_state=None,
-                     weighted: bool = False, state_passing: bool = False) -> Any:
+def lower_train_step(
+  cfg: LaplaceConfig,
+  optimizer,
+  mesh: Mesh,
+  *,
+  global_batch: int,
+  seq_len: int,
+  step_cfg: StepConfig = StepConfig(),
+  lr_schedule=None,
+  abstract_state=None,
+  weighted: bool = False,
+  state_passing: bool = False,
+) -> Any:
   """The step lowered (not compiled) from abstract shapes: `.as_text()` is its StableHLO, `.compile()` the
   executable. Inside `platform.lowering_for(target)` it records the choices made for that target."""
   n_dev = mesh.devices.size
   if global_batch % (step_cfg.micro_batches * n_dev):
-    raise ValueError(f"global batch {global_batch} must split into micro_batches={step_cfg.micro_batches} "
-                     f"× {n_dev} devices (a multiple of {step_cfg.micro_batches * n_dev}); change the batch size "
-                     "or the number of micro-batches.")
+    raise ValueError(
+      f"global batch {global_batch} must split into micro_batches={step_cfg.micro_batches} "
+      f"× {n_dev} devices (a multiple of {step_cfg.micro_batches * n_dev}); change the batch size "
+      "or the number of micro-batches."
+    )
   if abstract_state is None:
-    abstract_state = abstract_train_state(cfg, optimizer, mesh, carry_batch=global_batch if state_passing else 0)
+    abstract_state = abstract_train_state(
+      cfg, optimizer, mesh, carry_batch=global_batch if state_passing else 0
+    )
   state = abstract_state
   if "carry" in state and jax.tree.leaves(state["carry"])[0].shape[0] != global_batch:
-    raise ValueError(f"the state's carry holds {jax.tree.leaves(state['carry'])[0].shape[0]} rows but the "
-                     f"global batch has {global_batch}: state passing carries one state per row.")
+    raise ValueError(
+      f"the state's carry holds {jax.tree.leaves(state['carry'])[0].shape[0]} rows but the "
+      f"global batch has {global_batch}: state passing carries one state per row."
+    )
   batch = abstract_batch(global_batch, seq_len, mesh, weighted=weighted)
   state_sh = jax.tree.map(lambda s: s.sharding, state)
   batch_sh = jax.tree.map(lambda s: s.sharding, batch)
 
   def step(state, batch):
-    return train_step(state, batch, cfg=cfg, optimizer=optimizer, step_cfg=step_cfg, mesh=mesh,
-                      lr_schedule=lr_schedule)
+    return train_step(
+      state, batch, cfg=cfg, optimizer=optimizer, step_cfg=step_cfg, mesh=mesh, lr_schedule=lr_schedule
+    )
 
-  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
+  jitted = jax.jit(
+    step,
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, sharding.replicated(mesh)),
+    donate_argnums=0,
+  )
   with jax.set_mesh(mesh):  # lets the model pin its activations' batch sharding
     return jitted.lower(state, batch)

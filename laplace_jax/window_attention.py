@@ -18,9 +18,9 @@ Rings are head-major, [B, H, W, hd] per layer. Slot s holds the newest consumed 
 whose p would be negative (a context shorter than W) is empty and masked. Every index is in range: no scatter
 relies on dropping.
 """
+
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from laplace_jax import platform
@@ -38,20 +38,20 @@ def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int):
   B, T, H, d = q_BxTxHxd.shape
   if not isinstance(window, int) or window < 1:
     raise ValueError(f"window={window!r}: expected a positive integer number of tokens.")
-  C = min(window, T)                        # block length: a block's queries reach back at most one block
+  C = min(window, T)  # block length: a block's queries reach back at most one block
   N = -(-T // C)
   blocks = lambda x: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, 0)]).reshape(B, N, C, *x.shape[2:])
-  q, k, v = blocks(q_BxTxHxd), blocks(k_BxTxHxd), blocks(v_BxTxHxd)         # [B, N, C, H, d]
+  q, k, v = blocks(q_BxTxHxd), blocks(k_BxTxHxd), blocks(v_BxTxHxd)  # [B, N, C, H, d]
   with_prev = lambda x: jnp.concatenate([jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * 3)[:, :-1], x], axis=2)
-  k2, v2 = with_prev(k), with_prev(v)                                         # [B, N, 2C, H, d]
-  q_pos = jnp.arange(C)[:, None]            # positions relative to the block's start
-  k_pos = jnp.arange(2 * C)[None, :] - C    # the previous block's keys at −C … −1
+  k2, v2 = with_prev(k), with_prev(v)  # [B, N, 2C, H, d]
+  q_pos = jnp.arange(C)[:, None]  # positions relative to the block's start
+  k_pos = jnp.arange(2 * C)[None, :] - C  # the previous block's keys at −C … −1
   near = (k_pos <= q_pos) & (q_pos - k_pos < window)
   first = jnp.arange(N)[:, None, None] == 0
-  visible_NxCx2C = near[None] & ~(first & (k_pos < 0)[None])                 # block 0 has no previous block
+  visible_NxCx2C = near[None] & ~(first & (k_pos < 0)[None])  # block 0 has no previous block
   visible = jnp.broadcast_to(visible_NxCx2C, (B, N, C, 2 * C)).reshape(B * N, C, 2 * C)
   flat = lambda x: x.reshape(B * N, *x.shape[2:])
-  o = _attend(flat(q), flat(k2), flat(v2), visible)                          # [B·N, C, H, d]
+  o = _attend(flat(q), flat(k2), flat(v2), visible)  # [B·N, C, H, d]
   return o.reshape(B, N * C, H, -1)[:, :T]
 
 
@@ -72,9 +72,9 @@ def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxHxWxd, v_ring
   q_pos_BxT = pos_B[:, None] + t_T[None]
   ring_pos_BxW = slot_positions(pos_B, W)
   ring_vis = (ring_pos_BxW[:, None, :] >= 0) & (q_pos_BxT[:, :, None] - ring_pos_BxW[:, None, :] < W)
-  own_vis = (t_T[None, :] <= t_T[:, None]) & (t_T[:, None] - t_T[None, :] < W)   # padding keys sit after
+  own_vis = (t_T[None, :] <= t_T[:, None]) & (t_T[:, None] - t_T[None, :] < W)  # padding keys sit after
   visible_BxTx_WT = jnp.concatenate([ring_vis, jnp.broadcast_to(own_vis, ring_vis.shape[:2] + (T,))], -1)
-  heads = lambda x: jnp.swapaxes(x, 1, 2).astype(dt)                              # [B, H, T, d]
+  heads = lambda x: jnp.swapaxes(x, 1, 2).astype(dt)  # [B, H, T, d]
   k_BxHxTxd, v_BxHxTxd = heads(k_BxTxHxd), heads(v_BxTxHxd)
   keys = jnp.concatenate([k_ring_BxHxWxd, k_BxHxTxd], axis=2)
   values = jnp.concatenate([v_ring_BxHxWxd, v_BxHxTxd], axis=2)
@@ -117,7 +117,8 @@ def _decode_reduces(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, po
   """The same step in one read of each ring, in place (attention.decode_in_place, XLA:CPU's form). The ring is
   read before the new row is written: slot pos mod W held pos − W, outside the window."""
   W = k_table.shape[3]
-  held_BxW = slot_positions(pos_B, W)                                        # before the write
+  held_BxW = slot_positions(pos_B, W)  # before the write
   visible_BxW = (held_BxW >= 0) & (held_BxW > pos_B[:, None] - W)
-  return decode_in_place(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, visible_BxW,
-                         jnp.mod(pos_B, W), 3)
+  return decode_in_place(
+    q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, visible_BxW, jnp.mod(pos_B, W), 3
+  )

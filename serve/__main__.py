@@ -1,4 +1,5 @@
 """`python -m serve`: the OpenAI-compatible completion server over the continuous-batching engine."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,10 @@ import time
 from laplace_jax import cli
 from laplace_jax.config import PRESETS, get_config
 
-_FLAGS = ("\n\nFlags are spelled with underscores, as in python -m train; the dashed spelling (--n-slots) is "
-          "accepted too.")
+_FLAGS = (
+  "\n\nFlags are spelled with underscores, as in python -m train; the dashed spelling (--n-slots) is "
+  "accepted too."
+)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -20,81 +23,157 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = cli.FlagParser(prog="python -m serve", description=__doc__ + _FLAGS,
-                     formatter_class=_Formatter)
+  p = cli.FlagParser(prog="python -m serve", description=__doc__ + _FLAGS, formatter_class=_Formatter)
   w = p.add_argument_group("model")
-  w.add_argument("--preset", choices=sorted(PRESETS),
-                 help="the model of --random_init and --target (unset: small); with --checkpoint only checked "
-                 "against the config saved with the export, which builds the model")
+  w.add_argument(
+    "--preset",
+    choices=sorted(PRESETS),
+    help="the model of --random_init and --target (unset: small); with --checkpoint only checked "
+    "against the config saved with the export, which builds the model",
+  )
   src = w.add_mutually_exclusive_group()
-  src.add_argument("--checkpoint", help="an export of python -m train (RUN/export/step_N): its params and "
-                   "the model config saved beside them")
+  src.add_argument(
+    "--checkpoint",
+    help="an export of python -m train (RUN/export/step_N): its params and "
+    "the model config saved beside them",
+  )
   src.add_argument("--random_init", action="store_true", help="serve random weights (benchmarks, demos)")
   w.add_argument("--seed", type=int, default=0, help="init seed for --random_init")
-  w.add_argument("--prng", default="auto", choices=["auto", "threefry", "rbg", "unsafe_rbg"],
-                 help="JAX's PRNG implementation (--random_init weights, seeded sampling): auto is rbg on Neuron "
-                 "and with --target neuron, threefry elsewhere; a request's seed samples different tokens under "
-                 "each")
-  w.add_argument("--params_dtype", default="compute", choices=["compute", "param"],
-                 help="serve weights cast to the preset's compute dtype, or as stored")
-  w.add_argument("--model_name", help="name in /v1/models and responses (default: laplace-<preset>, or "
-                 "laplace-<export directory name> with --checkpoint)")
-  w.add_argument("--chat_template", metavar="FILE", help="Jinja chat template for /v1/chat/completions, as "
-                 "Hugging Face tokenizers write them (or a tokenizer_config.json holding one); default: plain "
-                 "'User: ...' / 'Assistant:' text (serve/chat.py)")
+  w.add_argument(
+    "--prng",
+    default="auto",
+    choices=["auto", "threefry", "rbg", "unsafe_rbg"],
+    help="JAX's PRNG implementation (--random_init weights, seeded sampling): auto is rbg on Neuron "
+    "and with --target neuron, threefry elsewhere; a request's seed samples different tokens under "
+    "each",
+  )
+  w.add_argument(
+    "--params_dtype",
+    default="compute",
+    choices=["compute", "param"],
+    help="serve weights cast to the preset's compute dtype, or as stored",
+  )
+  w.add_argument(
+    "--model_name",
+    help="name in /v1/models and responses (default: laplace-<preset>, or "
+    "laplace-<export directory name> with --checkpoint)",
+  )
+  w.add_argument(
+    "--chat_template",
+    metavar="FILE",
+    help="Jinja chat template for /v1/chat/completions, as "
+    "Hugging Face tokenizers write them (or a tokenizer_config.json holding one); default: plain "
+    "'User: ...' / 'Assistant:' text (serve/chat.py)",
+  )
   e = p.add_argument_group("engine")
-  e.add_argument("--n_slots", type=int, help="concurrent sequences decoded per step "
-                 "(default: 1280 for laplace-3b, 64 otherwise)")
+  e.add_argument(
+    "--n_slots",
+    type=int,
+    help="concurrent sequences decoded per step (default: 1280 for laplace-3b, 64 otherwise)",
+  )
   e.add_argument("--prefill_batch", type=int, default=4, help="prompts prefilled together")
-  e.add_argument("--prefill_chunks_per_step", type=int, default=4,
-                 help="128-token prefill chunks run between two decode steps")
+  e.add_argument(
+    "--prefill_chunks_per_step",
+    type=int,
+    default=4,
+    help="128-token prefill chunks run between two decode steps",
+  )
   e.add_argument("--max_queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
   e.add_argument("--max_tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
   e.add_argument("--max_prompt_tokens", type=int, default=32768, help="longest prompt accepted")
-  e.add_argument("--max_choices", type=int, default=16, help="most choices (prompts x n) one request may ask "
-                 "for, so that one request cannot hold every slot and the queue")
-  e.add_argument("--max_reply_entries", type=int, default=1 << 19, help="most token entries one reply may "
-                 "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
-                 "that could exceed it gets 400 before it runs")
-  e.add_argument("--max_context", type=int, metavar="N", help="models with attention layers (mixers with "
-                 "'A'; required for them, refused otherwise): the most tokens, prompt + output, a sequence may "
-                 "hold; each slot keeps a KV cache of N tokens. A longer prompt gets 400; a reply that reaches N "
-                 "ends with finish_reason 'length'. GLA ('G') and sliding-window ('S') layers need no bound")
-  e.add_argument("--mesh_devices", type=int, help="devices that split the slots (default 1: no mesh; with "
-                 "--target, 64: a trn2.48xlarge)")
+  e.add_argument(
+    "--max_choices",
+    type=int,
+    default=16,
+    help="most choices (prompts x n) one request may ask "
+    "for, so that one request cannot hold every slot and the queue",
+  )
+  e.add_argument(
+    "--max_reply_entries",
+    type=int,
+    default=1 << 19,
+    help="most token entries one reply may "
+    "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
+    "that could exceed it gets 400 before it runs",
+  )
+  e.add_argument(
+    "--max_context",
+    type=int,
+    metavar="N",
+    help="models with attention layers (mixers with "
+    "'A'; required for them, refused otherwise): the most tokens, prompt + output, a sequence may "
+    "hold; each slot keeps a KV cache of N tokens. A longer prompt gets 400; a reply that reaches N "
+    "ends with finish_reason 'length'. GLA ('G') and sliding-window ('S') layers need no bound",
+  )
+  e.add_argument(
+    "--mesh_devices",
+    type=int,
+    help="devices that split the slots (default 1: no mesh; with --target, 64: a trn2.48xlarge)",
+  )
   c = p.add_argument_group("state cache")
-  c.add_argument("--state_cache_gb", type=float, default=4.0,
-                 help="host memory for cached sequence states (prefix reuse, resumed conversations); 0: off")
-  c.add_argument("--state_cache_dir", help="keep cached states in this directory across restarts "
-                 "(one directory per model)")
-  c.add_argument("--state_snapshot_every", type=int, default=8,
-                 help="long prompts leave a cached state every this many 128-token chunks")
+  c.add_argument(
+    "--state_cache_gb",
+    type=float,
+    default=4.0,
+    help="host memory for cached sequence states (prefix reuse, resumed conversations); 0: off",
+  )
+  c.add_argument(
+    "--state_cache_dir", help="keep cached states in this directory across restarts (one directory per model)"
+  )
+  c.add_argument(
+    "--state_snapshot_every",
+    type=int,
+    default=8,
+    help="long prompts leave a cached state every this many 128-token chunks",
+  )
   t = p.add_argument_group("lowering for another platform (no weights needed, nothing is served)")
-  t.add_argument("--target", choices=["neuron"], help="lower (never compile) every program the engine compiles "
-                 "from abstract shapes with the choices made on this platform (neuron: Trainium) on simulated "
-                 "CPU devices, print the conformance report (laplace_jax.neuron_check), exit 1 on a violation")
+  t.add_argument(
+    "--target",
+    choices=["neuron"],
+    help="lower (never compile) every program the engine compiles "
+    "from abstract shapes with the choices made on this platform (neuron: Trainium) on simulated "
+    "CPU devices, print the conformance report (laplace_jax.neuron_check), exit 1 on a violation",
+  )
   t.add_argument("--hlo_dir", help="with --target: write each program's StableHLO to DIR/<program>.mlir")
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, logged at start)")
-  h.add_argument("--api_key", action="append", metavar="KEY",
-                 help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /metrics; repeat for several "
-                 "keys, each its own tenant (unset: $LAPLACE_API_KEY if that is set)")
-  h.add_argument("--api_keys_file", metavar="FILE", help="more keys, one 'tenant:key' a line; each tenant "
-                 "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)")
-  h.add_argument("--allowed_host", action="append", default=[], metavar="NAME",
-                 help="a host name clients may call this server by (repeatable); requests naming another one "
-                 "in Host get 421 and browser pages of other origins 403 (DNS rebinding, CSRF). Bound to a "
-                 "loopback address, localhost, 127.0.0.1 and ::1 are allowed; bound to 0.0.0.0 with no "
-                 "--allowed_host, Host is not checked")
+  h.add_argument(
+    "--api_key",
+    action="append",
+    metavar="KEY",
+    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /metrics; repeat for several "
+    "keys, each its own tenant (unset: $LAPLACE_API_KEY if that is set)",
+  )
+  h.add_argument(
+    "--api_keys_file",
+    metavar="FILE",
+    help="more keys, one 'tenant:key' a line; each tenant "
+    "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)",
+  )
+  h.add_argument(
+    "--allowed_host",
+    action="append",
+    default=[],
+    metavar="NAME",
+    help="a host name clients may call this server by (repeatable); requests naming another one "
+    "in Host get 421 and browser pages of other origins 403 (DNS rebinding, CSRF). Bound to a "
+    "loopback address, localhost, 127.0.0.1 and ::1 are allowed; bound to 0.0.0.0 with no "
+    "--allowed_host, Host is not checked",
+  )
   return p
 
 
 def parse_args(argv=None):
   p = build_parser()
   args = p.parse_args(argv)
-  for name, lo, hi in (("max_tokens", 1, 1 << 30), ("max_prompt_tokens", 1, 1 << 30), ("max_choices", 1, 1 << 20),
-                       ("max_reply_entries", 1, 1 << 40), ("max_queue", 0, 1 << 20)):
+  for name, lo, hi in (
+    ("max_tokens", 1, 1 << 30),
+    ("max_prompt_tokens", 1, 1 << 30),
+    ("max_choices", 1, 1 << 20),
+    ("max_reply_entries", 1, 1 << 40),
+    ("max_queue", 0, 1 << 20),
+  ):
     v = getattr(args, name)
     if not lo <= v <= hi:
       p.error(f"--{name}={v}: expected an integer in [{lo}, {hi}]")
@@ -118,6 +197,7 @@ def parse_args(argv=None):
 def tenant_keys(args):
   """serve.tenants.Tenants from --api-key and --api-keys-file (ValueError naming the problem)."""
   from serve.tenants import Tenants, name_of_key, read_keys_file
+
   keys = [(name_of_key(k), k) for k in args.api_key or []]
   if args.api_keys_file:
     keys += read_keys_file(args.api_keys_file)
@@ -127,28 +207,42 @@ def tenant_keys(args):
 def lower_target(args) -> int:
   """--target: lower and check the engine's programs on simulated CPU devices; 1 on any violation."""
   import inspect
+
   import jax
+
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.mesh_devices)
   from laplace_jax import neuron_check, platform, tokenizer
+
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made
   from serve import lowering
   from serve.engine import Engine, check_max_context
+
   cfg = get_config(args.preset)
   check_max_context(cfg, args.max_context)
   n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
   from serve import loading
+
   mesh = loading.make_serving_mesh(args.mesh_devices)
   t = time.perf_counter()
   texts = lowering.lower_for_target(
-      cfg, target=args.target, n_slots=n_slots, prefill_batch=args.prefill_batch,
-      n_stop=inspect.signature(Engine.__init__).parameters["max_stop_ids"].default,
-      valid_vocab=tokenizer.VOCAB_SIZE, mesh=mesh, params_dtype=args.params_dtype, max_context=args.max_context)
+    cfg,
+    target=args.target,
+    n_slots=n_slots,
+    prefill_batch=args.prefill_batch,
+    n_stop=inspect.signature(Engine.__init__).parameters["max_stop_ids"].default,
+    valid_vocab=tokenizer.VOCAB_SIZE,
+    mesh=mesh,
+    params_dtype=args.params_dtype,
+    max_context=args.max_context,
+  )
   lower_s = time.perf_counter() - t
   reports, text = neuron_check.check_programs(texts, args.hlo_dir)
-  print(f"{len(texts)} programs of {args.preset} ({n_slots} slots, {args.mesh_devices} devices) lowered for "
-        f"{args.target} in {lower_s:.1f} s (not compiled)\n{text}")
+  print(
+    f"{len(texts)} programs of {args.preset} ({n_slots} slots, {args.mesh_devices} devices) lowered for "
+    f"{args.target} in {lower_s:.1f} s (not compiled)\n{text}"
+  )
   return 1 if any(r.violations for r in reports.values()) else 0
 
 
@@ -156,6 +250,7 @@ def model_config(args):
   """The config the server will build: the one saved with --checkpoint, else --preset's."""
   if args.checkpoint:
     from laplace_jax import checkpoint
+
     return checkpoint.export_config(args.checkpoint, preset=args.preset)
   return get_config(args.preset)
 
@@ -178,39 +273,66 @@ def build(args):
   tok = loading.gpt2_tokenizer()
   template = ChatTemplate.from_file(args.chat_template, tok)  # a bad file fails before the weights load
   check_max_context(model_config(args), args.max_context)  # before the weights load
-  params, cfg = loading.load_model(checkpoint=args.checkpoint, preset=args.preset, seed=args.seed, mesh=mesh,
-                                   dtype=args.params_dtype)
+  params, cfg = loading.load_model(
+    checkpoint=args.checkpoint, preset=args.preset, seed=args.seed, mesh=mesh, dtype=args.params_dtype
+  )
   n_slots = args.n_slots or (1280 if cfg == get_config("laplace-3b") else 64)
-  name = args.model_name or (f"laplace-{args.preset}" if args.random_init
-                             else f"laplace-{os.path.basename(os.path.normpath(args.checkpoint))}")
+  name = args.model_name or (
+    f"laplace-{args.preset}"
+    if args.random_init
+    else f"laplace-{os.path.basename(os.path.normpath(args.checkpoint))}"
+  )
   cache = None
   if args.state_cache_gb > 0 and "A" in cfg.mixers:
-    logging.info("state cache off: mixers=%r has attention layers, whose state (a KV cache of --max_context "
-                 "tokens) is not the constant-size state the cache keeps", cfg.mixers)
+    logging.info(
+      "state cache off: mixers=%r has attention layers, whose state (a KV cache of --max_context "
+      "tokens) is not the constant-size state the cache keeps",
+      cfg.mixers,
+    )
   elif args.state_cache_gb > 0:
     from serve.state_cache import StateCache, layout_for, model_identity
+
     t = time.perf_counter()
     ident = model_identity(cfg, params)
     logging.info("model fingerprint %s (every parameter byte) in %.1f s", ident, time.perf_counter() - t)
     cache = StateCache(ident, int(args.state_cache_gb * 1e9), args.state_cache_dir, layout=layout_for(cfg))
   # Several tenants: each may fill only its share of the queue, so one tenant's burst leaves room to wait.
   share = -(-args.max_queue // max(1, len(tenants.names)))
-  engine = Engine(params, cfg, n_slots=n_slots, prefill_batch=args.prefill_batch,
-                  prefill_chunks_per_step=args.prefill_chunks_per_step, max_queue=args.max_queue,
-                  max_queue_per_tenant=share,
-                  valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache,
-                  snapshot_every=args.state_snapshot_every, max_context=args.max_context)
+  engine = Engine(
+    params,
+    cfg,
+    n_slots=n_slots,
+    prefill_batch=args.prefill_batch,
+    prefill_chunks_per_step=args.prefill_chunks_per_step,
+    max_queue=args.max_queue,
+    max_queue_per_tenant=share,
+    valid_vocab=tok.vocab_size,
+    mesh=mesh,
+    state_cache=cache,
+    snapshot_every=args.state_snapshot_every,
+    max_context=args.max_context,
+  )
   t = time.perf_counter()
   engine.warmup()
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", name, n_slots, time.perf_counter() - t)
-  logging.info("state: mixers=%r%s, %s per slot, slot table %s", cfg.mixers,
-               "" if args.max_context is None else f", --max_context={args.max_context}",
-               _size(engine.fns.state_bytes_per_slot), _size(engine.fns.table_bytes))
-  limits = protocol.Limits(model_name=name, vocab_size=tok.vocab_size,
-                           eos_id=tok.eos_id, max_tokens=args.max_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, max_stop_ids=engine.fns.n_stop,
-                           max_prompts=n_slots + share, max_choices=args.max_choices,
-                           max_reply_entries=args.max_reply_entries)
+  logging.info(
+    "state: mixers=%r%s, %s per slot, slot table %s",
+    cfg.mixers,
+    "" if args.max_context is None else f", --max_context={args.max_context}",
+    _size(engine.fns.state_bytes_per_slot),
+    _size(engine.fns.table_bytes),
+  )
+  limits = protocol.Limits(
+    model_name=name,
+    vocab_size=tok.vocab_size,
+    eos_id=tok.eos_id,
+    max_tokens=args.max_tokens,
+    max_prompt_tokens=args.max_prompt_tokens,
+    max_stop_ids=engine.fns.n_stop,
+    max_prompts=n_slots + share,
+    max_choices=args.max_choices,
+    max_reply_entries=args.max_reply_entries,
+  )
   return Server(engine, tok, limits, tenants=tenants, chat_template=template, allowed_hosts=args.allowed_host)
 
 

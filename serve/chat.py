@@ -14,6 +14,7 @@ and, with it, every request also stops at "\\n\\nUser:" (where a base model star
 Special-token text the rendered prompt holds ("<|endoftext|>") becomes the special token, as in
 Hugging Face's and vLLM's chat paths.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,18 +28,27 @@ from serve import protocol
 from serve.protocol import ApiError
 
 DEFAULT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{{ m['role'] | capitalize }}: {{ m['content'] }}"
-    "{% if not loop.last or add_generation_prompt %}{{ '\\n\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}")
+  "{% for m in messages %}"
+  "{{ m['role'] | capitalize }}: {{ m['content'] }}"
+  "{% if not loop.last or add_generation_prompt %}{{ '\\n\\n' }}{% endif %}"
+  "{% endfor %}"
+  "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 DEFAULT_STOP = "\n\nUser:"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 4096
 DEFAULT_MAX_TOKENS = 256
 # Chat fields that change the output and that this server does not do: refused unless absent or "off".
-UNSUPPORTED = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-               "response_format": {"type": "text"}, "audio": None, "modalities": ["text"], "prediction": None}
+UNSUPPORTED = {
+  "tools": [],
+  "tool_choice": "none",
+  "functions": [],
+  "function_call": "none",
+  "response_format": {"type": "text"},
+  "audio": None,
+  "modalities": ["text"],
+  "prediction": None,
+}
 # Completion fields that are not chat fields.
 NOT_CHAT = ("prompt", "echo", "suffix", "best_of", "return_token_ids")
 
@@ -57,14 +67,16 @@ class ChatTemplate:
     try:
       self.template = env.from_string(self.source)
     except jinja2.TemplateSyntaxError as e:
-      raise ValueError(f"{where}: not a Jinja template (line {e.lineno}: {e.message}). Pass a chat template "
-                       "as Hugging Face tokenizer_config.json's 'chat_template' holds it.") from None
+      raise ValueError(
+        f"{where}: not a Jinja template (line {e.lineno}: {e.message}). Pass a chat template "
+        "as Hugging Face tokenizer_config.json's 'chat_template' holds it."
+      ) from None
     self.tok = tokenizer
     self.eos = tokenizer.token_bytes([tokenizer.eos_id]).decode()
     self.stop = [DEFAULT_STOP] if source is None else []
 
   @classmethod
-  def from_file(cls, path: str | None, tokenizer) -> "ChatTemplate":
+  def from_file(cls, path: str | None, tokenizer) -> ChatTemplate:
     if path is None:
       return cls(None, tokenizer)
     try:
@@ -76,19 +88,23 @@ class ChatTemplate:
       try:
         source = json.loads(source)["chat_template"]
       except (ValueError, KeyError, TypeError):
-        raise ValueError(f"--chat_template {path}: a JSON file without a 'chat_template' string. Pass the "
-                         "template itself or a tokenizer_config.json that has one.") from None
+        raise ValueError(
+          f"--chat_template {path}: a JSON file without a 'chat_template' string. Pass the "
+          "template itself or a tokenizer_config.json that has one."
+        ) from None
     return cls(source, tokenizer, where=f"--chat_template {path}")
 
   def render(self, messages: list, add_generation_prompt: bool = True) -> str:
     try:
-      return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                  bos_token=self.eos, eos_token=self.eos)
+      return self.template.render(
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.eos, eos_token=self.eos
+      )
     except jinja2.TemplateError as e:  # raise_exception(...) in the template, or the sandbox refusing
       raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
     except Exception as e:  # a template bug met by these messages
-      raise ApiError(400, f"the chat template failed on these messages ({type(e).__name__}: {e}).",
-                     "messages") from None
+      raise ApiError(
+        400, f"the chat template failed on these messages ({type(e).__name__}: {e}).", "messages"
+      ) from None
 
   def encode(self, text: str) -> list:
     """Token ids of a rendered prompt: the EOS token's text becomes its id, the rest is ordinary text."""
@@ -105,33 +121,48 @@ def parse_messages(obj: dict) -> list:
   """The `messages` list, checked: roles, and content as a string or text parts (joined)."""
   msgs = obj.get("messages")
   if not isinstance(msgs, list) or not msgs:
-    raise ApiError(400, f"'messages' is {protocol.show(msgs)}: expected a non-empty list of "
-                   "{\"role\": ..., \"content\": ...} objects.", "messages")
+    raise ApiError(
+      400,
+      f"'messages' is {protocol.show(msgs)}: expected a non-empty list of "
+      '{"role": ..., "content": ...} objects.',
+      "messages",
+    )
   if len(msgs) > MAX_MESSAGES:
     raise ApiError(400, f"'messages' has {len(msgs)} messages: at most {MAX_MESSAGES}.", "messages")
   out = []
   for i, m in enumerate(msgs):
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-      raise ApiError(400, f"'{where}' is a {type(m).__name__}: expected an object with 'role' and 'content'.",
-                     "messages")
+      raise ApiError(
+        400, f"'{where}' is a {type(m).__name__}: expected an object with 'role' and 'content'.", "messages"
+      )
     role = m.get("role")
     if role not in ROLES:
-      raise ApiError(400, f"'{where}.role' is {protocol.show(role, 40)}: expected one of {list(ROLES)}.", "messages")
+      raise ApiError(
+        400, f"'{where}.role' is {protocol.show(role, 40)}: expected one of {list(ROLES)}.", "messages"
+      )
     if m.get("tool_calls"):
       raise ApiError(400, f"'{where}.tool_calls': tool calls are not supported by this server.", "messages")
     content = m.get("content")
     if isinstance(content, list):
-      if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                 for p in content):
-        raise ApiError(400, f"'{where}.content' has a part that is not {{\"type\": \"text\", \"text\": ...}}: "
-                       "this server takes text only.", "messages")
+      if not all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+      ):
+        raise ApiError(
+          400,
+          f'\'{where}.content\' has a part that is not {{"type": "text", "text": ...}}: '
+          "this server takes text only.",
+          "messages",
+        )
       content = "".join(p["text"] for p in content)
     elif content is None and role == "assistant":
       content = ""
     elif not isinstance(content, str):
-      raise ApiError(400, f"'{where}.content' is {protocol.show(content, 40)}: expected a string or a list of "
-                     "text parts.", "messages")
+      raise ApiError(
+        400,
+        f"'{where}.content' is {protocol.show(content, 40)}: expected a string or a list of text parts.",
+        "messages",
+      )
     msg = {"role": role, "content": content}
     if isinstance(m.get("name"), str):
       msg["name"] = m["name"]
@@ -143,29 +174,44 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
   """A chat request checked and turned into the completion of its rendered prompt."""
   for name in NOT_CHAT:
     if name in obj:
-      raise ApiError(400, f"'{name}' is a /v1/completions field, not a chat one: omit it (or POST to "
-                     "/v1/completions).", name)
+      raise ApiError(
+        400,
+        f"'{name}' is a /v1/completions field, not a chat one: omit it (or POST to /v1/completions).",
+        name,
+      )
   for name, off in UNSUPPORTED.items():
     if obj.get(name) not in (None, off):
-      raise ApiError(400, f"'{name}'={protocol.show(obj[name])} is not supported by this server: omit it.", name)
+      raise ApiError(
+        400, f"'{name}'={protocol.show(obj[name])} is not supported by this server: omit it.", name
+      )
   messages = parse_messages(obj)
   want = obj.get("logprobs")
   if want is not None and not isinstance(want, bool):
-    raise ApiError(400, f"'logprobs' is {protocol.show(want, 40)}: expected true or false (chat format; "
-                   "'top_logprobs' sets how many alternatives).", "logprobs")
+    raise ApiError(
+      400,
+      f"'logprobs' is {protocol.show(want, 40)}: expected true or false (chat format; "
+      "'top_logprobs' sets how many alternatives).",
+      "logprobs",
+    )
   top = obj.get("top_logprobs")
   if top is not None and (not protocol._is_int(top) or not 0 <= top <= 5):
-    raise ApiError(400, f"'top_logprobs' is {protocol.show(top, 40)}: expected an integer in [0, 5].", "top_logprobs")
+    raise ApiError(
+      400, f"'top_logprobs' is {protocol.show(top, 40)}: expected an integer in [0, 5].", "top_logprobs"
+    )
   if top is not None and not want:
     raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-  body = {k: v for k, v in obj.items() if k not in ("messages", "logprobs", "top_logprobs", "max_tokens",
-                                                    "max_completion_tokens")}
+  body = {
+    k: v
+    for k, v in obj.items()
+    if k not in ("messages", "logprobs", "top_logprobs", "max_tokens", "max_completion_tokens")
+  }
   for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
     if obj.get(name) is not None:
       v = obj[name]
       if not protocol._is_int(v) or not 1 <= v <= limits.max_tokens:
-        raise ApiError(400, f"'{name}' is {protocol.show(v, 40)}: expected an integer in [1, {limits.max_tokens}].",
-                       name)
+        raise ApiError(
+          400, f"'{name}' is {protocol.show(v, 40)}: expected an integer in [1, {limits.max_tokens}].", name
+        )
       body["max_tokens"] = v
       break
   else:
@@ -201,7 +247,9 @@ class Chat:
     tenant = s._check_key(request)
     obj = await s.read_json(request)
     s.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
-    c = await asyncio.get_running_loop().run_in_executor(None, lambda: parse_chat(obj, s.limits, self.template))
+    c = await asyncio.get_running_loop().run_in_executor(
+      None, lambda: parse_chat(obj, s.limits, self.template)
+    )
     return await s.run_completion(request, c, self._whole, self._stream, "chatcmpl-")
 
   def _logprobs(self, ch, c, first: int):
@@ -211,40 +259,80 @@ class Chat:
     tb = self.server.tok.token_bytes
     entry = lambda t, v: {"token": tb([t]).decode("utf-8", "replace"), "logprob": v, "bytes": list(tb([t]))}
     out = []
-    for t, (chosen, top) in zip(ch.out_ids[first:], ch.req.token_logprobs[first:len(ch.out_ids)]):
-      out.append({**entry(t, chosen), "top_logprobs": [entry(i, v) for i, v in top[:c.logprobs]]})
+    for t, (chosen, top) in zip(ch.out_ids[first:], ch.req.token_logprobs[first : len(ch.out_ids)]):
+      out.append({**entry(t, chosen), "top_logprobs": [entry(i, v) for i, v in top[: c.logprobs]]})
     return {"content": out}
 
   async def _whole(self, choices, c, meta):
     parts = {ch.index: [] for ch in choices}
     async for ch, piece, _, _ in self.server._pieces(choices, c):
       parts[ch.index].append(piece)
+
     def build():
-      out = [{"index": ch.index, "message": {"role": "assistant", "content": "".join(parts[ch.index])},
-              "logprobs": self._logprobs(ch, c, 0), "finish_reason": ch.finish} for ch in choices]
+      out = [
+        {
+          "index": ch.index,
+          "message": {"role": "assistant", "content": "".join(parts[ch.index])},
+          "logprobs": self._logprobs(ch, c, 0),
+          "finish_reason": ch.finish,
+        }
+        for ch in choices
+      ]
       return {**meta, "object": "chat.completion", "choices": out, "usage": self.server._usage(c, choices)}
+
     return await self.server.json_reply(build)
 
   async def _stream(self, request, choices, c, meta):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
     await resp.prepare(request)
     chunk = lambda cs: {**meta, "object": "chat.completion.chunk", "choices": cs}
     send = lambda obj: resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
     try:
       try:
         for ch in choices:  # OpenAI's first chunk of each choice names the role
-          await send(chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]))
+          await send(
+            chunk(
+              [
+                {
+                  "index": ch.index,
+                  "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None,
+                  "finish_reason": None,
+                }
+              ]
+            )
+          )
         async for ch, piece, reason, _ in self.server._pieces(choices, c):
           if piece:
             first, ch.sent = ch.sent, len(ch.out_ids)
-            await send(chunk([{"index": ch.index, "delta": {"content": piece},
-                               "logprobs": self._logprobs(ch, c, first), "finish_reason": None}]))
+            await send(
+              chunk(
+                [
+                  {
+                    "index": ch.index,
+                    "delta": {"content": piece},
+                    "logprobs": self._logprobs(ch, c, first),
+                    "finish_reason": None,
+                  }
+                ]
+              )
+            )
           if reason is not None:
             first, ch.sent = ch.sent, len(ch.out_ids)
-            await send(chunk([{"index": ch.index, "delta": {}, "finish_reason": reason,
-                               "logprobs": self._logprobs(ch, c, first) if first < ch.sent else None}]))
+            await send(
+              chunk(
+                [
+                  {
+                    "index": ch.index,
+                    "delta": {},
+                    "finish_reason": reason,
+                    "logprobs": self._logprobs(ch, c, first) if first < ch.sent else None,
+                  }
+                ]
+              )
+            )
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:

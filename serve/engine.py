@@ -6,6 +6,7 @@ and hand out the tokens of the step before (one device-to-host copy per step; th
 queued on the device while the host reads the last). Requests only meet the engine through `submit`,
 `cancel` and the `on_deliver` callback, so it runs the same in a test loop or a server thread.
 """
+
 from __future__ import annotations
 
 import collections
@@ -15,7 +16,8 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,18 +44,23 @@ def check_max_context(cfg, max_context):
   """Attention layers ('A') need a per-slot context bound, and only they use one (ValueError otherwise)."""
   if "A" in cfg.mixers:
     if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 2:
-      raise ValueError(f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: pass "
-                       f"--max_context N (got {max_context!r}), the most tokens (prompt + output) a sequence may "
-                       "hold; each slot keeps a KV cache of N tokens, so memory grows with N x --n_slots.")
+      raise ValueError(
+        f"mixers={cfg.mixers!r} has attention layers, whose KV cache grows with the context: pass "
+        f"--max_context N (got {max_context!r}), the most tokens (prompt + output) a sequence may "
+        "hold; each slot keeps a KV cache of N tokens, so memory grows with N x --n_slots."
+      )
   elif max_context is not None:
-    raise ValueError(f"--max_context={max_context} bounds attention layers' KV cache, but mixers={cfg.mixers!r} "
-                     "has none ('G' and 'S' layers keep a constant-size state): leave --max_context unset.")
+    raise ValueError(
+      f"--max_context={max_context} bounds attention layers' KV cache, but mixers={cfg.mixers!r} "
+      "has none ('G' and 'S' layers keep a constant-size state): leave --max_context unset."
+    )
 
 
 @dataclasses.dataclass
 class Request:
   """One completion. The engine fills `output_ids`, `finish_reason` ('stop', 'length', 'cancelled',
   'error') and sets `done`; `on_deliver` sees each step's new tokens as they come."""
+
   prompt_ids: Sequence[int]
   max_tokens: int = 16
   temperature: float = 0.0
@@ -62,8 +69,8 @@ class Request:
   seed: int | None = None
   stop_ids: Sequence[int] = ()
   logprobs: int | None = None  # None: off; 0..5: each output token's logprob and the top-n
-  echo: bool = False           # score the prompt too (prompt_logprobs); never restored from the cache
-  tenant: str = ""             # who sent it (API key): its cache scope and its share of the slots
+  echo: bool = False  # score the prompt too (prompt_logprobs); never restored from the cache
+  tenant: str = ""  # who sent it (API key): its cache scope and its share of the slots
   cache_salt: str | None = None  # a further cache scope within the tenant (the request's cache_salt)
   siblings: list = dataclasses.field(default_factory=list)  # more choices of the same prompt (n > 1)
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
@@ -77,7 +84,7 @@ class Request:
   cancelled: bool = False
   slot: int | None = None
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
-  gen_base: int = 0       # the engine's generate count when this request entered its slot
+  gen_base: int = 0  # the engine's generate count when this request entered its slot
   context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
 
   def __hash__(self):
@@ -89,32 +96,36 @@ class Request:
 
 class Delivery(NamedTuple):
   """What `on_deliver` receives per request and step."""
+
   request: Request
-  tokens: list            # new token ids (empty when it ended without one)
-  reason: str | None      # finish_reason, or None while it runs
+  tokens: list  # new token ids (empty when it ended without one)
+  reason: str | None  # finish_reason, or None while it runs
 
 
 @dataclasses.dataclass
 class PrefillBatch:
   """The prompts being prefilled together, chunk by chunk, between decode steps."""
-  reqs: list              # leader requests, one prefill row each
-  slots: list             # slots reserved for their decoding choices
-  n_chunks: int           # 128-token chunks the longest uncached rest needs
-  state: dict             # the prefill rows' state (serve.slots' prefill batch pytree)
-  scored: bool            # some prompt is echoed: run the scoring prefill
+
+  reqs: list  # leader requests, one prefill row each
+  slots: list  # slots reserved for their decoding choices
+  n_chunks: int  # 128-token chunks the longest uncached rest needs
+  state: dict  # the prefill rows' state (serve.slots' prefill batch pytree)
+  scored: bool  # some prompt is echoed: run the scoring prefill
   next_chunk: int = 0
   scores: list = dataclasses.field(default_factory=list)  # per chunk, the scoring prefill's arrays
 
 
 class Pending(NamedTuple):
   """A dispatched insert or generate whose output array is not read back yet."""
-  kind: str               # "insert" or "gen"
-  out: object             # device array [3 + 2N, n] (serve.slots)
-  owners: tuple           # column i's request, or None
+
+  kind: str  # "insert" or "gen"
+  out: object  # device array [3 + 2N, n] (serve.slots)
+  owners: tuple  # column i's request, or None
 
 
 class StepRow(NamedTuple):
   """One column of a step's output array, read on the host."""
+
   token: int
   done: bool
   logprobs: tuple | None  # (chosen logprob, [(id, logprob)] top N) when the request asked for them
@@ -127,21 +138,42 @@ def step_row(out: np.ndarray, i: int, logprobs: bool) -> StepRow:
 class Engine(EngineCacheMixin):
   """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`."""
 
-  def __init__(self, params, cfg, *, model=None, n_slots: int = 8, prefill_batch: int = 1,
-               max_queue: int = 256, max_queue_per_tenant: int | None = None, max_stop_ids: int = 8, valid_vocab: int | None = None,
-               prefill_chunks_per_step: int = 4, mesh=None,
-               on_deliver: Callable[[list[Delivery]], None] | None = None,
-               state_cache=None, snapshot_every: int = 8, cache_min_tokens: int = 128,
-               max_context: int | None = None):
+  def __init__(
+    self,
+    params,
+    cfg,
+    *,
+    model=None,
+    n_slots: int = 8,
+    prefill_batch: int = 1,
+    max_queue: int = 256,
+    max_queue_per_tenant: int | None = None,
+    max_stop_ids: int = 8,
+    valid_vocab: int | None = None,
+    prefill_chunks_per_step: int = 4,
+    mesh=None,
+    on_deliver: Callable[[list[Delivery]], None] | None = None,
+    state_cache=None,
+    snapshot_every: int = 8,
+    cache_min_tokens: int = 128,
+    max_context: int | None = None,
+  ):
     if model is None:
       from laplace_jax import model
     check_max_context(cfg, max_context)
     if state_cache is not None and "A" in cfg.mixers:
-      raise ValueError(f"mixers={cfg.mixers!r}: the state cache keeps constant-size states, and an attention "
-                       "layer's KV cache is not one; pass state_cache=None (--state_cache_gb 0).")
-    for name, v in (("n_slots", n_slots), ("prefill_batch", prefill_batch), ("max_stop_ids", max_stop_ids),
-                    ("prefill_chunks_per_step", prefill_chunks_per_step), ("snapshot_every", snapshot_every),
-                    ("cache_min_tokens", cache_min_tokens)):
+      raise ValueError(
+        f"mixers={cfg.mixers!r}: the state cache keeps constant-size states, and an attention "
+        "layer's KV cache is not one; pass state_cache=None (--state_cache_gb 0)."
+      )
+    for name, v in (
+      ("n_slots", n_slots),
+      ("prefill_batch", prefill_batch),
+      ("max_stop_ids", max_stop_ids),
+      ("prefill_chunks_per_step", prefill_chunks_per_step),
+      ("snapshot_every", snapshot_every),
+      ("cache_min_tokens", cache_min_tokens),
+    ):
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r}: expected a positive integer.")
     if max_queue < 0:
@@ -154,31 +186,46 @@ class Engine(EngineCacheMixin):
     self.max_queue_per_tenant = max_queue if max_queue_per_tenant is None else max_queue_per_tenant
     self.chunks_per_step = prefill_chunks_per_step
     self.max_context = max_context  # tokens (prompt + output) a slot's KV cache holds; None: no 'A' layers
-    self.fns = SlotFunctions(model, cfg, n_slots=n_slots, prefill_batch=prefill_batch,
-                             n_stop=max_stop_ids, valid_vocab=self.valid_vocab, mesh=mesh,
-                             max_context=max_context)
+    self.fns = SlotFunctions(
+      model,
+      cfg,
+      n_slots=n_slots,
+      prefill_batch=prefill_batch,
+      n_stop=max_stop_ids,
+      valid_vocab=self.valid_vocab,
+      mesh=mesh,
+      max_context=max_context,
+    )
     self.on_deliver = on_deliver or (lambda deliveries: None)
     self.table = self.fns.empty_table()
     self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
-    self.reserved: set[int] = set()                           # held by the prefill in progress
+    self.reserved: set[int] = set()  # held by the prefill in progress
     self.queue: collections.deque[Request] = collections.deque()
     self._waiting = collections.Counter()  # tenant -> choices in self.queue
-    self.prefill: PrefillBatch | None = None                         # the prefill batch in progress
-    self.pending: collections.deque = collections.deque()     # dispatched, not yet read back
+    self.prefill: PrefillBatch | None = None  # the prefill batch in progress
+    self.pending: collections.deque = collections.deque()  # dispatched, not yet read back
     self._lock = threading.Lock()
     self._wake = threading.Event()
     self._cancels: list[Request] = []
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self.error: BaseException | None = None
-    self.stats = {"requests": 0, "finished": 0, "rejected": 0, "tokens": 0, "steps": 0,
-                  "prefill_tokens": 0, "cached_prompt_tokens": 0}
+    self.stats = {
+      "requests": 0,
+      "finished": 0,
+      "rejected": 0,
+      "tokens": 0,
+      "steps": 0,
+      "prefill_tokens": 0,
+      "cached_prompt_tokens": 0,
+    }
     self._rate = collections.deque()  # (time, tokens) of recent steps, for tokens/s
     # State cache (serve.state_cache.StateCache or None): states copied out of the device, in flight to the
     # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
     self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
     if state_cache is not None:
       from serve.state_cache import layout_for
+
       state_cache.check_layout(layout_for(cfg, model))
     self._copies: collections.deque = collections.deque()
     self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
@@ -228,9 +275,11 @@ class Engine(EngineCacheMixin):
     room = min(self.max_queue - waiting, self.max_queue_per_tenant - self._waiting[tenant]) + free
     if size > room:
       self.stats["rejected"] += n_requests
-      raise QueueFull(f"{waiting} choices already wait for {self.n_slots} slots (queue bound "
-                      f"{self.max_queue}, {self.max_queue_per_tenant} per tenant); this request needs room "
-                      f"for {size}")
+      raise QueueFull(
+        f"{waiting} choices already wait for {self.n_slots} slots (queue bound "
+        f"{self.max_queue}, {self.max_queue_per_tenant} per tenant); this request needs room "
+        f"for {size}"
+      )
 
   @property
   def serving(self) -> bool:
@@ -254,45 +303,68 @@ class Engine(EngineCacheMixin):
       raise ValueError("prompt is empty: expected at least one token.")
     ids = np.asarray(req.prompt_ids)
     if not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
-      raise ValueError(f"prompt_ids must be a flat list of integer token ids, got dtype {ids.dtype} "
-                       f"with shape {ids.shape}.")
+      raise ValueError(
+        f"prompt_ids must be a flat list of integer token ids, got dtype {ids.dtype} with shape {ids.shape}."
+      )
     if ids.min() < 0 or ids.max() >= self.valid_vocab:
-      raise ValueError(f"prompt token ids span [{ids.min()}, {ids.max()}]: expected ids in "
-                       f"[0, {self.valid_vocab}).")
+      raise ValueError(
+        f"prompt token ids span [{ids.min()}, {ids.max()}]: expected ids in [0, {self.valid_vocab})."
+      )
     if not isinstance(req.max_tokens, int) or not 0 <= req.max_tokens <= INT32_MAX:
-      raise ValueError(f"max_tokens={req.max_tokens!r}: expected an integer in [0, 2**31) (0: score the prompt "
-                       "only).")
+      raise ValueError(
+        f"max_tokens={req.max_tokens!r}: expected an integer in [0, 2**31) (0: score the prompt only)."
+      )
     if self.max_context is not None and n + (req.max_tokens > 0) > self.max_context:
-      raise ValueError(f"the prompt has {n} tokens: this server's attention layers hold --max_context="
-                       f"{self.max_context} tokens per sequence (prompt + output), so a prompt may have at most "
-                       f"{self.max_context - 1} to leave room for one new token. Shorten the prompt, or restart "
-                       "the server with a larger --max_context.")
+      raise ValueError(
+        f"the prompt has {n} tokens: this server's attention layers hold --max_context="
+        f"{self.max_context} tokens per sequence (prompt + output), so a prompt may have at most "
+        f"{self.max_context - 1} to leave room for one new token. Shorten the prompt, or restart "
+        "the server with a larger --max_context."
+      )
     if req.logprobs is not None and not 0 <= req.logprobs <= 5:
       raise ValueError(f"logprobs={req.logprobs!r}: expected None or an integer in [0, 5].")
     if 1 + len(req.siblings) > self.n_slots:
-      raise ValueError(f"{1 + len(req.siblings)} choices of one prompt: at most the {self.n_slots} slots "
-                       "(--n_slots) can decode at once.")
+      raise ValueError(
+        f"{1 + len(req.siblings)} choices of one prompt: at most the {self.n_slots} slots "
+        "(--n_slots) can decode at once."
+      )
     for sib in req.siblings:
-      if (list(sib.prompt_ids) != list(req.prompt_ids) or sib.siblings or sib.echo != req.echo
-          or (sib.tenant, sib.cache_salt) != (req.tenant, req.cache_salt)):
-        raise ValueError("siblings must share the prompt, echo setting, tenant and cache salt, and have no "
-                         "siblings themselves.")
+      if (
+        list(sib.prompt_ids) != list(req.prompt_ids)
+        or sib.siblings
+        or sib.echo != req.echo
+        or (sib.tenant, sib.cache_salt) != (req.tenant, req.cache_salt)
+      ):
+        raise ValueError(
+          "siblings must share the prompt, echo setting, tenant and cache salt, and have no "
+          "siblings themselves."
+        )
       self._validate(sib)
     # Every setting must fit the slot table's dtypes (serve.slots.SAMPLING_DTYPES): a value that does not
     # would fail inside the engine's step.
-    if not (0 <= req.temperature < float("inf") and 0 < req.top_p <= 1 and isinstance(req.top_k, int)
-            and 0 <= req.top_k <= INT32_MAX):
-      raise ValueError(f"temperature={req.temperature}, top_p={req.top_p}, top_k={req.top_k}: expected a finite "
-                       "temperature >= 0, 0 < top_p <= 1, an integer top_k in [0, 2**31) (0 = off).")
+    if not (
+      0 <= req.temperature < float("inf")
+      and 0 < req.top_p <= 1
+      and isinstance(req.top_k, int)
+      and 0 <= req.top_k <= INT32_MAX
+    ):
+      raise ValueError(
+        f"temperature={req.temperature}, top_p={req.top_p}, top_k={req.top_k}: expected a finite "
+        "temperature >= 0, 0 < top_p <= 1, an integer top_k in [0, 2**31) (0 = off)."
+      )
     if len(req.stop_ids) > self.fns.n_stop or not all(
-        isinstance(t, (int, np.integer)) and 0 <= t < self.valid_vocab for t in req.stop_ids):
-      raise ValueError(f"stop ids {list(req.stop_ids)[:10]}: at most {self.fns.n_stop} per request, each in "
-                       f"[0, {self.valid_vocab}).")
+      isinstance(t, (int, np.integer)) and 0 <= t < self.valid_vocab for t in req.stop_ids
+    ):
+      raise ValueError(
+        f"stop ids {list(req.stop_ids)[:10]}: at most {self.fns.n_stop} per request, each in "
+        f"[0, {self.valid_vocab})."
+      )
     if req.seed is not None and not 0 <= req.seed < 2**64:
       raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**64).")
     if not isinstance(req.tenant, str) or not (req.cache_salt is None or isinstance(req.cache_salt, str)):
-      raise ValueError(f"tenant={req.tenant!r}, cache_salt={req.cache_salt!r}: expected a string and None or "
-                       "a string.")
+      raise ValueError(
+        f"tenant={req.tenant!r}, cache_salt={req.cache_salt!r}: expected a string and None or a string."
+      )
 
   # ---- status ----
 
@@ -344,7 +416,9 @@ class Engine(EngineCacheMixin):
           self.queue.remove(r)
           self._dequeued(r)
     out = []
-    live = [r for r in cancels if r.finish_reason is None and r.slot is not None and self.slot_req[r.slot] is r]
+    live = [
+      r for r in cancels if r.finish_reason is None and r.slot is not None and self.slot_req[r.slot] is r
+    ]
     self._copy_out(live)  # a stop string ends a request by cancelling it: its context is still worth keeping
     for r in cancels:
       if r.finish_reason is None:
@@ -384,8 +458,8 @@ class Engine(EngineCacheMixin):
       lengths = np.zeros((self.prefill_batch,), np.int32)
       for i, r in enumerate(pf.reqs):
         at = r.cached_tokens + c * C
-        piece = r.prompt_ids[at:at + C]
-        tokens[i, :len(piece)] = piece
+        piece = r.prompt_ids[at : at + C]
+        tokens[i, : len(piece)] = piece
         lengths[i] = len(piece)
       if pf.scored:
         pf.state, scores = self.fns.prefill_chunk_scored(self.params, pf.state, tokens, lengths)
@@ -424,8 +498,9 @@ class Engine(EngineCacheMixin):
       return False
     slots = free[:used]
     # The batch is in place before anything can fail, so a failure fails exactly these requests.
-    self.prefill = pf = PrefillBatch(reqs=take, slots=slots, n_chunks=0, state=None,
-                                     scored=any(r.echo for r in take))
+    self.prefill = pf = PrefillBatch(
+      reqs=take, slots=slots, n_chunks=0, state=None, scored=any(r.echo for r in take)
+    )
     self.reserved.update(slots)
     C = self.cfg.chunk_size
     state = self._restore(take) if self.cache is not None else None
@@ -460,10 +535,20 @@ class Engine(EngineCacheMixin):
         entries.append((i, next(free) if m.max_tokens > 0 else None, m))
     E = self.prefill_batch
     for g in range(0, len(entries), E):
-      part = entries[g:g + E]
-      rows = [{"temperature": m.temperature, "top_k": m.top_k, "top_p": m.top_p, "seed": m.seed & 0xFFFFFFFF,
-               "seed_hi": m.seed >> 32, "max_tokens": self._token_budget(m), "stop_ids": list(m.stop_ids),
-               "logprobs": -1 if m.logprobs is None else m.logprobs} for _, _, m in part]
+      part = entries[g : g + E]
+      rows = [
+        {
+          "temperature": m.temperature,
+          "top_k": m.top_k,
+          "top_p": m.top_p,
+          "seed": m.seed & 0xFFFFFFFF,
+          "seed_hi": m.seed >> 32,
+          "max_tokens": self._token_budget(m),
+          "stop_ids": list(m.stop_ids),
+          "logprobs": -1 if m.logprobs is None else m.logprobs,
+        }
+        for _, _, m in part
+      ]
       settings = host_settings(rows, E, self.fns.n_stop)
       row_idx = np.zeros((E,), np.int32)
       slot_idx = np.full((E,), self.n_slots, np.int32)  # >= n_slots: dropped

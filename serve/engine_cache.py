@@ -7,6 +7,7 @@ When a slot's state is copied: its request finished (read back) or was cancelled
 anything can be inserted over it; the state has then consumed the prompt and one output token per generate
 step dispatched since the insert. Long prefills leave snapshots every `snapshot_every` chunks.
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,14 +19,17 @@ class EngineCacheMixin:
 
   _fresh_rows = None  # a fresh prefill batch's model state on the host, made at the first restore
 
-
   def _restore(self, reqs):
     """Each request's longest cached prefix (at least one prompt token is left to prefill, for the first
     token's logits); a prefill batch starting from those states, or None when nothing was cached."""
     if self._copies:
       self._collect_copies(block=False)
-    if any(scope == (r.tenant, r.cache_salt) and self._is_prefix(seq, r.prompt_ids)
-           for rows, _ in self._copies for scope, seq in rows for r in reqs):
+    if any(
+      scope == (r.tenant, r.cache_salt) and self._is_prefix(seq, r.prompt_ids)
+      for rows, _ in self._copies
+      for scope, seq in rows
+      for r in reqs
+    ):
       # A state of this prompt's scope still on its way to the host is its prefix (an agent's next turn
       # arriving just after the last one finished): wait for it rather than prefill it again. Another
       # scope's copies never make a request wait (its time to first token would tell them apart).
@@ -57,7 +61,7 @@ class EngineCacheMixin:
 
   @staticmethod
   def _is_prefix(seq, prompt) -> bool:
-    return len(seq) < len(prompt) and seq[-1] == prompt[len(seq) - 1] and list(prompt[:len(seq)]) == seq
+    return len(seq) < len(prompt) and seq[-1] == prompt[len(seq) - 1] and list(prompt[: len(seq)]) == seq
 
   def _copy_out(self, reqs):
     """Start copying the slot states of these requests to the host (their slots are still theirs: called
@@ -89,12 +93,12 @@ class EngineCacheMixin:
     """ids: per row, ((tenant, cache_salt), token ids): the scope the state is cached in."""
     E = self.prefill_batch  # one compiled gather width; a short group is padded with its first row
     for g in range(0, len(rows), E):
-      part = rows[g:g + E]
+      part = rows[g : g + E]
       idx = np.asarray(part + [part[0]] * (E - len(part)), np.int32)
       out = self.fns.gather(state, idx)
       for leaf in jax.tree.leaves(out):
         leaf.copy_to_host_async()
-      self._copies.append((ids[g:g + E], out))
+      self._copies.append((ids[g : g + E], out))
 
   def _collect_copies(self, block: bool):
     """Move the copies that have landed (all of them if block) into the cache."""
@@ -123,8 +127,9 @@ class EngineCacheMixin:
       return
     idx = np.zeros((self.prefill_batch,), np.int32)
     rows = self.fns.gather(self.fns.empty_prefill()["model"], idx)
-    jax.block_until_ready((self.fns.gather(self.table["model"], idx),
-                           self.fns.load_prefill(jax.tree.map(np.asarray, rows))))
+    jax.block_until_ready(
+      (self.fns.gather(self.table["model"], idx), self.fns.load_prefill(jax.tree.map(np.asarray, rows)))
+    )
 
 
 def _row(axis: int, i: int) -> tuple:

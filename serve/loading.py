@@ -1,20 +1,22 @@
 """What the server loads at start: the GPT-2 tokenizer, the params (Orbax export or random init), the mesh."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from laplace_jax import model, sharding
-from laplace_jax.config import get_config
 from laplace_jax import tokenizer as gpt2
+from laplace_jax.config import get_config
 
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
   """The two things serving needs from a tokenizer."""
+
   encode: Callable[[str], list]
   token_bytes: Callable[[Sequence[int]], bytes]
   vocab_size: int
@@ -23,8 +25,12 @@ class Tokenizer:
 
 def gpt2_tokenizer() -> Tokenizer:
   enc = gpt2.get_tokenizer()
-  return Tokenizer(encode=enc.encode_ordinary, token_bytes=lambda ids: enc.decode_bytes(list(ids)),
-                   vocab_size=gpt2.VOCAB_SIZE, eos_id=gpt2.EOS_ID)
+  return Tokenizer(
+    encode=enc.encode_ordinary,
+    token_bytes=lambda ids: enc.decode_bytes(list(ids)),
+    vocab_size=gpt2.VOCAB_SIZE,
+    eos_id=gpt2.EOS_ID,
+  )
 
 
 def make_serving_mesh(n_devices: int | None):
@@ -32,8 +38,10 @@ def make_serving_mesh(n_devices: int | None):
   if not n_devices or n_devices == 1:
     return None
   if n_devices > len(jax.devices()):
-    raise ValueError(f"--mesh_devices={n_devices} but only {len(jax.devices())} {jax.default_backend()} devices "
-                     "are present. Use fewer.")
+    raise ValueError(
+      f"--mesh_devices={n_devices} but only {len(jax.devices())} {jax.default_backend()} devices "
+      "are present. Use fewer."
+    )
   return sharding.make_mesh(data=1, fsdp=n_devices)
 
 
@@ -48,8 +56,14 @@ def cast_params(params, cfg, how: str = "compute"):
   return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def load_model(*, checkpoint: str | None = None, preset: str | None = None, seed: int = 0, mesh=None,
-               dtype: str = "compute"):
+def load_model(
+  *,
+  checkpoint: str | None = None,
+  preset: str | None = None,
+  seed: int = 0,
+  mesh=None,
+  dtype: str = "compute",
+):
   """(params, config): an export of `python -m train` built from the config saved with it (`preset`, if
   given, must match it), else `preset`'s model with random weights from `seed`; replicated over `mesh` if
   given; cast as `cast_params` says."""
@@ -59,6 +73,7 @@ def load_model(*, checkpoint: str | None = None, preset: str | None = None, seed
     target = sharding.replicated(mesh)
   if checkpoint:
     from laplace_jax import checkpoint as ckpt
+
     params, cfg = ckpt.load_export(checkpoint, target, preset=preset)
     return cast_params(params, cfg, dtype), cfg
   if preset is None:

@@ -7,6 +7,7 @@ sampled, rows written into slots), the generate step's two calls (decode, then s
 and the state cache's gathers (from the slot table and from a prefill batch) and restore. No weights or
 states are materialised: laplace-3b with 1,280 slots on 64 simulated devices lowers on a laptop-class CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,33 +43,56 @@ def lower_engine(fns: SlotFunctions, params) -> dict:
   pf = _sds(jax.eval_shape(fns._empty_prefill), rep)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
   settings = _sds(jax.tree.map(np.asarray, host_settings([], P, fns.n_stop)), rep)
-  logits = jax.ShapeDtypeStruct((S, cfg.vocab_size), jnp.float32, sharding=None if mesh is None else
-                                sharding.batch_shardings(jax.ShapeDtypeStruct((S, cfg.vocab_size), jnp.float32),
-                                                         mesh))
+  logits = jax.ShapeDtypeStruct(
+    (S, cfg.vocab_size),
+    jnp.float32,
+    sharding=None
+    if mesh is None
+    else sharding.batch_shardings(jax.ShapeDtypeStruct((S, cfg.vocab_size), jnp.float32), mesh),
+  )
   rows = jax.eval_shape(fns._gather, pf["model"], i32(P))
   under_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)  # as SlotFunctions.generate
   with under_mesh:
     decode = fns._decode.lower(params, table)
   return {
-      "empty_table": fns.empty_table.lower(),
-      "empty_prefill": fns.empty_prefill.lower(),
-      "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
-      "prefill_chunk_scored": fns.prefill_chunk_scored.lower(params, pf, i32(P, C), i32(P)),
-      "insert": fns.insert.lower(params, table, pf, i32(P), i32(P), settings),
-      "decode": decode,
-      "sample": fns._sample.lower(logits, table),
-      "gather_slots": fns.gather.lower(table["model"], i32(P)),
-      "gather_prefill": fns.gather.lower(pf["model"], i32(P)),
-      "load_prefill": fns.load_prefill.lower(_sds(rows)),
+    "empty_table": fns.empty_table.lower(),
+    "empty_prefill": fns.empty_prefill.lower(),
+    "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
+    "prefill_chunk_scored": fns.prefill_chunk_scored.lower(params, pf, i32(P, C), i32(P)),
+    "insert": fns.insert.lower(params, table, pf, i32(P), i32(P), settings),
+    "decode": decode,
+    "sample": fns._sample.lower(logits, table),
+    "gather_slots": fns.gather.lower(table["model"], i32(P)),
+    "gather_prefill": fns.gather.lower(pf["model"], i32(P)),
+    "load_prefill": fns.load_prefill.lower(_sds(rows)),
   }
 
 
-def lower_for_target(cfg, *, target: str, n_slots: int, prefill_batch: int, n_stop: int, valid_vocab: int,
-                     mesh=None, params_dtype: str = "compute", max_context: int | None = None) -> dict:
+def lower_for_target(
+  cfg,
+  *,
+  target: str,
+  n_slots: int,
+  prefill_batch: int,
+  n_stop: int,
+  valid_vocab: int,
+  mesh=None,
+  params_dtype: str = "compute",
+  max_context: int | None = None,
+) -> dict:
   """{program name: StableHLO text} of the engine's programs with every choice made as on `target`."""
   from laplace_jax import platform
+
   with platform.lowering_for(target):
-    fns = SlotFunctions(model, cfg, n_slots=n_slots, prefill_batch=prefill_batch, n_stop=n_stop,
-                        valid_vocab=valid_vocab, mesh=mesh, max_context=max_context)
+    fns = SlotFunctions(
+      model,
+      cfg,
+      n_slots=n_slots,
+      prefill_batch=prefill_batch,
+      n_stop=n_stop,
+      valid_vocab=valid_vocab,
+      mesh=mesh,
+      max_context=max_context,
+    )
     lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype))
   return {name: low.as_text() for name, low in lowered.items()}

@@ -4,12 +4,12 @@ multiplies, xors and shifts, elementwise over arrays. serve/sampling.py draws ea
 the rbg PRNGs, where no Threefry may run (Neuron) and `rng_bit_generator` cannot draw one stream per slot.
 Checked against Random123's known-answer vectors (tests/test_sampling_prng.py).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-
-_PHILOX_M = (0xD2511F53, 0xCD9E8D57)   # Philox-4x32's multipliers and key increments (Salmon et al., SC11)
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # Philox-4x32's multipliers and key increments (Salmon et al., SC11)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 

@@ -1,9 +1,10 @@
 """OpenAI-style /v1/completions request parsing: every field checked, every error a 4xx with a message."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable
+from collections.abc import Callable
 
 
 class ApiError(Exception):
@@ -12,8 +13,9 @@ class ApiError(Exception):
   def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
     super().__init__(message)
     self.status, self.message, self.param = status, message, param
-    self.kind = kind or {401: "authentication_error", 404: "not_found_error",
-                         429: "rate_limit_error"}.get(status, "invalid_request_error")
+    self.kind = kind or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+      status, "invalid_request_error"
+    )
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -25,19 +27,19 @@ MAX_CACHE_SALT = 256  # characters of a request's cache_salt
 @dataclasses.dataclass
 class Limits:
   model_name: str
-  vocab_size: int            # ids the tokenizer knows (GPT-2: 50,257)
+  vocab_size: int  # ids the tokenizer knows (GPT-2: 50,257)
   eos_id: int | None
-  max_tokens: int            # cap on max_tokens per request
+  max_tokens: int  # cap on max_tokens per request
   max_prompt_tokens: int
-  max_stop_ids: int          # device-side stop ids per request, EOS included
-  max_prompts: int = 64      # prompts x n per request (the slots plus the queue)
-  max_choices: int = 16      # prompts x n per request, by policy (--max_choices): one request is not the server
+  max_stop_ids: int  # device-side stop ids per request, EOS included
+  max_prompts: int = 64  # prompts x n per request (the slots plus the queue)
+  max_choices: int = 16  # prompts x n per request, by policy (--max_choices): one request is not the server
   max_reply_entries: int = 1 << 19  # (--max_reply_entries) see reply_entries()
 
 
-MAX_STOPS = 4              # stop strings per request (OpenAI's bound)
-MAX_STOP_CHARS = 512       # characters per stop string
-MAX_JSON_DEPTH = 32        # nesting of arrays and objects in a request body
+MAX_STOPS = 4  # stop strings per request (OpenAI's bound)
+MAX_STOP_CHARS = 512  # characters per stop string
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a request body
 INT32_MAX = 2**31 - 1
 
 
@@ -48,17 +50,19 @@ class Completion:
   top_k: int
   top_p: float
   seed: int | None
-  stop: list            # stop strings, matched on the text
-  stop_ids: list        # stop token ids, matched on the device (EOS unless ignore_eos)
+  stop: list  # stop strings, matched on the text
+  stop_ids: list  # stop token ids, matched on the device (EOS unless ignore_eos)
   stream: bool
   include_usage: bool
   return_token_ids: bool
-  n: int = 1            # choices per prompt
+  n: int = 1  # choices per prompt
   logprobs: int | None = None
   echo: bool = False
   cache_salt: str | None = None  # a state-cache scope within the tenant (vLLM's cache_salt)
   prompts: list = dataclasses.field(default_factory=list)  # one list of token ids per prompt
-  texts: list = dataclasses.field(default_factory=list)    # the prompts as text (echo): the string sent, or None
+  texts: list = dataclasses.field(
+    default_factory=list
+  )  # the prompts as text (echo): the string sent, or None
 
   @property
   def prompt_ids(self) -> list:
@@ -111,8 +115,10 @@ def parse_body(raw: bytes) -> dict:
   except (ValueError, UnicodeDecodeError) as e:
     raise ApiError(400, f"request body is not valid JSON ({e}); send a JSON object.") from None
   if obj is None or _depth(obj) > MAX_JSON_DEPTH:
-    raise ApiError(400, f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep: send a "
-                   "flatter JSON object.")
+    raise ApiError(
+      400,
+      f"request body nests arrays and objects more than {MAX_JSON_DEPTH} deep: send a flatter JSON object.",
+    )
   if not isinstance(obj, dict):
     raise ApiError(400, f"request body is a JSON {type(obj).__name__}: expected a JSON object.")
   return obj
@@ -145,8 +151,12 @@ def _prompts(p, limits: Limits, encode: Callable[[str], list]) -> tuple[list, li
   if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
     cap, flags = choice_cap(limits)
     if len(p) > cap:
-      raise ApiError(400, f"'prompt' is a list of {len(p)} prompts: at most {cap} choices per request "
-                     f"({flags}). Send fewer per request.", "prompt")
+      raise ApiError(
+        400,
+        f"'prompt' is a list of {len(p)} prompts: at most {cap} choices per request "
+        f"({flags}). Send fewer per request.",
+        "prompt",
+      )
     got = [_prompt_ids(x, limits, encode) for x in p]
     return [g for g, _ in got], [t for _, t in got]
   ids, text = _prompt_ids(p, limits, encode)
@@ -163,17 +173,28 @@ def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
       raise ApiError(400, "'prompt' is an empty list: expected at least one token id.", "prompt")
     bad = [t for t in p if not 0 <= t < limits.vocab_size]
     if bad:
-      raise ApiError(400, f"'prompt' has token ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size}).",
-                     "prompt")
+      raise ApiError(
+        400, f"'prompt' has token ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size}).", "prompt"
+      )
     ids = list(p)
   elif isinstance(p, list):
-    raise ApiError(400, "'prompt' is a list that is neither token ids nor a list of prompts (strings or "
-                   "token-id lists): mixed or nested items are not accepted.", "prompt")
+    raise ApiError(
+      400,
+      "'prompt' is a list that is neither token ids nor a list of prompts (strings or "
+      "token-id lists): mixed or nested items are not accepted.",
+      "prompt",
+    )
   else:
-    raise ApiError(400, f"'prompt' is a {type(p).__name__}: expected a string or a list of token ids.", "prompt")
+    raise ApiError(
+      400, f"'prompt' is a {type(p).__name__}: expected a string or a list of token ids.", "prompt"
+    )
   if len(ids) > limits.max_prompt_tokens:
-    raise ApiError(400, f"the prompt has {len(ids)} tokens: at most {limits.max_prompt_tokens} are allowed "
-                   "(--max_prompt_tokens).", "prompt")
+    raise ApiError(
+      400,
+      f"the prompt has {len(ids)} tokens: at most {limits.max_prompt_tokens} are allowed "
+      "(--max_prompt_tokens).",
+      "prompt",
+    )
   return ids, p if isinstance(p, str) else None
 
 
@@ -191,68 +212,132 @@ def with_prompts(c: Completion, prompts: list, texts: list, limits: Limits) -> C
   c.prompts, c.texts = prompts, texts
   cap, flags = choice_cap(limits)
   if len(prompts) * c.n > cap:
-    raise ApiError(400, f"{len(prompts)} prompts x n={c.n} = {len(prompts) * c.n} choices: at most {cap} per "
-                   f"request ({flags}).", "n")
+    raise ApiError(
+      400,
+      f"{len(prompts)} prompts x n={c.n} = {len(prompts) * c.n} choices: at most {cap} per "
+      f"request ({flags}).",
+      "n",
+    )
   entries = reply_entries(c)
   if entries > limits.max_reply_entries:
-    raise ApiError(400, f"this reply could hold {entries} token entries ({len(prompts) * c.n} choices x "
-                   f"(max_tokens {c.max_tokens}{' + the echoed prompt' if c.echo else ''})"
-                   f"{'' if c.logprobs is None else f' x {3 + c.logprobs} with logprobs {c.logprobs}'}): at most "
-                   f"{limits.max_reply_entries} per request (--max_reply_entries). Ask for fewer choices, tokens "
-                   "or logprobs, or split the request.", "max_tokens")
+    raise ApiError(
+      400,
+      f"this reply could hold {entries} token entries ({len(prompts) * c.n} choices x "
+      f"(max_tokens {c.max_tokens}{' + the echoed prompt' if c.echo else ''})"
+      f"{'' if c.logprobs is None else f' x {3 + c.logprobs} with logprobs {c.logprobs}'}): at most "
+      f"{limits.max_reply_entries} per request (--max_reply_entries). Ask for fewer choices, tokens "
+      "or logprobs, or split the request.",
+      "max_tokens",
+    )
   return c
 
 
 # Fields accepted only at the values that mean "off": anything else would be silently ignored otherwise.
-_OFF = {"suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "min_p": 0,
-        "repetition_penalty": 1}
+_OFF = {
+  "suffix": None,
+  "presence_penalty": 0,
+  "frequency_penalty": 0,
+  "logit_bias": {},
+  "min_p": 0,
+  "repetition_penalty": 1,
+}
 
 
 def parse_settings(obj: dict, limits: Limits) -> Completion:
   """Every field of a completions request but the prompt, checked (the prompt comes with with_prompts)."""
   model = obj.get("model")
   if model is not None and model != limits.model_name:
-    raise ApiError(404, f"model {show(model)} is not served here: this server serves "
-                   f"'{limits.model_name}' (GET /v1/models).", "model")
+    raise ApiError(
+      404,
+      f"model {show(model)} is not served here: this server serves '{limits.model_name}' (GET /v1/models).",
+      "model",
+    )
   echo = _get(obj, "echo", False, lambda v: isinstance(v, bool), "true or false")
-  max_tokens = _get(obj, "max_tokens", 16, lambda v: _is_int(v) and 0 <= v <= limits.max_tokens,
-                    f"an integer in [0, {limits.max_tokens}] (0: score the prompt, with echo)")
-  logprobs = _get(obj, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= 5,
-                  "an integer in [0, 5] (the top-n logprobs per token; 5 is the most)")
+  max_tokens = _get(
+    obj,
+    "max_tokens",
+    16,
+    lambda v: _is_int(v) and 0 <= v <= limits.max_tokens,
+    f"an integer in [0, {limits.max_tokens}] (0: score the prompt, with echo)",
+  )
+  logprobs = _get(
+    obj,
+    "logprobs",
+    None,
+    lambda v: _is_int(v) and 0 <= v <= 5,
+    "an integer in [0, 5] (the top-n logprobs per token; 5 is the most)",
+  )
   cap, flags = choice_cap(limits)
   n = _get(obj, "n", 1, lambda v: _is_int(v) and 1 <= v <= cap, f"an integer in [1, {cap}] ({flags})")
-  temperature = float(_get(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
+  temperature = float(
+    _get(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]")
+  )
   top_p = float(_get(obj, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
-  top_k = _get(obj, "top_k", 0, lambda v: _is_int(v) and -1 <= v <= INT32_MAX,
-               f"an integer in [-1, {INT32_MAX}] (0 or -1: off; the vocabulary size or more: off)")
-  seed = _get(obj, "seed", None, lambda v: _is_int(v) and -2**63 <= v < 2**64, "an integer in [-2**63, 2**64)")
+  top_k = _get(
+    obj,
+    "top_k",
+    0,
+    lambda v: _is_int(v) and -1 <= v <= INT32_MAX,
+    f"an integer in [-1, {INT32_MAX}] (0 or -1: off; the vocabulary size or more: off)",
+  )
+  seed = _get(
+    obj, "seed", None, lambda v: _is_int(v) and -(2**63) <= v < 2**64, "an integer in [-2**63, 2**64)"
+  )
   seed = None if seed is None else seed % 2**64
-  stop = _get(obj, "stop", [], lambda v: _stop_ok(v) or (isinstance(v, list) and len(v) <= MAX_STOPS and
-                                                          all(_stop_ok(s) for s in v)),
-              f"a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS}")
+  stop = _get(
+    obj,
+    "stop",
+    [],
+    lambda v: _stop_ok(v) or (isinstance(v, list) and len(v) <= MAX_STOPS and all(_stop_ok(s) for s in v)),
+    f"a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS}",
+  )
   stop = [stop] if isinstance(stop, str) else list(stop)
   ignore_eos = _get(obj, "ignore_eos", False, lambda v: isinstance(v, bool), "true or false")
   room = limits.max_stop_ids - (0 if ignore_eos or limits.eos_id is None else 1)
-  stop_ids = _get(obj, "stop_token_ids", [], lambda v: isinstance(v, list) and len(v) <= room and all(
-      _is_int(t) and 0 <= t < limits.vocab_size for t in v),
-      f"a list of at most {room} token ids in [0, {limits.vocab_size})")
+  stop_ids = _get(
+    obj,
+    "stop_token_ids",
+    [],
+    lambda v: (
+      isinstance(v, list) and len(v) <= room and all(_is_int(t) and 0 <= t < limits.vocab_size for t in v)
+    ),
+    f"a list of at most {room} token ids in [0, {limits.vocab_size})",
+  )
   if not ignore_eos and limits.eos_id is not None and limits.eos_id not in stop_ids:
     stop_ids = [*stop_ids, limits.eos_id]
   stream = _get(obj, "stream", False, lambda v: isinstance(v, bool), "true or false")
   opts = _get(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
   include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
   return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
-  cache_salt = _get(obj, "cache_salt", None, lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
-                    f"a non-empty string of at most {MAX_CACHE_SALT} characters")
+  cache_salt = _get(
+    obj,
+    "cache_salt",
+    None,
+    lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
+    f"a non-empty string of at most {MAX_CACHE_SALT} characters",
+  )
   for name, off in (*_OFF.items(), ("best_of", n)):
     v = obj.get(name)
     if v is not None and not (v == {} if isinstance(off, dict) else _is_num(v) and v == off):
-      raise ApiError(400, f"'{name}'={show(v)} is not supported by this server: omit it or send "
-                     f"{json.dumps(off)}.", name)
-  return Completion(n=n, logprobs=logprobs, echo=echo, max_tokens=max_tokens, temperature=temperature,
-                    top_k=0 if top_k >= limits.vocab_size else max(top_k, 0), top_p=top_p, seed=seed,
-                    stop=stop, stop_ids=list(stop_ids), stream=stream, include_usage=include_usage,
-                    return_token_ids=return_ids, cache_salt=cache_salt)
+      raise ApiError(
+        400, f"'{name}'={show(v)} is not supported by this server: omit it or send {json.dumps(off)}.", name
+      )
+  return Completion(
+    n=n,
+    logprobs=logprobs,
+    echo=echo,
+    max_tokens=max_tokens,
+    temperature=temperature,
+    top_k=0 if top_k >= limits.vocab_size else max(top_k, 0),
+    top_p=top_p,
+    seed=seed,
+    stop=stop,
+    stop_ids=list(stop_ids),
+    stream=stream,
+    include_usage=include_usage,
+    return_token_ids=return_ids,
+    cache_salt=cache_salt,
+  )
 
 
 def _stop_ok(s) -> bool:

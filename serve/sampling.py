@@ -13,6 +13,7 @@ not support `cond`, so there (`branch_free`, by default when `platform.backend()
 each are computed and the same predicate selects: the tokens are the conds' (tests/test_sampling_branch_free.py),
 at the cost of the full-vocabulary paths on every step (docs/BENCHMARKS.md, "Sampling without cond").
 """
+
 from __future__ import annotations
 
 import jax
@@ -63,6 +64,7 @@ def slot_uniforms(seed_S, pos_S, seed_hi_S=None):
     key = jax.random.key(seed)
     key = jax.lax.cond(hi != 0, lambda: jax.random.fold_in(key, hi), lambda: key)
     return jax.random.uniform(jax.random.fold_in(key, pos), (), F32)
+
   return jax.vmap(one)(seed, pos, hi)
 
 
@@ -118,11 +120,13 @@ def _sortable(x):
 def _cutoff(key_SxV, w_SxV, target_S):
   """Per row, the smallest key t with sum(w[key > t]) < target, by bisection over the 32 key bits."""
   S = key_SxV.shape[0]
+
   def halve(_, lohi):
     lo, hi = lohi
     mid = lo + (hi - lo) // 2
     ok = jnp.sum(jnp.where(key_SxV > mid[:, None], w_SxV, 0.0), -1) < target_S
     return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
   init = (jnp.zeros((S,), jnp.uint32), jnp.full((S,), 0xFFFFFFFF, jnp.uint32))
   return jax.lax.fori_loop(0, 32, halve, init)[1]
 
@@ -141,8 +145,18 @@ def _filtered_full(scaled_SxV, lse_S, u_S, top_k_S, top_p_S):
   return _pick(jnp.where(keep, p, 0.0), u_S)
 
 
-def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_vocab: int, seed_hi_S=None,
-           branch_free: bool | None = None):
+def sample(
+  logits_SxV,
+  temperature_S,
+  top_k_S,
+  top_p_S,
+  seed_S,
+  pos_S,
+  *,
+  valid_vocab: int,
+  seed_hi_S=None,
+  branch_free: bool | None = None,
+):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only)."""
   if branch_free is None:
@@ -170,8 +184,12 @@ def sample(logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, *, valid_
       # The capped pass is exact when the top-k set lies inside the cap, or (top-k off) the nucleus
       # closes in it; other rows bisect over the whole vocabulary.
       need_full = filt & ~jnp.where(top_k > 0, top_k <= cap, mass >= top_p_S)
-      tok_full = when_any(need_full, lambda: _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32),
-                          lambda: greedy, branch_free)
+      tok_full = when_any(
+        need_full,
+        lambda: _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32),
+        lambda: greedy,
+        branch_free,
+      )
       return jnp.where(need_full, tok_full, tok_cap).astype(jnp.int32)
 
     tok_plain = when_any(plain, full_dist, lambda: greedy, branch_free)

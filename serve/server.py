@@ -2,6 +2,7 @@
 /metrics; /v1/chat/completions (serve.chat) and /tokenize, /detokenize, /tokenizer_info
 (serve.tokenize_api) run over its completion path. The engine runs in its own thread; its tokens reach each request's asyncio queue through one
 call_soon_threadsafe per engine step."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,9 +57,17 @@ def _hostname(value: str, scheme: bool = False) -> str | None:
 class Server:
   """Routes and request handling over one running `Engine`."""
 
-  def __init__(self, engine: Engine, tokenizer, limits: protocol.Limits, *, api_key: str | None = None,
-               tenants: Tenants | None = None, chat_template: chat.ChatTemplate | None = None,
-               allowed_hosts: tuple = ()):
+  def __init__(
+    self,
+    engine: Engine,
+    tokenizer,
+    limits: protocol.Limits,
+    *,
+    api_key: str | None = None,
+    tenants: Tenants | None = None,
+    chat_template: chat.ChatTemplate | None = None,
+    allowed_hosts: tuple = (),
+  ):
     """tenants: the API keys (serve.tenants); api_key: one key, its own tenant. Neither: no keys.
     allowed_hosts: more names for Host and Origin (see allowed_hosts())."""
     if tenants is None:
@@ -124,17 +133,20 @@ class Server:
     try:
       resp = await handler(request)
     except ApiError as e:
-      resp = web.json_response(e.body(), status=e.status,
-                               headers={"Retry-After": "1"} if e.status == 429 else None)
+      resp = web.json_response(
+        e.body(), status=e.status, headers={"Retry-After": "1"} if e.status == 429 else None
+      )
     except web.HTTPException as e:  # unknown route, wrong method, body too large
       if e.status < 400:
         raise
-      resp = web.json_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}").body(),
-                               status=e.status)
+      resp = web.json_response(
+        ApiError(e.status, f"{e.reason}: {request.method} {request.path}").body(), status=e.status
+      )
     except Exception:  # a bug: the client gets an error object, never internals
       log.exception("%s %s failed", request.method, request.path)
-      resp = web.json_response(ApiError(500, "internal server error; see the server log.", kind="server_error")
-                               .body(), status=500)
+      resp = web.json_response(
+        ApiError(500, "internal server error; see the server log.", kind="server_error").body(), status=500
+      )
     self.responses[resp.status] += 1
     return resp
 
@@ -145,17 +157,26 @@ class Server:
     that cross-origin without a CORS preflight, which this server never grants)."""
     host = request.headers.get("Host")
     if host is not None and self.allowed is not None and _hostname(host) not in self.allowed:
-      raise ApiError(421, f"Host {protocol.show(host, 60)} is not a name of this server: call it by "
-                     f"{sorted(self.allowed)[0]!r} or start it with --allowed_host NAME.")
+      raise ApiError(
+        421,
+        f"Host {protocol.show(host, 60)} is not a name of this server: call it by "
+        f"{sorted(self.allowed)[0]!r} or start it with --allowed_host NAME.",
+      )
     origin = request.headers.get("Origin")
     if origin is not None:
       ok = self.allowed if self.allowed is not None else {_hostname(host or "")}
       if _hostname(origin, scheme=True) not in ok - {None}:
-        raise ApiError(403, f"Origin {protocol.show(origin, 60)} is not this server: browser pages of other "
-                       "sites may not call it (--allowed_host NAME names more of its own hosts).")
+        raise ApiError(
+          403,
+          f"Origin {protocol.show(origin, 60)} is not this server: browser pages of other "
+          "sites may not call it (--allowed_host NAME names more of its own hosts).",
+        )
     if request.method == "POST" and request.content_type != "application/json":
-      raise ApiError(415, f"Content-Type is {protocol.show(request.headers.get('Content-Type', ''), 60)}: send "
-                     "JSON with 'Content-Type: application/json' (curl: -H 'Content-Type: application/json').")
+      raise ApiError(
+        415,
+        f"Content-Type is {protocol.show(request.headers.get('Content-Type', ''), 60)}: send "
+        "JSON with 'Content-Type: application/json' (curl: -H 'Content-Type: application/json').",
+      )
     return await handler(request)
 
   def _check_key(self, request) -> str:
@@ -174,9 +195,14 @@ class Server:
     return web.json_response({"status": "ok"})
 
   def _model_card(self):
-    return {"id": self.limits.model_name, "object": "model", "created": int(self.started),
-            "owned_by": "laplace-jax", "max_tokens": self.limits.max_tokens,
-            "max_prompt_tokens": self.limits.max_prompt_tokens}
+    return {
+      "id": self.limits.model_name,
+      "object": "model",
+      "created": int(self.started),
+      "owned_by": "laplace-jax",
+      "max_tokens": self.limits.max_tokens,
+      "max_prompt_tokens": self.limits.max_prompt_tokens,
+    }
 
   async def models(self, request):
     self._check_key(request)
@@ -186,8 +212,12 @@ class Server:
     self._check_key(request)
     name = request.match_info["model_id"]
     if name != self.limits.model_name:
-      raise ApiError(404, f"model {json.dumps(name)[:80]} is not served here: this server serves "
-                     f"'{self.limits.model_name}' (GET /v1/models).", "model")
+      raise ApiError(
+        404,
+        f"model {json.dumps(name)[:80]} is not served here: this server serves "
+        f"'{self.limits.model_name}' (GET /v1/models).",
+        "model",
+      )
     return web.json_response(self._model_card())
 
   async def metrics(self, request):
@@ -196,53 +226,98 @@ class Server:
     tenant = self._check_key(request)
     e, s = self.engine, self.engine.stats
     rows = [
-        ("tokens_per_second", "gauge", "Output tokens per second over the last 10 s.",
-         [("", round(e.tokens_per_second(), 3))]),
-        ("active_slots", "gauge", "Slots decoding a request.", [("", e.active_slots)]),
-        ("slots", "gauge", "Slots in the engine.", [("", e.n_slots)]),
-        ("state_bytes_per_slot", "gauge", "Bytes of one slot's decode state (GLA states, conv windows, "
-         "sliding-window rings, KV cache of --max_context tokens), measured from its layout.",
-         [("", e.fns.state_bytes_per_slot)]),
-        ("slot_table_bytes", "gauge", "Bytes of the whole slot table: every slot's state and sampling settings.",
-         [("", e.fns.table_bytes)]),
-        ("open_connections", "gauge", "Open HTTP connections.", [("", self.open_connections)]),
-        ("queue_depth", "gauge", "Requests waiting for a slot.", [("", e.queue_depth)]),
-        ("generated_tokens_total", "counter", "Output tokens produced.", [("", s["tokens"])]),
-        ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prefill_tokens"])]),
-        ("decode_steps_total", "counter", "Compiled generate steps run.", [("", s["steps"])]),
-        ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
-        ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
-        ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
-        *self._cache_rows(tenant),
-        ("http_responses_total", "counter", "HTTP responses by status code.",
-         [(f'{{code="{c}"}}', n) for c, n in sorted(self.responses.items())]),
+      (
+        "tokens_per_second",
+        "gauge",
+        "Output tokens per second over the last 10 s.",
+        [("", round(e.tokens_per_second(), 3))],
+      ),
+      ("active_slots", "gauge", "Slots decoding a request.", [("", e.active_slots)]),
+      ("slots", "gauge", "Slots in the engine.", [("", e.n_slots)]),
+      (
+        "state_bytes_per_slot",
+        "gauge",
+        "Bytes of one slot's decode state (GLA states, conv windows, "
+        "sliding-window rings, KV cache of --max_context tokens), measured from its layout.",
+        [("", e.fns.state_bytes_per_slot)],
+      ),
+      (
+        "slot_table_bytes",
+        "gauge",
+        "Bytes of the whole slot table: every slot's state and sampling settings.",
+        [("", e.fns.table_bytes)],
+      ),
+      ("open_connections", "gauge", "Open HTTP connections.", [("", self.open_connections)]),
+      ("queue_depth", "gauge", "Requests waiting for a slot.", [("", e.queue_depth)]),
+      ("generated_tokens_total", "counter", "Output tokens produced.", [("", s["tokens"])]),
+      ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prefill_tokens"])]),
+      ("decode_steps_total", "counter", "Compiled generate steps run.", [("", s["steps"])]),
+      ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
+      ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
+      ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
+      *self._cache_rows(tenant),
+      (
+        "http_responses_total",
+        "counter",
+        "HTTP responses by status code.",
+        [(f'{{code="{c}"}}', n) for c, n in sorted(self.responses.items())],
+      ),
     ]
     lines = []
     for name, kind, doc, samples in rows:
       lines += [f"# HELP laplace_serve_{name} {doc}", f"# TYPE laplace_serve_{name} {kind}"]
       lines += [f"laplace_serve_{name}{labels} {value}" for labels, value in samples]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(
+      text="\n".join(lines) + "\n",
+      content_type="text/plain",
+      charset="utf-8",
+      headers={"X-Content-Type-Options": "nosniff"},
+    )
 
   def _cache_rows(self, tenant: str):
     c = self.engine.cache
     if c is None:
-      return [("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache.", [("", 0)])]
+      return [
+        ("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache.", [("", 0)])
+      ]
     if self.tenants.enabled:  # the caller's own counters: another tenant's hits are not its business
       label, counts = f'{{tenant="{tenant}"}}', c.tenant_stats.get(tenant, {})
     else:
       label, counts = "", c.stats
-    return [("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache, not prefilled.",
-             [(label, counts.get("tokens_reused", 0))]),
-            ("state_cache_hits_total", "counter", "Requests that restored a cached state.",
-             [(label, counts.get("hits", 0))]),
-            ("state_cache_misses_total", "counter", "Requests with no cached prefix.", [(label, counts.get("misses", 0))]),
-            ("state_cache_evictions_total", "counter", "States evicted for the byte budget.",
-             [("", c.stats["evictions"])]),
-            ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
-            ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
-            ("state_cache_files_written_total", "counter", "State files written to --state_cache_dir.",
-             [("", c.stats["files_written"])])]
+    return [
+      (
+        "prompt_tokens_cached_total",
+        "counter",
+        "Prompt tokens restored from the state cache, not prefilled.",
+        [(label, counts.get("tokens_reused", 0))],
+      ),
+      (
+        "state_cache_hits_total",
+        "counter",
+        "Requests that restored a cached state.",
+        [(label, counts.get("hits", 0))],
+      ),
+      (
+        "state_cache_misses_total",
+        "counter",
+        "Requests with no cached prefix.",
+        [(label, counts.get("misses", 0))],
+      ),
+      (
+        "state_cache_evictions_total",
+        "counter",
+        "States evicted for the byte budget.",
+        [("", c.stats["evictions"])],
+      ),
+      ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
+      ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
+      (
+        "state_cache_files_written_total",
+        "counter",
+        "State files written to --state_cache_dir.",
+        [("", c.stats["files_written"])],
+      ),
+    ]
 
   async def completions(self, request):
     tenant = self._check_key(request)
@@ -251,7 +326,8 @@ class Server:
     # Tokenizing a long prompt takes a while (a 3.6 MB prompt: 0.26 s): off the event loop, so every open
     # stream keeps flowing meanwhile.
     c = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: protocol.parse_completion(obj, self.limits, self.tok.encode))
+      None, lambda: protocol.parse_completion(obj, self.limits, self.tok.encode)
+    )
     return await self.run_completion(request, c, self._whole, self._stream, "cmpl-")
 
   @staticmethod
@@ -288,10 +364,20 @@ class Server:
       for j in range(c.n):
         ch = _Choice(p * c.n + j, p, events)
         # Choice j follows seed + j: a prompt sent in a list, or with n, gets what it gets alone.
-        ch.req = Request(prompt_ids=ids, max_tokens=c.max_tokens, temperature=c.temperature, top_k=c.top_k,
-                         top_p=c.top_p, seed=None if c.seed is None else (c.seed + j) % 2**64,
-                         stop_ids=c.stop_ids, logprobs=c.logprobs, echo=c.echo, context=ch,
-                         tenant=tenant, cache_salt=c.cache_salt)
+        ch.req = Request(
+          prompt_ids=ids,
+          max_tokens=c.max_tokens,
+          temperature=c.temperature,
+          top_k=c.top_k,
+          top_p=c.top_p,
+          seed=None if c.seed is None else (c.seed + j) % 2**64,
+          stop_ids=c.stop_ids,
+          logprobs=c.logprobs,
+          echo=c.echo,
+          context=ch,
+          tenant=tenant,
+          cache_salt=c.cache_salt,
+        )
         ch.text = TextStream(self.tok.token_bytes, c.stop)
         members.append(ch.req)
         choices.append(ch)
@@ -304,10 +390,14 @@ class Server:
     except QueueFull as e:
       raise ApiError(429, f"server busy: {e}. Retry later.") from None
     except EngineStopped:
-      raise _engine_down()
+      raise _engine_down() from None
     except ValueError as e:
       raise ApiError(400, str(e)) from None
-    meta = {"id": f"{id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.limits.model_name}
+    meta = {
+      "id": f"{id_prefix}{uuid.uuid4().hex}",
+      "created": int(time.time()),
+      "model": self.limits.model_name,
+    }
     try:
       if c.stream:
         return await stream(request, choices, c, meta)
@@ -323,8 +413,11 @@ class Server:
     events = choices[0].events
     for ch in choices:
       if c.echo:
-        ch.prompt_text = (c.texts[ch.prompt] if c.texts[ch.prompt] is not None
-                          else self.tok.token_bytes(c.prompts[ch.prompt]).decode("utf-8", "replace"))
+        ch.prompt_text = (
+          c.texts[ch.prompt]
+          if c.texts[ch.prompt] is not None
+          else self.tok.token_bytes(c.prompts[ch.prompt]).decode("utf-8", "replace")
+        )
     while live:
       batch = [await events.get()]
       while not events.empty():  # catch up on steps that queued meanwhile
@@ -333,8 +426,11 @@ class Server:
         if ch not in live:
           continue
         if reason in ("error", "cancelled"):
-          raise ApiError(500 if reason == "error" else 503, f"generation ended early ({reason}); see the "
-                         "server log.", kind="server_error")
+          raise ApiError(
+            500 if reason == "error" else 503,
+            f"generation ended early ({reason}); see the server log.",
+            kind="server_error",
+          )
         first = len(ch.out_ids)
         piece = ""
         # Token by token: a merged delivery may run past the token that completes a stop string, and
@@ -365,7 +461,7 @@ class Server:
       ids += list(ch.req.prompt_ids)
       pairs += ch.req.prompt_logprobs or [None] * len(ch.req.prompt_ids)
     ids += ch.out_ids[first:]
-    pairs += ch.req.token_logprobs[first:len(ch.out_ids)]
+    pairs += ch.req.token_logprobs[first : len(ch.out_ids)]
     word = lambda t: self.tok.token_bytes([t]).decode("utf-8", "replace")
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, pair in zip(ids, pairs):
@@ -374,7 +470,7 @@ class Server:
       out["text_offset"].append(ch.offset)
       ch.offset += len(w)
       out["token_logprobs"].append(None if pair is None else pair[0])
-      out["top_logprobs"].append(None if pair is None else {word(i): v for i, v in pair[1][:c.logprobs]})
+      out["top_logprobs"].append(None if pair is None else {word(i): v for i, v in pair[1][: c.logprobs]})
     return out
 
   def _usage(self, c, choices):
@@ -382,9 +478,15 @@ class Server:
     ones restored from the state cache (prompt_tokens_details.cached_tokens)."""
     prompt = sum(len(p) for p in c.prompts)
     done = sum(len(ch.out_ids) for ch in choices)
-    cached = sum(ch.req.cached_tokens for ch in choices if ch.index % c.n == 0)  # the first choice of each prompt
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    cached = sum(
+      ch.req.cached_tokens for ch in choices if ch.index % c.n == 0
+    )  # the first choice of each prompt
+    return {
+      "prompt_tokens": prompt,
+      "completion_tokens": done,
+      "total_tokens": prompt + done,
+      "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
   async def _whole(self, choices, c, meta):
     parts = collections.defaultdict(list)
@@ -395,17 +497,23 @@ class Server:
       out = []
       for ch in choices:
         text = (ch.prompt_text if c.echo else "") + "".join(parts[ch.index])
-        choice = {"index": ch.index, "text": text, "logprobs": self._logprobs(ch, c, 0, True),
-                  "finish_reason": ch.finish}
+        choice = {
+          "index": ch.index,
+          "text": text,
+          "logprobs": self._logprobs(ch, c, 0, True),
+          "finish_reason": ch.finish,
+        }
         if c.return_token_ids:
           choice["token_ids"] = ch.out_ids
         out.append(choice)
       return {**meta, "object": "text_completion", "choices": out, "usage": self._usage(c, choices)}
+
     return await self.json_reply(build)
 
   async def _stream(self, request, choices, c, meta):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
     await resp.prepare(request)
     send = lambda obj: resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
     try:
@@ -417,11 +525,16 @@ class Server:
           first, ch.sent, ch.echoed = ch.sent, len(ch.out_ids), True
 
           def event(ch=ch, head=head, piece=piece, reason=reason, first=first):
-            choice = {"index": ch.index, "text": head + piece, "finish_reason": reason,
-                      "logprobs": self._logprobs(ch, c, first, bool(head))}
+            choice = {
+              "index": ch.index,
+              "text": head + piece,
+              "finish_reason": reason,
+              "logprobs": self._logprobs(ch, c, first, bool(head)),
+            }
             if c.return_token_ids:
-              choice["token_ids"] = ch.out_ids[first:ch.sent]
+              choice["token_ids"] = ch.out_ids[first : ch.sent]
             return {**meta, "object": "text_completion", "choices": [choice]}
+
           # The echoed prompt (with its logprobs) is built off the event loop; a token's event is small.
           await send(await asyncio.get_running_loop().run_in_executor(None, event) if head else event())
       except ApiError as e:  # headers are out: report in the stream
@@ -446,9 +559,9 @@ class _Choice:
     self.out_ids: list = []
     self.finish: str | None = None
     self.prompt_text = ""
-    self.offset = 0        # text_offset of the next token
-    self.echoed = False    # streaming: the prompt was sent
-    self.sent = 0          # streaming: output tokens sent so far
+    self.offset = 0  # text_offset of the next token
+    self.echoed = False  # streaming: the prompt was sent
+    self.sent = 0  # streaming: output tokens sent so far
 
   def put_nowait(self, item):
     self.events.put_nowait((self, *item))
@@ -464,7 +577,9 @@ class InThread:
 
   def __enter__(self) -> int:
     self.thread.start()
-    self.port = asyncio.run_coroutine_threadsafe(self.server.start(self.host, self.port), self.loop).result(60)
+    self.port = asyncio.run_coroutine_threadsafe(self.server.start(self.host, self.port), self.loop).result(
+      60
+    )
     return self.port
 
   def __exit__(self, *exc):

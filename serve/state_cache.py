@@ -14,6 +14,7 @@ only regular files are opened (never through a symlink, never a FIFO), each is c
 the state layout the engine expects and its checksum, and a bad one is skipped with a log line; files past
 the byte budget and temporaries left by a crash are removed.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,7 +28,7 @@ import queue
 import stat
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -36,11 +37,11 @@ from laplace_jax.config import LAYOUT_NEUTRAL
 
 log = logging.getLogger(__name__)
 
-BLOCK = 64          # tokens per hash-chain block
+BLOCK = 64  # tokens per hash-chain block
 MAX_PENDING_WRITES = 64  # files queued for the writer; past it new entries stay in memory only
 MAGIC = b"LPLSTATE1\n"
 MARKER = "laplace-state-cache.json"
-TMP = ".tmp-"       # in the name of every temporary file this module writes (removed at start)
+TMP = ".tmp-"  # in the name of every temporary file this module writes (removed at start)
 MAX_HEADER = 1 << 16
 
 
@@ -57,8 +58,9 @@ def model_identity(cfg, params, extra: str = "") -> str:
   with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
     digests = list(pool.map(digest, [leaf for _, leaf in leaves]))
   # The config's repr without its layout-neutral fields (scan_layers: the same states under either value).
-  fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-                     if f.name not in LAYOUT_NEUTRAL)
+  fields = ", ".join(
+    f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name not in LAYOUT_NEUTRAL
+  )
   h = hashlib.sha256(f"{type(cfg).__qualname__}({fields})".encode() + extra.encode())
   for (path, leaf), d in zip(leaves, digests):
     h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode() + d)
@@ -72,7 +74,9 @@ def layout_for(cfg, model=None) -> dict:
     from laplace_jax import model
   shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
   axes = model.state_batch_axes(shapes)
-  return {k: (str(a.dtype), tuple(n for i, n in enumerate(a.shape) if i != axes[k])) for k, a in shapes.items()}
+  return {
+    k: (str(a.dtype), tuple(n for i, n in enumerate(a.shape) if i != axes[k])) for k, a in shapes.items()
+  }
 
 
 def scope_of(tenant: str = "", salt: str | None = None) -> str:
@@ -89,10 +93,10 @@ def _ids_bytes(ids) -> bytes:
 
 @dataclasses.dataclass
 class Entry:
-  ids: np.ndarray    # int32 [n]: exactly the tokens the state has consumed
-  state: dict        # {"gla": [L, ...], "conv": [L, ...], ...} numpy, one sequence (no slot axis)
-  key: str           # hash of (model, scope, ids): the file name on disk
-  scope: str = ""    # scope_of(tenant, salt) of the requests that may restore it
+  ids: np.ndarray  # int32 [n]: exactly the tokens the state has consumed
+  state: dict  # {"gla": [L, ...], "conv": [L, ...], ...} numpy, one sequence (no slot axis)
+  key: str  # hash of (model, scope, ids): the file name on disk
+  scope: str = ""  # scope_of(tenant, salt) of the requests that may restore it
 
   @property
   def nbytes(self) -> int:
@@ -105,7 +109,9 @@ class StateCache:
   `layout` ({name: (dtype str, shape)}, one sequence's state) is what the engine restores; states and
   files of another layout are refused. The engine sets it (`check_layout`) when the caller did not."""
 
-  def __init__(self, model_id: str, budget_bytes: int, directory: str | None = None, layout: dict | None = None):
+  def __init__(
+    self, model_id: str, budget_bytes: int, directory: str | None = None, layout: dict | None = None
+  ):
     if budget_bytes < 0:
       raise ValueError(f"--state_cache_gb gives {budget_bytes} bytes: expected >= 0 (0 disables the cache).")
     self.model_id, self.budget = model_id, int(budget_bytes)
@@ -113,8 +119,17 @@ class StateCache:
     self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest first
     self.by_block: dict[bytes, set[str]] = collections.defaultdict(set)  # chain hash of floor(n/BLOCK) blocks
     self.bytes = 0
-    self.stats = {"hits": 0, "misses": 0, "evictions": 0, "tokens_reused": 0, "stored": 0,
-                  "files_written": 0, "files_skipped": 0, "files_not_written": 0, "files_removed": 0}
+    self.stats = {
+      "hits": 0,
+      "misses": 0,
+      "evictions": 0,
+      "tokens_reused": 0,
+      "stored": 0,
+      "files_written": 0,
+      "files_skipped": 0,
+      "files_not_written": 0,
+      "files_removed": 0,
+    }
     self.tenant_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     self._lock = threading.Lock()
     self.dir = directory
@@ -128,7 +143,7 @@ class StateCache:
     """h_0 = H(model, scope), h_{j+1} = H(h_j || block j): one hash per block boundary, n_blocks + 1 in all."""
     out = [hashlib.sha256(f"{self.model_id}|{scope}".encode()).digest()]
     for j in range(n_blocks):
-      out.append(hashlib.sha256(out[-1] + ids[j * BLOCK:(j + 1) * BLOCK].tobytes()).digest())
+      out.append(hashlib.sha256(out[-1] + ids[j * BLOCK : (j + 1) * BLOCK].tobytes()).digest())
     return out
 
   def _key(self, ids: np.ndarray, scope: str) -> str:
@@ -136,8 +151,9 @@ class StateCache:
 
   # ---- lookup / insert ----
 
-  def lookup(self, prompt_ids: Sequence[int], max_len: int, *, tenant: str = "",
-             salt: str | None = None) -> tuple[int, dict | None]:
+  def lookup(
+    self, prompt_ids: Sequence[int], max_len: int, *, tenant: str = "", salt: str | None = None
+  ) -> tuple[int, dict | None]:
     """The longest prefix of prompt_ids no longer than max_len cached in the scope (tenant, salt):
     (n, state) or (0, None)."""
     scope = scope_of(tenant, salt)
@@ -151,8 +167,12 @@ class StateCache:
         for key in self.by_block.get(chain[j], ()):
           e = self.entries[key]
           n = len(e.ids)
-          if (e.scope == scope and n <= max_len and (best is None or n > len(best.ids))
-              and np.array_equal(e.ids, ids[:n])):
+          if (
+            e.scope == scope
+            and n <= max_len
+            and (best is None or n > len(best.ids))
+            and np.array_equal(e.ids, ids[:n])
+          ):
             best = e
         if best is not None:
           self.entries.move_to_end(best.key)
@@ -164,8 +184,9 @@ class StateCache:
       counts["misses"] += 1
     return 0, None
 
-  def put(self, ids: Sequence[int], state: dict, *, tenant: str = "", salt: str | None = None,
-          write: bool = True) -> bool:
+  def put(
+    self, ids: Sequence[int], state: dict, *, tenant: str = "", salt: str | None = None, write: bool = True
+  ) -> bool:
     """Keep `state` as the state after exactly `ids` in the scope (tenant, salt); False if it cannot fit
     the budget at all."""
     return self._put(ids, state, scope_of(tenant, salt), write)
@@ -220,7 +241,9 @@ class StateCache:
     with self._lock:
       bad = [e for e in self.entries.values() if _layout_of(e.state) != layout]
       for e in bad:
-        log.warning("state cache: dropping a state of layout %s (the engine's is %s)", _layout_of(e.state), layout)
+        log.warning(
+          "state cache: dropping a state of layout %s (the engine's is %s)", _layout_of(e.state), layout
+        )
         del self.entries[e.key]
         self._unindex(e)
 
@@ -235,18 +258,24 @@ class StateCache:
       os.makedirs(directory, mode=0o700, exist_ok=True)
       names = os.listdir(directory)
       if names and MARKER not in names:
-        raise ValueError(f"--state_cache_dir={directory} holds {len(names)} other files and no {MARKER}: it "
-                         "is not a state cache. Pass an empty or new directory.")
+        raise ValueError(
+          f"--state_cache_dir={directory} holds {len(names)} other files and no {MARKER}: it "
+          "is not a state cache. Pass an empty or new directory."
+        )
       os.chmod(directory, 0o700)  # the files hold prompts' token ids
       if MARKER in names:
         try:
           owner = json.loads(_read_regular(marker, MAX_HEADER)).get("model_id")
         except (ValueError, AttributeError) as e:
-          raise ValueError(f"--state_cache_dir={directory}: {MARKER} is damaged ({e}). Remove the directory "
-                           "(it only holds cached states) or pass another one.") from None
+          raise ValueError(
+            f"--state_cache_dir={directory}: {MARKER} is damaged ({e}). Remove the directory "
+            "(it only holds cached states) or pass another one."
+          ) from None
         if owner != self.model_id:
-          raise ValueError(f"--state_cache_dir={directory} holds states of another model ({owner}, this one "
-                           f"is {self.model_id}). Use one directory per model.")
+          raise ValueError(
+            f"--state_cache_dir={directory} holds states of another model ({owner}, this one "
+            f"is {self.model_id}). Use one directory per model."
+          )
       else:
         _atomic_write(marker, json.dumps({"model_id": self.model_id, "format": 1}).encode())
       self._remove_temporaries(directory)
@@ -254,8 +283,10 @@ class StateCache:
       _atomic_write(probe, b"ok")
       os.remove(probe)
     except OSError as e:
-      raise ValueError(f"--state_cache_dir={directory} is not a writable directory ({e}). Pass a directory "
-                       "this process can create and write.") from None
+      raise ValueError(
+        f"--state_cache_dir={directory} is not a writable directory ({e}). Pass a directory "
+        "this process can create and write."
+      ) from None
     self._load_dir(directory)
     self._writes = queue.Queue()
     threading.Thread(target=self._writer, name="state-cache-writer", daemon=True).start()
@@ -316,8 +347,13 @@ class StateCache:
       except OSError as e:
         log.warning("state cache: cannot remove %s (%s)", path, e)
     self.stats["stored"] = 0
-    log.info("state cache: %d states (%.1f MB) loaded from %s, %d over the budget removed", len(self),
-             self.bytes / 1e6, directory, len(over))
+    log.info(
+      "state cache: %d states (%.1f MB) loaded from %s, %d over the budget removed",
+      len(self),
+      self.bytes / 1e6,
+      directory,
+      len(over),
+    )
 
   def _writer(self):
     while True:
@@ -398,9 +434,13 @@ def encode_entry(ids: np.ndarray, state: dict, model_id: str, scope: str = "") -
   """MAGIC, a JSON header line (model, scope, arrays' names/dtypes/shapes, SHA-256 of the payload), the payload."""
   names = sorted(state)
   payload = _ids_bytes(ids) + b"".join(np.ascontiguousarray(state[n]).tobytes() for n in names)
-  header = {"model_id": model_id, "scope": scope, "n_ids": int(len(ids)),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "arrays": [[n, str(state[n].dtype), list(state[n].shape)] for n in names]}
+  header = {
+    "model_id": model_id,
+    "scope": scope,
+    "n_ids": int(len(ids)),
+    "sha256": hashlib.sha256(payload).hexdigest(),
+    "arrays": [[n, str(state[n].dtype), list(state[n].shape)] for n in names],
+  }
   return MAGIC + json.dumps(header).encode() + b"\n" + payload
 
 
@@ -419,14 +459,14 @@ def read_entry(path: str, model_id: str, layout: dict | None = None) -> tuple[np
     raise ValueError("not a state file")
   end = raw.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
   try:
-    header = json.loads(raw[len(MAGIC):end]) if end > 0 else None
+    header = json.loads(raw[len(MAGIC) : end]) if end > 0 else None
   except ValueError:
     header = None
   if not isinstance(header, dict):
     raise ValueError("damaged header")
   if header.get("model_id") != model_id:
     raise ValueError(f"state of another model ({str(header.get('model_id'))[:40]})")
-  payload = raw[end + 1:]
+  payload = raw[end + 1 :]
   if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
     raise ValueError("checksum mismatch (damaged or truncated)")
   n, scope, arrays = header.get("n_ids"), header.get("scope", ""), header.get("arrays")
@@ -434,20 +474,23 @@ def read_entry(path: str, model_id: str, layout: dict | None = None) -> tuple[np
     if not isinstance(n, int) or n < 1 or not isinstance(scope, str) or not isinstance(arrays, list):
       raise TypeError
     spec = {str(name): (str(np.dtype(dt)), tuple(int(x) for x in shape)) for name, dt, shape in arrays}
-    if len(spec) != len(arrays) or any(x < 0 for _, s in spec.values() for x in s) or any(
-        np.dtype(d).kind not in "fiu" for d, _ in spec.values()):
+    if (
+      len(spec) != len(arrays)
+      or any(x < 0 for _, s in spec.values() for x in s)
+      or any(np.dtype(d).kind not in "fiu" for d, _ in spec.values())
+    ):
       raise TypeError
   except (TypeError, ValueError):
     raise ValueError("damaged header (arrays)") from None
   if layout is not None and spec != _norm_layout(layout):
     raise ValueError(f"a state of layout {spec}, not this engine's {_norm_layout(layout)}")
-  ids = np.frombuffer(payload[:4 * n], np.int32).copy()
+  ids = np.frombuffer(payload[: 4 * n], np.int32).copy()
   state, off = {}, 4 * n
   for name, (dtype, shape) in spec.items():
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if off + size > len(payload):
       raise ValueError("payload size does not match the header")
-    state[name] = np.frombuffer(payload[off:off + size], dtype).reshape(shape).copy()
+    state[name] = np.frombuffer(payload[off : off + size], dtype).reshape(shape).copy()
     off += size
   if off != len(payload) or len(ids) != n:
     raise ValueError("payload size does not match the header")

@@ -10,6 +10,7 @@ name one tenant, e.g. while rotating). No keys: one anonymous tenant and no auth
 Keys are kept only as SHA-256 digests and a presented key is compared with every one of them in constant
 time (hmac.compare_digest, no early exit), so neither its content nor which key it is shows in the time taken.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -70,8 +71,10 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
     with open(path, encoding="utf-8") as f:
       lines = f.read().splitlines()
   except (OSError, UnicodeDecodeError) as e:
-    raise ValueError(f"--api_keys_file={path} cannot be read ({type(e).__name__}: {getattr(e, 'strerror', '')})."
-                     " Pass a UTF-8 text file of 'tenant:key' lines.") from None
+    raise ValueError(
+      f"--api_keys_file={path} cannot be read ({type(e).__name__}: {getattr(e, 'strerror', '')})."
+      " Pass a UTF-8 text file of 'tenant:key' lines."
+    ) from None
   out = []
   for n, line in enumerate(lines, 1):
     line = line.strip()
@@ -79,10 +82,14 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
       continue
     tenant, sep, key = line.partition(":")
     if not sep or not TENANT_NAME.fullmatch(tenant.strip()) or not key.strip():
-      raise ValueError(f"--api_keys_file={path}, line {n}: expected 'tenant:key' with a tenant name of 1 to 64 "
-                       "of A-Z a-z 0-9 _ . - and a non-empty key.")
+      raise ValueError(
+        f"--api_keys_file={path}, line {n}: expected 'tenant:key' with a tenant name of 1 to 64 "
+        "of A-Z a-z 0-9 _ . - and a non-empty key."
+      )
     out.append((tenant.strip(), key.strip()))
   if not out:
-    raise ValueError(f"--api_keys_file={path} holds no 'tenant:key' line: with no keys the server would be "
-                     "open to anyone. Add keys, or leave the flag out to serve without keys.")
+    raise ValueError(
+      f"--api_keys_file={path} holds no 'tenant:key' line: with no keys the server would be "
+      "open to anyone. Add keys, or leave the flag out to serve without keys."
+    )
   return out

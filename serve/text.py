@@ -6,10 +6,11 @@ O(1) work per character and stop string, whatever their length, and only the hel
 longest stop string's length) is kept. Generation stops at the first character that completes some stop
 string (the longest one completed there), and the text is cut where that stop string begins.
 """
+
 from __future__ import annotations
 
 import codecs
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 class _Stop:
@@ -49,7 +50,7 @@ class TextStream:
     self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     self._stops = [_Stop(s) for s in dict.fromkeys(stops) if s]
     self._firsts = {s.s[0] for s in self._stops}
-    self.held = ""        # decoded text not sent yet: the tail that could still begin a stop string
+    self.held = ""  # decoded text not sent yet: the tail that could still begin a stop string
     self.stopped = False
 
   def feed(self, ids: Sequence[int]) -> str:
@@ -76,7 +77,7 @@ class TextStream:
         done = [m for m in self._stops if m.step(ch)]
         if done:
           self.stopped, self.held = True, ""
-          return text[:base + i + 1 - max(len(m.s) for m in done)]
+          return text[: base + i + 1 - max(len(m.s) for m in done)]
     keep = 0 if final else max(m.state for m in self._stops)
-    self.held = text[len(text) - keep:]
-    return text[:len(text) - keep]
+    self.held = text[len(text) - keep :]
+    return text[: len(text) - keep]

@@ -12,6 +12,7 @@ prompt ids /v1/chat/completions runs. max_model_len is the longest prompt plus t
 request may ask for (--max_prompt_tokens + --max_tokens): GLA and sliding-window states have no context limit
 of their own; with attention layers it is at most --max_context.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,12 @@ def _flag(obj, name, default):
 def _check_model(obj, limits):
   model = obj.get("model")
   if model is not None and model != limits.model_name:
-    raise ApiError(404, f"model {protocol.show(model)} is not served here: this server serves "
-                   f"'{limits.model_name}' (GET /v1/models).", "model")
+    raise ApiError(
+      404,
+      f"model {protocol.show(model)} is not served here: this server serves "
+      f"'{limits.model_name}' (GET /v1/models).",
+      "model",
+    )
 
 
 class TokenizerRoutes:
@@ -64,9 +69,13 @@ class TokenizerRoutes:
       gen = _flag(obj, "add_generation_prompt", True)
       ids = self.template.encode(self.template.render(chat.parse_messages(obj), gen))
     if len(ids) > self.max_model_len:
-      raise ApiError(400, f"the {'prompt' if 'prompt' in obj else 'rendered messages'} hold {len(ids)} tokens: at "
-                     f"most {self.max_model_len} (max_model_len: --max_prompt_tokens + --max_tokens, at most "
-                     "--max_context) are tokenized per request.", "prompt" if "prompt" in obj else "messages")
+      raise ApiError(
+        400,
+        f"the {'prompt' if 'prompt' in obj else 'rendered messages'} hold {len(ids)} tokens: at "
+        f"most {self.max_model_len} (max_model_len: --max_prompt_tokens + --max_tokens, at most "
+        "--max_context) are tokenized per request.",
+        "prompt" if "prompt" in obj else "messages",
+      )
     out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
     if strs:
       out["token_strs"] = [self.server.tok.token_bytes([t]).decode("utf-8", "replace") for t in ids]
@@ -75,9 +84,14 @@ class TokenizerRoutes:
   def _detokenize(self, obj: dict) -> dict:
     _check_model(obj, self.server.limits)
     ids, vocab, most = obj.get("tokens"), self.server.limits.vocab_size, self.max_model_len
-    if not (isinstance(ids, list) and len(ids) <= most and all(protocol._is_int(t) and 0 <= t < vocab for t in ids)):
-      raise ApiError(400, f"'tokens' is {protocol.show(ids)}: expected a list of at most {most} token ids in "
-                     f"[0, {vocab}).", "tokens")
+    if not (
+      isinstance(ids, list) and len(ids) <= most and all(protocol._is_int(t) and 0 <= t < vocab for t in ids)
+    ):
+      raise ApiError(
+        400,
+        f"'tokens' is {protocol.show(ids)}: expected a list of at most {most} token ids in [0, {vocab}).",
+        "tokens",
+      )
     return {"prompt": self.server.tok.token_bytes(ids).decode("utf-8", "replace")}
 
   async def _run(self, request, fn):
@@ -95,6 +109,13 @@ class TokenizerRoutes:
   async def info(self, request):
     self.server._check_key(request)
     eos = self.template.eos
-    return web.json_response({"tokenizer_class": "GPT2Tokenizer", "vocab_size": self.server.limits.vocab_size,
-                              "bos_token": eos, "eos_token": eos, "model_max_length": self.max_model_len,
-                              "chat_template": self.template.source})
+    return web.json_response(
+      {
+        "tokenizer_class": "GPT2Tokenizer",
+        "vocab_size": self.server.limits.vocab_size,
+        "bos_token": eos,
+        "eos_token": eos,
+        "model_max_length": self.max_model_len,
+        "chat_template": self.template.source,
+      }
+    )

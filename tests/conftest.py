@@ -7,14 +7,18 @@ time each):
 - files start slowest first (FILE_SECONDS below), so no heavy file is handed out last to one worker while
   the other idles. tests/run.sh passes --no-loadscope-reorder, or xdist would reorder files by test count.
 """
+
 import atexit
 import os
 import shutil
 import tempfile
 
-if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", "").split():  # workers inherit
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+if (
+  "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", "").split()
+):  # workers inherit
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The first process to load this file (the xdist controller, or the only one with -n 0) makes the cache
 # directory; workers and subprocesses inherit the variable. A new, empty directory each run: nothing
@@ -36,36 +40,36 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Files not listed count as 0 and keep their collection order after these. Refresh the table from
 # `bash tests/run.sh --durations=0` when a file's cost changes by much; the order matters, not the digits.
 FILE_SECONDS = {
-    "test_train_step.py": 320,
-    "test_recall_program.py": 230,
-    "test_train_resume.py": 225,
-    "test_train_program.py": 190,
-    "test_model.py": 160,
-    "test_state_passing.py": 130,
-    "test_serve_patterns.py": 120,
-    "test_fsdp.py": 75,
-    "test_sampling_branch_free.py": 70,
-    "test_scan_layers.py": 70,
-    "test_serve_export.py": 70,
-    "test_serve_restart.py": 60,
-    "test_gla.py": 57,
-    "test_serve_load.py": 55,
-    "test_long_context.py": 48,
-    "test_serve_state_cache.py": 40,
-    "test_window_attention.py": 36,
-    "test_sampling_prng.py": 33,
-    "test_loss_by_position.py": 32,
-    "test_eval_program.py": 32,
-    "test_serve_robust.py": 31,
-    "test_serve_engine.py": 31,
-    "test_serve_logprobs.py": 28,
-    "test_generate.py": 28,
-    "test_serve_http.py": 26,
-    "test_muon.py": 24,
-    "test_serve_chat.py": 23,
-    "test_neuron_target.py": 22,
-    "test_attention.py": 21,
-    "test_optimizer.py": 20,
+  "test_train_step.py": 320,
+  "test_recall_program.py": 230,
+  "test_train_resume.py": 225,
+  "test_train_program.py": 190,
+  "test_model.py": 160,
+  "test_state_passing.py": 130,
+  "test_serve_patterns.py": 120,
+  "test_fsdp.py": 75,
+  "test_sampling_branch_free.py": 70,
+  "test_scan_layers.py": 70,
+  "test_serve_export.py": 70,
+  "test_serve_restart.py": 60,
+  "test_gla.py": 57,
+  "test_serve_load.py": 55,
+  "test_long_context.py": 48,
+  "test_serve_state_cache.py": 40,
+  "test_window_attention.py": 36,
+  "test_sampling_prng.py": 33,
+  "test_loss_by_position.py": 32,
+  "test_eval_program.py": 32,
+  "test_serve_robust.py": 31,
+  "test_serve_engine.py": 31,
+  "test_serve_logprobs.py": 28,
+  "test_generate.py": 28,
+  "test_serve_http.py": 26,
+  "test_muon.py": 24,
+  "test_serve_chat.py": 23,
+  "test_neuron_target.py": 22,
+  "test_attention.py": 21,
+  "test_optimizer.py": 20,
 }
 
 

@@ -1,6 +1,7 @@
 """What the attention and window-attention decode tests share: which form a decode step lowers to on each target,
 and how many times one compiled decode step moves its key/value tables (imported by tests/test_attention.py and
 tests/test_window_attention.py)."""
+
 import math
 
 import jax
@@ -32,9 +33,15 @@ def passes_over_tables(decode, table_shape, q_shape) -> float:
     def body(c, i):
       o, kt, vt = decode(q, q, q, c[1], c[2], i, pos)
       return (c[0] + o, kt, vt), None
+
     return jax.lax.scan(body, (jnp.zeros_like(q), kt, vt), jnp.arange(L))[0]
 
   f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      f32(table_shape), f32(table_shape), f32(q_shape), jax.ShapeDtypeStruct(q_shape[:1], jnp.int32)).compile()
-  return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (2 * math.prod(table_shape) * 4)
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(f32(table_shape), f32(table_shape), f32(q_shape), jax.ShapeDtypeStruct(q_shape[:1], jnp.int32))
+    .compile()
+  )
+  return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (
+    2 * math.prod(table_shape) * 4
+  )

@@ -1,5 +1,6 @@
 """What the serving tests share: the tiny model, a warmed-up engine, a server on loopback, one HTTP call
 and a compile counter (imported by tests/test_serve_*.py; fixtures stay in each file, built from these)."""
+
 import asyncio
 import contextlib
 import json
@@ -32,8 +33,15 @@ def engine(params, cfg, **kw):
 
 def limits(tok, eng, **kw):
   """Request limits for `eng` (model name laplace-tiny), overridden by `kw`."""
-  return protocol.Limits(**{"model_name": "laplace-tiny", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                            "max_stop_ids": eng.fns.n_stop, **kw})
+  return protocol.Limits(
+    **{
+      "model_name": "laplace-tiny",
+      "vocab_size": tok.vocab_size,
+      "eos_id": tok.eos_id,
+      "max_stop_ids": eng.fns.n_stop,
+      **kw,
+    }
+  )
 
 
 @contextlib.contextmanager
@@ -44,11 +52,20 @@ def serving(eng, tok, lim, **server_kw):
     yield f"http://127.0.0.1:{port}", server
 
 
-def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, raw=None,
-         content_type="application/json", timeout=120):
+def call(
+  url,
+  method="POST",
+  path="/v1/completions",
+  body=None,
+  headers=AUTH,
+  raw=None,
+  content_type="application/json",
+  timeout=120,
+):
   """One request: (status, parsed JSON, SSE event list, or text). A body goes with `content_type`
   unless `headers` name one (content_type None: aiohttp's own, text/plain); a server that does not answer
   within `timeout` seconds fails the test instead of hanging it."""
+
   async def go():
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
       data = raw if raw is not None else (None if body is None else json.dumps(body))
@@ -58,8 +75,9 @@ def call(url, method="POST", path="/v1/completions", body=None, headers=AUTH, ra
       async with s.request(method, url + path, data=data, headers=hdrs) as r:
         text = await r.text()
         if r.headers.get("Content-Type", "").startswith("text/event-stream"):
-          return r.status, [e[len("data: "):] for e in text.split("\n\n") if e]
+          return r.status, [e[len("data: ") :] for e in text.split("\n\n") if e]
         return r.status, (json.loads(text) if "json" in r.headers.get("Content-Type", "") else text)
+
   return asyncio.run(go())
 
 

@@ -1,10 +1,11 @@
 """The attention mixer against plain-jnp references (jax.nn.dot_product_attention, complex-number RoPE)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from decode_traffic import assert_matmul_form_on_neuron_reduces_elsewhere, passes_over_tables
+
 from laplace_jax import attention, platform
 
 
@@ -71,8 +72,10 @@ def test_cached_attention_writes_only_real_tokens():
   """The caches after a ragged chunk: real tokens at pos + t, every other entry as it was (rows with no real
   token, padding, a row ending at the last position), against a numpy reference."""
   B, T, H, d, S = 4, 3, 2, 4, 6
-  q, k, v, kc, vc = (jax.random.normal(jax.random.key(i), shape) for i, shape in
-                     enumerate([(B, T, H, d)] * 3 + [(B, S, H, d)] * 2))
+  q, k, v, kc, vc = (
+    jax.random.normal(jax.random.key(i), shape)
+    for i, shape in enumerate([(B, T, H, d)] * 3 + [(B, S, H, d)] * 2)
+  )
   pos, n = jnp.array([0, 3, 2, 5]), jnp.array([3, 3, 0, 1])
   _, got_k, got_v = attention.cached_attention(q, k, v, kc, vc, pos, n)
   for got, new, old in ((got_k, k, kc), (got_v, v, vc)):
@@ -100,7 +103,9 @@ def test_cache_decode_forms_equal_cached_attention_on_the_layer(dtype):
     for got, want, old in ((got_k, want_k, kt), (got_v, want_v, vt)):
       np.testing.assert_array_equal(got[1], want)
       np.testing.assert_array_equal(got[0], old[0])
-  assert_matmul_form_on_neuron_reduces_elsewhere(lambda *a: attention.cache_decode_attention(*a, 1, pos), (q, k, v, kt, vt))
+  assert_matmul_form_on_neuron_reduces_elsewhere(
+    lambda *a: attention.cache_decode_attention(*a, 1, pos), (q, k, v, kt, vt)
+  )
 
 
 def test_compiled_cache_decode_reads_each_cache_once_in_place():
@@ -117,4 +122,4 @@ def test_compiled_cache_decode_reads_each_cache_once_in_place():
 
   with platform.lowering_for("cpu"):
     assert moved(attention.cache_decode_attention) < 1.2
-  assert moved(sliced) > 2.5          # the check can tell the two apart
+  assert moved(sliced) > 2.5  # the check can tell the two apart

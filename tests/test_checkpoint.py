@@ -1,5 +1,6 @@
 """Checkpoints: resharding 8 → 4 → 1 devices, optax and iterator state, keep-last-N, plain-Orbax reads,
 config checks, and that a crash, a full disk or a corrupt step never costs the last good checkpoint."""
+
 import dataclasses
 import errno
 import json
@@ -17,7 +18,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax import checkpoint as ckpt
 from laplace_jax.config import get_config
@@ -36,8 +38,11 @@ def _spec(path):
 def _train_state(mesh, seed=0):
   """A small state like the trainer's: sharded params, adamw state after one update, step, PRNG key."""
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  params = {"embed": jax.random.normal(k1, (16, 8)), "w": jax.random.normal(k2, (8, 8)),
-            "b": jax.random.normal(k3, (8,))}
+  params = {
+    "embed": jax.random.normal(k1, (16, 8)),
+    "w": jax.random.normal(k2, (8, 8)),
+    "b": jax.random.normal(k3, (8,)),
+  }
   params = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
   opt = optax.adamw(1e-2)
   opt_state = opt.init(params)
@@ -49,17 +54,21 @@ def _train_state(mesh, seed=0):
 
 def _abstract(state, mesh):
   """ShapeDtypeStructs of `state` placed on `mesh` (what a resuming trainer builds with eval_shape)."""
+
   def leaf(path, x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, _spec(path)))
+
   return jax.tree_util.tree_map_with_path(leaf, state)
 
 
 def _host(tree):
   """Host copies, with typed PRNG keys as their raw key data, for value comparisons."""
+
   def leaf(x):
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       x = jax.random.key_data(x)
     return np.asarray(x)
+
   return jax.tree.map(leaf, tree)
 
 
@@ -96,8 +105,9 @@ def test_saved_on_8_devices_restores_on_4_and_on_1(tmp_path):
   grads = jax.tree.map(jnp.sin, restored.train_state["params"])
   upd_restored, _ = opt.update(grads, restored.train_state["opt_state"], restored.train_state["params"])
   original = jax.tree.map(jnp.asarray, expected)
-  upd_original, _ = opt.update(jax.tree.map(jnp.sin, original["params"]), original["opt_state"],
-                           original["params"])
+  upd_original, _ = opt.update(
+    jax.tree.map(jnp.sin, original["params"]), original["opt_state"], original["params"]
+  )
   assert isinstance(restored.train_state["opt_state"][0], optax.ScaleByAdamState)
   for x, y in zip(jax.tree.leaves(upd_restored), jax.tree.leaves(upd_original)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
@@ -125,10 +135,12 @@ def test_iterator_state_round_trips_and_resumes_a_grain_pipeline(tmp_path):
     assert ck.restore(5).data_state == {"pos": 11, "nested": {"seen": [1, 2]}}
     assert ck.restore(5, restore_data=False).data_state is None
   # grain's own Orbax handler reads the same files onto a live iterator.
-  mngr = ocp.CheckpointManager(tmp_path / "run",
-                               item_handlers={"data_state": grain.checkpoint.CheckpointHandler()})
-  direct = mngr.restore(3, args=ocp.args.Composite(
-      data_state=grain.checkpoint.CheckpointRestore(make_iter())))
+  mngr = ocp.CheckpointManager(
+    tmp_path / "run", item_handlers={"data_state": grain.checkpoint.CheckpointHandler()}
+  )
+  direct = mngr.restore(
+    3, args=ocp.args.Composite(data_state=grain.checkpoint.CheckpointRestore(make_iter()))
+  )
   assert [next(direct.data_state).tolist() for _ in range(3)] == uninterrupted
   mngr.close()
 
@@ -174,8 +186,14 @@ def test_checkpoint_restores_with_plain_orbax_and_no_laplace_jax(tmp_path):
     ck.save(9, state, data_state={"pos": 3}, metadata={"config": {"d_model": 8, "n_layers": 2}})
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
   env["JAX_PLATFORMS"] = "cpu"  # one device: the saved 8-device layout must not be needed
-  out = subprocess.run([sys.executable, "-c", _PLAIN_ORBAX, str(tmp_path / "run"), str(tmp_path / "o.npz")],
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  out = subprocess.run(
+    [sys.executable, "-c", _PLAIN_ORBAX, str(tmp_path / "run"), str(tmp_path / "o.npz")],
+    env=env,
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   info = json.loads(out.stdout.strip().splitlines()[-1])
   assert info == {"step": 9, "config": {"d_model": 8, "n_layers": 2}, "devices": 1}
@@ -212,6 +230,7 @@ def test_write_error_during_save_keeps_the_last_good_checkpoint(tmp_path, monkey
 
     async def disk_full(self, x, directory):
       raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
     monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", disk_full)
     assert ck.save(2, {"x": jnp.full(4, 2.0)})  # async: the write fails in the background ...
     with pytest.raises(ckpt.CheckpointSaveError, match=r"step 2 .*step 1\) is untouched.*disk is full"):
@@ -248,8 +267,14 @@ _KILLED_MID_SAVE = textwrap.dedent("""
 
 def test_kill_mid_save_leaves_the_last_good_checkpoint(tmp_path):
   run = tmp_path / "run"
-  proc = subprocess.Popen([sys.executable, "-c", _KILLED_MID_SAVE, str(run)], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _KILLED_MID_SAVE, str(run)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=REPO,
+  )
   try:
     assert proc.stdout.readline().strip() == "saving", proc.stderr.read()[-3000:]
     assert list(run.glob("2.orbax-checkpoint-tmp*"))  # the kill lands with step 2 half written
@@ -366,22 +391,35 @@ _TWO_PROCESSES = textwrap.dedent("""
 
 def test_two_processes_save_their_own_data_state_and_one_process_reshards(tmp_path):
   import socket
+
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(i), str(port), str(tmp_path / "run")],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _TWO_PROCESSES, str(i), str(port), str(tmp_path / "run")],
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outs = [p.communicate(timeout=120) for p in procs]
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
   step_dir = tmp_path / "run" / "5"
   assert sorted(p.name for p in (step_dir / "data_state").glob("*.json")) == [
-      "process_0-of-2.json", "process_1-of-2.json"]
+    "process_0-of-2.json",
+    "process_1-of-2.json",
+  ]
   mesh = make_mesh(1, 8)  # one process, 8 devices: the parameters reshard, the data position cannot
-  abstract = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P(DATA, FSDP))),
-              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+  abstract = {
+    "w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P(DATA, FSDP))),
+    "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+  }
   with ckpt.Checkpointer(tmp_path / "run") as ck:
     with pytest.raises(ValueError, match=r"2.json.*1 process.*restore_data=False"):
       ck.restore(abstract_state=abstract)

@@ -1,6 +1,6 @@
 """The command lines' one flag style (laplace_jax.cli): help on every flag, from the config fields'
 docstrings for `python -m train`; underscores shown, the dashed spelling parsed to the same value."""
-import argparse
+
 import dataclasses
 
 import pytest
@@ -8,20 +8,19 @@ import pytest
 from laplace_jax import cli
 from laplace_jax.config import LaplaceConfig
 from laplace_jax.optimizer import OptimizerConfig
+from serve import __main__ as serve_main
 from train import config as train_config
 from train import eval as train_eval
 from train import prepare as train_prepare
 from train import recall as train_recall
-from serve import __main__ as serve_main
-
 
 # (parser, the arguments it requires)
 PARSERS = {
-    "train": (train_config.build_parser, []),
-    "train.eval": (train_eval.build_parser, ["--checkpoint", "c", "--data_dir", "d"]),
-    "train.recall": (train_recall.build_parser, []),
-    "serve": (serve_main.build_parser, []),
-    "train.prepare": (train_prepare.build_parser, []),
+  "train": (train_config.build_parser, []),
+  "train.eval": (train_eval.build_parser, ["--checkpoint", "c", "--data_dir", "d"]),
+  "train.recall": (train_recall.build_parser, []),
+  "serve": (serve_main.build_parser, []),
+  "train.prepare": (train_prepare.build_parser, []),
 }
 
 
@@ -35,8 +34,9 @@ def _value(action) -> list[str]:
     return []
   if action.choices:
     return [str(list(action.choices)[-1])]
-  return {int: ["3"], float: ["0.5"]}.get(action.type, ["true"] if action.type is train_config._parse_bool
-                                          else ["x3"])
+  return {int: ["3"], float: ["0.5"]}.get(
+    action.type, ["true"] if action.type is train_config._parse_bool else ["x3"]
+  )
 
 
 @pytest.mark.parametrize("name", PARSERS)
@@ -72,8 +72,11 @@ def test_dashed_spelling_parses_to_the_same_value(name):
 def test_train_flags_help_is_the_field_docstring():
   parser = train_config.build_parser()
   helps = {a.dest: a.help for a in _flags(parser)}
-  for section, cls in (("train", train_config.TrainConfig), ("model", LaplaceConfig),
-                       ("optimizer", OptimizerConfig)):
+  for section, cls in (
+    ("train", train_config.TrainConfig),
+    ("model", LaplaceConfig),
+    ("optimizer", OptimizerConfig),
+  ):
     for f in dataclasses.fields(cls):
       doc = cli.field_help(cls, f.name)
       assert doc, f"{cls.__name__}.{f.name} has no docstring (the line after the field)"
@@ -90,10 +93,12 @@ def test_toggle_and_dashed_negation():
 
 
 def test_serve_takes_both_spellings():
-  a = serve_main.parse_args(["--random-init", "--n-slots", "3", "--state-cache-gb", "0", "--hlo-dir", "h",
-                             "--target", "neuron"])
-  b = serve_main.parse_args(["--random_init", "--n_slots", "3", "--state_cache_gb", "0", "--hlo_dir", "h",
-                             "--target", "neuron"])
+  a = serve_main.parse_args(
+    ["--random-init", "--n-slots", "3", "--state-cache-gb", "0", "--hlo-dir", "h", "--target", "neuron"]
+  )
+  b = serve_main.parse_args(
+    ["--random_init", "--n_slots", "3", "--state_cache_gb", "0", "--hlo_dir", "h", "--target", "neuron"]
+  )
   assert vars(a) == vars(b) and (a.n_slots, a.random_init, a.hlo_dir) == (3, True, "h")
   with pytest.raises(SystemExit):
     serve_main.parse_args(["--random_init", "--random-init", "--checkpoint", "c"])  # still exclusive

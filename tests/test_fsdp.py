@@ -1,11 +1,14 @@
 """Explicit FSDP: gathers in the compute dtype, fp32 reduce-scatters, and the step's traffic at its floor."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from laplace_jax import fsdp, hlo_traffic, platform, sharding, train_step as ts
+from laplace_jax import fsdp, hlo_traffic, platform, sharding
+from laplace_jax import train_step as ts
 from laplace_jax.config import get_config, param_counts
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
 
@@ -22,8 +25,9 @@ def test_gather_backward_is_the_summed_gradient_shard(dim):
     l, g = jax.value_and_grad(loss)(w_shard)
     return jax.lax.psum(l, sharding.BATCH_AXES), g
 
-  f = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, P(sharding.BATCH_AXES)), out_specs=(P(), spec),
-                    check_vma=False)
+  f = jax.shard_map(
+    per_device, mesh=mesh, in_specs=(spec, P(sharding.BATCH_AXES)), out_specs=(P(), spec), check_vma=False
+  )
   l, g = jax.jit(f)(jax.device_put(w, NamedSharding(mesh, spec)), x)
   want_l, want_g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)  # plain jnp, one device
   np.testing.assert_allclose(l, want_l, rtol=1e-5)
@@ -33,8 +37,13 @@ def test_gather_backward_is_the_summed_gradient_shard(dim):
 def test_gather_in_bf16_equals_cast_after_gather():
   mesh = sharding.make_mesh(data=1, fsdp=8)
   w = jax.random.normal(jax.random.key(2), (16, 8), jnp.float32)
-  f = jax.shard_map(lambda ws: fsdp.gather(ws, 0, jnp.bfloat16), mesh=mesh, in_specs=P("fsdp", None),
-                    out_specs=P(), check_vma=False)
+  f = jax.shard_map(
+    lambda ws: fsdp.gather(ws, 0, jnp.bfloat16),
+    mesh=mesh,
+    in_specs=P("fsdp", None),
+    out_specs=P(),
+    check_vma=False,
+  )
   got = jax.jit(f)(jax.device_put(w, NamedSharding(mesh, P("fsdp", None))))
   assert got.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w.astype(jnp.bfloat16), np.float32))
@@ -54,8 +63,9 @@ def test_sharded_step_traffic_is_bf16_gathers_and_fp32_reduce_scatters_at_the_fl
   n, micro = 8, 2
   mesh = sharding.make_mesh(data=1, fsdp=n)
   opt = make_optimizer(OptimizerConfig(total_steps=10, warmup_steps=1), mesh=mesh)
-  compiled = ts.compile_train_step(cfg, opt, mesh, global_batch=16, seq_len=128,
-                                   step_cfg=ts.StepConfig(micro_batches=micro))
+  compiled = ts.compile_train_step(
+    cfg, opt, mesh, global_batch=16, seq_len=128, step_cfg=ts.StepConfig(micro_batches=micro)
+  )
   colls = [c for c in hlo_traffic.parse_collectives(compiled.as_text(), n) if c.sent_bytes]
   gathers = [c for c in colls if c.kind == "all-gather"]
   reductions = [c for c in colls if c.kind == "reduce-scatter"]

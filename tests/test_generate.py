@@ -1,4 +1,5 @@
 """laplace_jax.generate: batched greedy generation and greedy next tokens at positions agree with one prompt's."""
+
 import jax
 import numpy as np
 

@@ -1,4 +1,5 @@
 """chunk_simple_gla against the token-by-token reference, in fla's conventions."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,8 +83,7 @@ def test_mask_skips_positions_exactly(form):
   n = 37
   mask = jnp.arange(128)[None, :] < jnp.array([[n], [128]])
   o, s = gla.chunk_simple_gla(q, k, v, G_REAL, initial_state=s0, mask=mask, form=form)
-  o_ref, s_ref = gla.naive_recurrent_simple_gla(q[:1, :n], k[:1, :n], v[:1, :n], G_REAL,
-                                                initial_state=s0[:1])
+  o_ref, s_ref = gla.naive_recurrent_simple_gla(q[:1, :n], k[:1, :n], v[:1, :n], G_REAL, initial_state=s0[:1])
   assert _rel(o[0, :n], o_ref[0]) <= 1e-5 and _rel(s[0], s_ref[0]) <= 1e-5
   o_full, s_full = gla.naive_recurrent_simple_gla(q[1:], k[1:], v[1:], G_REAL, initial_state=s0[1:])
   assert _rel(s[1], s_full[0]) <= 1e-5

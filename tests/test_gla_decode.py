@@ -1,5 +1,6 @@
 """The one-pass decode step: the Pallas kernel (interpret mode, on the CPU) and the XLA fallback against
 gla.recurrent_simple_gla_step; backend selection and fallbacks; the compiled decode step's memory."""
+
 import functools
 import logging
 
@@ -30,11 +31,17 @@ def test_equals_reference_step_and_leaves_other_layers(impl, dtype, B):
   o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[layer])
   target = "neuron" if impl == "xla-neuron" else platform.backend()
   with platform.lowering_for(target):
-    o, new = gla_decode.gla_decode_layer(q, k, v, g, table, layer, impl=impl.removesuffix("-neuron"), block_b=8)
+    o, new = gla_decode.gla_decode_layer(
+      q, k, v, g, table, layer, impl=impl.removesuffix("-neuron"), block_b=8
+    )
   assert o.dtype == v.dtype and new.shape == table.shape
   tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: o is rounded to bf16 on the way out
-  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32),
-                             rtol=tol, atol=tol * float(jnp.abs(o_ref.astype(jnp.float32)).max()))
+  np.testing.assert_allclose(
+    np.asarray(o, np.float32),
+    np.asarray(o_ref, np.float32),
+    rtol=tol,
+    atol=tol * float(jnp.abs(o_ref.astype(jnp.float32)).max()),
+  )
   np.testing.assert_allclose(new[layer], s_ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(s_ref).max()))
   for other in (0, 2):
     np.testing.assert_array_equal(new[other], table[other])
@@ -55,8 +62,8 @@ def test_power_of_two_tiling():
   assert gla_decode.pow2_pieces(192) == [(0, 128), (128, 64)]
   assert gla_decode.pow2_pieces(48) == [(0, 32), (32, 16)]
   assert [gla_decode.slot_block(b, 16) for b in (1280, 64, 6, 5, 8)] == [16, 16, 2, 1, 8]
-  assert gla_decode.kernel_slot_block(1280, 96, 192, 16) == 2    # laplace-3b: 2 x 64 x 128 values per tile
-  assert gla_decode.kernel_slot_block(1280, 48, 96, 16) == 8     # small: 8 x 32 x 64
+  assert gla_decode.kernel_slot_block(1280, 96, 192, 16) == 2  # laplace-3b: 2 x 64 x 128 values per tile
+  assert gla_decode.kernel_slot_block(1280, 48, 96, 16) == 8  # small: 8 x 32 x 64
   assert gla_decode.kernel_slot_block(6, 8, 16, 16) == 2
 
 
@@ -95,15 +102,18 @@ def test_bad_inputs_name_the_value():
     gla_decode.gla_decode_layer(q, k, v, g, table, 0, block_b=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_tiny_decode(slots=256):
   """(cfg, abstract state, compiled decode step with the state donated) for `tiny`, from abstract shapes."""
   cfg = get_config("tiny")
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   state = jax.eval_shape(lambda: model.init_state(cfg, slots))
   tokens = jax.ShapeDtypeStruct((slots,), jnp.int32)
-  compiled = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(
-      params, state, tokens).compile()
+  compiled = (
+    jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1)
+    .lower(params, state, tokens)
+    .compile()
+  )
   return cfg, state, compiled
 
 
@@ -111,7 +121,7 @@ def test_compiled_decode_step_keeps_one_state_table_and_copies_none_of_it():
   cfg, state, compiled = _compiled_tiny_decode()
   state_bytes = sum(x.size * 4 for x in jax.tree.leaves(state))
   mem = compiled.memory_analysis()
-  assert mem.alias_size_in_bytes == state_bytes           # the whole state is updated in place
+  assert mem.alias_size_in_bytes == state_bytes  # the whole state is updated in place
   assert mem.temp_size_in_bytes < state_bytes / cfg.n_layers  # no second table, not even one layer's
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   layer_state = state_bytes // cfg.n_layers
@@ -125,8 +135,12 @@ def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
   L, B, H, K, V = state["gla"].shape
   layer_state = B * H * K * V * 4
   per_layer = [o for o in hlo_bytes.memory_traffic(compiled.as_text()) if o.count == L]
-  passes = sum((o.read_bytes >= 0.75 * layer_state) + (o.written_bytes >= 0.75 * layer_state) for o in per_layer)
-  assert passes == 3, [(o.name, o.read_bytes, o.written_bytes) for o in per_layer if o.read_bytes >= layer_state / 2]
+  passes = sum(
+    (o.read_bytes >= 0.75 * layer_state) + (o.written_bytes >= 0.75 * layer_state) for o in per_layer
+  )
+  assert passes == 3, [
+    (o.name, o.read_bytes, o.written_bytes) for o in per_layer if o.read_bytes >= layer_state / 2
+  ]
 
 
 @pytest.mark.parametrize("mixers", ["G", "GS", "GA"])
@@ -136,18 +150,25 @@ def test_decode_with_slots_split_over_devices_needs_no_collective(mixers):
   # the conv and window rings' and the KV caches' one-row writes with an explicit row index all-gathered
   # indices and updates).
   from laplace_jax import hlo_traffic, sharding
+
   cfg = get_config("tiny", mixers=mixers, window=16)
   mesh = sharding.make_mesh(data=1, fsdp=8)
-  with_sharding = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                                tree, sh)
+  with_sharding = lambda tree, sh: jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh
+  )
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   params = with_sharding(params, jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.P()), params))
   state = jax.eval_shape(lambda: model.init_state(cfg, 64, max_len=32))
   state = with_sharding(state, sharding.decode_state_shardings(state, mesh))
-  tokens = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES)))
+  tokens = jax.ShapeDtypeStruct(
+    (64,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES))
+  )
   with jax.set_mesh(mesh):
-    compiled = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(
-        params, state, tokens).compile()
+    compiled = (
+      jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1)
+      .lower(params, state, tokens)
+      .compile()
+    )
   assert hlo_traffic.parse_collectives(compiled.as_text(), 8) == []
 
 
@@ -167,9 +188,13 @@ def test_model_decode_with_the_kernel_equals_the_xla_decode(monkeypatch):
 
 def test_kernel_under_a_multi_device_mesh_falls_back_with_one_log_line(caplog):
   from laplace_jax import sharding
+
   q, k, v, g, table = _inputs(8, jnp.float32)
   gla_decode._logged.clear()
-  with caplog.at_level(logging.WARNING, logger="laplace_jax.gla_decode"), jax.set_mesh(sharding.make_mesh(fsdp=8)):
+  with (
+    caplog.at_level(logging.WARNING, logger="laplace_jax.gla_decode"),
+    jax.set_mesh(sharding.make_mesh(fsdp=8)),
+  ):
     o, new = gla_decode.gla_decode_layer(q, k, v, g, table, 1, impl="interpret")
   assert len(caplog.records) == 1 and "8-device mesh" in caplog.records[0].getMessage()
   o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[1])

@@ -1,4 +1,5 @@
 """HLO memory-traffic counting: hand-written HLO with known bytes, and small compiled programs."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -56,8 +57,9 @@ def test_hand_written_module_counts_slices_in_place_updates_and_loop_trips():
 
 
 def _compiled_bytes(f, *args, donate=()):
-  return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(
-      jax.jit(f, donate_argnums=donate).lower(*args).compile().as_text()))
+  return hlo_bytes.total_bytes(
+    hlo_bytes.memory_traffic(jax.jit(f, donate_argnums=donate).lower(*args).compile().as_text())
+  )
 
 
 def test_compiled_elementwise_reads_inputs_and_writes_output_once():
@@ -68,15 +70,17 @@ def test_compiled_elementwise_reads_inputs_and_writes_output_once():
 def test_compiled_in_place_row_update_touches_only_the_row():
   table, row = jax.ShapeDtypeStruct((100, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32)
   i = jax.ShapeDtypeStruct((), jnp.int32)
-  moved = _compiled_bytes(lambda t, r, i: jax.lax.dynamic_update_index_in_dim(t, r * 2, i, 0), table, row, i,
-                          donate=(0,))
+  moved = _compiled_bytes(
+    lambda t, r, i: jax.lax.dynamic_update_index_in_dim(t, r * 2, i, 0), table, row, i, donate=(0,)
+  )
   assert moved == pytest.approx(2 * 64 * 4, abs=16)  # the row read and written (+ the index)
 
 
 def test_compiled_scan_counts_its_body_per_iteration():
   c, xs = jax.ShapeDtypeStruct((256,), jnp.float32), jax.ShapeDtypeStruct((5, 256), jnp.float32)
-  moved = _compiled_bytes(lambda c, xs: jax.lax.scan(lambda c, x: (jnp.sin(c) * x, None), c, xs)[0], c, xs,
-                          donate=(0,))
+  moved = _compiled_bytes(
+    lambda c, xs: jax.lax.scan(lambda c, x: (jnp.sin(c) * x, None), c, xs)[0], c, xs, donate=(0,)
+  )
   # Per trip: read the carry and one row of xs, write the carry (1 KiB each); small loop counters aside.
   assert 5 * 3 * 1024 <= moved <= 5 * 3 * 1024 + 512
 

@@ -1,8 +1,10 @@
 """HLO collective byte counting: hand-written HLO with known volumes, and a compiled loop."""
+
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax import hlo_traffic, sharding
 
@@ -35,22 +37,28 @@ def test_counts_each_kind_with_ring_volumes_and_loop_trips():
   by = {c.kind: c for c in hlo_traffic.parse_collectives(HLO, 8)}
   assert by["all-gather"].count == 3 and by["all-gather"].group_size == 4
   assert (by["all-gather"].dtype, by["all-reduce"].dtype) == ("f32", "bf16")
-  assert by["all-gather"].sent_bytes == pytest.approx(3 * 4 * 8 * 4 * 3 / 4)   # R·(G−1)/G per trip
+  assert by["all-gather"].sent_bytes == pytest.approx(3 * 4 * 8 * 4 * 3 / 4)  # R·(G−1)/G per trip
   assert by["all-reduce"].sent_bytes == pytest.approx(2 * 8 * 16 * 2 * 7 / 8)  # bf16, 2·S·(G−1)/G
-  assert by["reduce-scatter"].buffer_bytes == 2 * 2 * 16 * 4                   # operand = G·result
+  assert by["reduce-scatter"].buffer_bytes == 2 * 2 * 16 * 4  # operand = G·result
   assert by["all-to-all"].sent_bytes == pytest.approx(2 * 10 * 4 * 1 / 2)
   table = hlo_traffic.traffic_by_kind(list(by.values()), op_name_filter="muon")
   assert list(table) == ["all-gather"] and table["all-gather"]["count"] == 3
   assert hlo_traffic.total_bytes(list(by.values())) == pytest.approx(
-      sum(c.sent_bytes + c.received_bytes for c in by.values()))
+    sum(c.sent_bytes + c.received_bytes for c in by.values())
+  )
 
 
 def test_compiled_scan_of_gathers_counts_every_iteration():
   mesh = sharding.make_mesh(fsdp=8)
 
   def f(w_LxN):
-    gather = jax.shard_map(lambda a: jax.lax.all_gather(a, "fsdp", axis=1, tiled=True), mesh=mesh,
-                           in_specs=P(None, "fsdp"), out_specs=P(), check_vma=False)
+    gather = jax.shard_map(
+      lambda a: jax.lax.all_gather(a, "fsdp", axis=1, tiled=True),
+      mesh=mesh,
+      in_specs=P(None, "fsdp"),
+      out_specs=P(),
+      check_vma=False,
+    )
     return jax.lax.scan(lambda c, w: (c + gather(w[None])[0].sum(), None), 0.0, w_LxN)[0]
 
   arg = jax.ShapeDtypeStruct((5, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp")))
@@ -63,9 +71,11 @@ def test_compiled_scan_of_gathers_counts_every_iteration():
 def test_execution_counts_with_and_without_fused_computations():
   # One walker for both counters: hlo_traffic follows every called computation and runs a loop condition
   # once per trip; hlo_bytes leaves out what a fusion or reduction applies and adds the condition's last run.
-  text = HLO.replace("  ROOT %r = f32[] constant(0)\n",
-                     "  %f = f32[4] fusion(%a), kind=kLoop, calls=%fused\n"
-                     "  %c = f32[4] call(%a), to_apply=%called\n  ROOT %r = f32[] constant(0)\n")
+  text = HLO.replace(
+    "  ROOT %r = f32[] constant(0)\n",
+    "  %f = f32[4] fusion(%a), kind=kLoop, calls=%fused\n"
+    "  %c = f32[4] call(%a), to_apply=%called\n  ROOT %r = f32[] constant(0)\n",
+  )
   text += "\n%fused (x: f32[4]) -> f32[4] {\n  ROOT %x = f32[4] parameter(0)\n}\n"
   text += "\n%called (x: f32[4]) -> f32[4] {\n  ROOT %x = f32[4] parameter(0)\n}\n"
   text += "\n%add (x: f32[], y: f32[]) -> f32[] {\n  ROOT %s = f32[] add(%x, %y)\n}\n"

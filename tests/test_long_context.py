@@ -1,9 +1,11 @@
 """Long-context training: a step at 16K tokens per sequence compiles and trains; memory per token is flat."""
+
 import jax
 import numpy as np
 import optax
 
-from laplace_jax import sharding, train_step as ts
+from laplace_jax import sharding
+from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 
 CFG = get_config("tiny", vocab_size=256, remat=True)  # a small vocabulary keeps the 16K logits small

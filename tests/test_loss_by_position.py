@@ -1,5 +1,6 @@
 """`python -m train.eval --by_position`: loss per position bucket, each document one stream from a zero state,
 against a whole-document forward bucketed independently; `train.prepare --corpus kjv-books`."""
+
 import json
 
 import jax
@@ -20,8 +21,14 @@ def export(tmp_path_factory):
   root = tmp_path_factory.mktemp("bypos")
   rng = np.random.default_rng(0)
   docs = [rng.integers(0, 127, n) for n in (5, 40, 100)]
-  write_token_dataset(root, [(d, "val") for d in docs] + [(docs[0], "train")], sources=[], vocab_size=128,
-                      eos_id=EOS, tokenizer="synthetic")
+  write_token_dataset(
+    root,
+    [(d, "val") for d in docs] + [(docs[0], "train")],
+    sources=[],
+    vocab_size=128,
+    eos_id=EOS,
+    tokenizer="synthetic",
+  )
   params = model.init_params(CFG, jax.random.key(0))
   checkpoint.export_params(params, root / "export", config=CFG)
   return root, root / "export", params, docs
@@ -30,8 +37,22 @@ def export(tmp_path_factory):
 def test_buckets_equal_a_whole_document_forward(export, tmp_path):
   data_dir, path, params, docs = export
   out = tmp_path / "bypos.json"
-  assert train_eval.main(["--by_position", "--checkpoint", str(path), "--data_dir", str(data_dir),
-                          "--segment", "16", "--json", str(out)]) == 0
+  assert (
+    train_eval.main(
+      [
+        "--by_position",
+        "--checkpoint",
+        str(path),
+        "--data_dir",
+        str(data_dir),
+        "--segment",
+        "16",
+        "--json",
+        str(out),
+      ]
+    )
+    == 0
+  )
   res = json.loads(out.read_text())
   ce_sum, n = {}, {}
   for d in docs:  # reference: one forward over the whole document + EOS, positions bucketed by hand
@@ -58,7 +79,7 @@ def test_reset_every_scores_each_window_on_its_own(export):
   for d in docs:  # reference: each 32-token window of the stream its own forward from a zero state
     s = np.concatenate([d, [EOS]]).astype(np.int32)
     for a in range(0, len(s) - 1, 32):
-      w = s[a:a + 33]
+      w = s[a : a + 33]
       logits = np.asarray(model.forward(params, w[None, :-1], cfg=CFG), np.float64)[0]
       lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
       for i, c in enumerate(lse - logits[np.arange(len(w) - 1), w[1:]]):

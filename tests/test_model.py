@@ -1,5 +1,4 @@
 """The model: shapes, counts, forward == prefill + decode_step, one compile across prompt lengths."""
-import math
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +6,15 @@ import numpy as np
 import pytest
 
 from laplace_jax import model
-from laplace_jax.config import (LaplaceConfig, get_config, gla_form_for_backend, layer_shapes, param_counts,
-                                param_shapes, state_bytes_per_sequence)
+from laplace_jax.config import (
+  LaplaceConfig,
+  get_config,
+  gla_form_for_backend,
+  layer_shapes,
+  param_counts,
+  param_shapes,
+  state_bytes_per_sequence,
+)
 
 CFG = get_config("tiny")
 
@@ -63,7 +69,9 @@ def test_small_preset_size():
   assert 100e6 <= param_counts(get_config("small"))["total"] <= 150e6
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(n_decay_tiers=3), "divisor of n_heads"),
     (dict(decay_t_min=10.0, decay_t_max=2.0), "reversed"),
     (dict(decay_t_min=0.0), "positive half-lives"),
@@ -74,16 +82,24 @@ def test_small_preset_size():
     (dict(attn_heads=5), "divisor of the attention width"),
     (dict(attn_heads=-1), "attn_heads"),
     (dict(ffn="no"), "ffn"),
-])
+  ],
+)
 def test_invalid_configs_rejected(bad, match):
   with pytest.raises(ValueError, match=match):
     LaplaceConfig(**bad)
 
 
-@pytest.mark.parametrize("form, backend, want", [
-    ("auto", "cpu", ("scan", False)), ("auto", "gpu", ("parallel", False)), ("auto", "tpu", ("parallel", False)),
-    ("auto", "neuron", ("scan", True)), ("parallel", "cpu", ("parallel", False)), ("scan", "gpu", ("scan", False)),
-])
+@pytest.mark.parametrize(
+  "form, backend, want",
+  [
+    ("auto", "cpu", ("scan", False)),
+    ("auto", "gpu", ("parallel", False)),
+    ("auto", "tpu", ("parallel", False)),
+    ("auto", "neuron", ("scan", True)),
+    ("parallel", "cpu", ("parallel", False)),
+    ("scan", "gpu", ("scan", False)),
+  ],
+)
 def test_gla_form_default_per_backend(form, backend, want):
   assert gla_form_for_backend(CFG.replace(gla_form=form), backend) == want
 
@@ -126,8 +142,9 @@ def test_prefill_ragged_rows_match_separate_prefills(params):
   np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
   axes = model.state_batch_axes(state)
   for k in state:
-    np.testing.assert_allclose(np.take(np.asarray(state[k]), 1, axes[k]), np.take(np.asarray(s1[k]), 0, axes[k]),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+      np.take(np.asarray(state[k]), 1, axes[k]), np.take(np.asarray(s1[k]), 0, axes[k]), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_prefill_in_odd_pieces_then_decode_equals_forward(params):
@@ -138,8 +155,10 @@ def test_prefill_in_odd_pieces_then_decode_equals_forward(params):
   _, state = model.prefill(params, model.init_state(CFG, 2), toks[:, :37], cfg=CFG)
   _, kept = model.prefill(params, state, toks[:, 37:91], np.array([54, 0]), cfg=CFG)
   for k in state:
-    np.testing.assert_array_equal(np.take(np.asarray(kept[k]), 1, model.state_batch_axes(state)[k]),
-                                  np.take(np.asarray(state[k]), 1, model.state_batch_axes(state)[k]))
+    np.testing.assert_array_equal(
+      np.take(np.asarray(kept[k]), 1, model.state_batch_axes(state)[k]),
+      np.take(np.asarray(state[k]), 1, model.state_batch_axes(state)[k]),
+    )
   _, state = model.prefill(params, state, toks[:, 37:91], cfg=CFG)
   assert state["pos"].tolist() == [91, 91]
   step = jax.jit(model.decode_step, static_argnames="cfg")
@@ -160,14 +179,15 @@ def test_state_size_independent_of_context(params):
 def test_one_compile_across_prompt_lengths_1_to_1000(params):
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+    lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None
+  )
   rng = np.random.default_rng(0)
   B = 8
   model.prefill(params, model.init_state(CFG, B), np.ones((B, 1), np.int32), cfg=CFG)  # warm-up
   before = len(compiles)
   lengths = np.arange(1, 1001)
   for i in range(0, 1000, B):  # every length 1…1,000 appears once, 8 prompts per call
-    n = lengths[i:i + B]
+    n = lengths[i : i + B]
     toks = rng.integers(0, CFG.vocab_size, (B, int(n.max())))
     model.prefill(params, model.init_state(CFG, B), toks, n, cfg=CFG)
   assert len(compiles) - before == 0
@@ -190,8 +210,12 @@ def test_bad_inputs(params):
 
 def test_scan_form_model_matches_parallel(params):
   toks = jax.random.randint(jax.random.key(5), (2, 200), 0, CFG.vocab_size)
-  np.testing.assert_allclose(model.forward(params, toks, cfg=CFG.replace(gla_form="scan")),
-                             model.forward(params, toks, cfg=CFG), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+    model.forward(params, toks, cfg=CFG.replace(gla_form="scan")),
+    model.forward(params, toks, cfg=CFG),
+    atol=1e-5,
+    rtol=1e-5,
+  )
 
 
 def test_bf16_compute_close_to_fp32(params):
@@ -209,9 +233,18 @@ ATTN = CFG.replace(mixers="A")
 WINDOWED = CFG.replace(n_layers=4, mixers="GGGS", window=16)
 
 
-@pytest.mark.parametrize("cfg", [ATTN, HYBRID, WINDOWED, CFG.replace(mixers="S", window=16),
-                                 CFG.replace(mixers="GS", window=160), WINDOWED.replace(scan_layers="false")],
-                         ids=["A", "GA", "GGGS", "S", "GS-prompt-shorter-than-window", "GGGS-unrolled"])
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    ATTN,
+    HYBRID,
+    WINDOWED,
+    CFG.replace(mixers="S", window=16),
+    CFG.replace(mixers="GS", window=160),
+    WINDOWED.replace(scan_layers="false"),
+  ],
+  ids=["A", "GA", "GGGS", "S", "GS-prompt-shorter-than-window", "GGGS-unrolled"],
+)
 def test_pattern_forward_equals_prefill_then_decode(cfg):
   """The prompt (140 tokens: two prefill chunks with the state carried) then 60 decode steps; windowed
   layers with W = 16 (the window wraps many times) and W = 160 (the prompt fills part of the ring)."""
@@ -248,8 +281,9 @@ def test_windowed_state_bytes_independent_of_context():
 def test_hybrid_ragged_prefill_matches_separate_prefills():
   params = model.init_params(HYBRID, jax.random.key(1))
   toks = jax.random.randint(jax.random.key(3), (2, 150), 0, HYBRID.vocab_size)
-  logits, state = model.prefill(params, model.init_state(HYBRID, 2, 160), toks, np.array([150, 61]),
-                                cfg=HYBRID)
+  logits, state = model.prefill(
+    params, model.init_state(HYBRID, 2, 160), toks, np.array([150, 61]), cfg=HYBRID
+  )
   l1, s1 = model.prefill(params, model.init_state(HYBRID, 1, 160), toks[1:, :61], cfg=HYBRID)
   np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
   for k in ("gla", "conv", "k", "v"):
@@ -264,6 +298,7 @@ def test_hybrid_param_tree_one_block_per_pattern_letter():
   assert params["layers"]["block2"]["w_qkv"].shape == (2, 64, 3 * cfg.n_heads * cfg.attn_head_dim)
   assert sum(x.size for x in jax.tree.leaves(params)) == param_counts(cfg)["total"]
   from laplace_jax.optimizer import param_labels
+
   labels = param_labels(params)
   assert labels["layers"]["block2"]["w_qkv"] == labels["layers"]["block2"]["w_o"] == "muon"
   assert labels["layers"]["block2"]["ln1_scale"] == "adamw"
@@ -284,17 +319,22 @@ def test_mixer_only_layers_with_one_attention_head():
   assert param_counts(with_ffn)["total"] - param_counts(cfg)["total"] == 2 * per_layer_ffn
   toks = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.vocab_size)
   zero_w3 = jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.zeros_like(x) if path[-1].key == "w3" else x, full)
-  mixer_only = {**full, "layers": {b: {n: w for n, w in ws.items() if n not in ffn_leaves}
-                                   for b, ws in full["layers"].items()}}
-  np.testing.assert_allclose(model.forward(zero_w3, toks, cfg=with_ffn),
-                             model.forward(mixer_only, toks, cfg=cfg), atol=1e-5, rtol=1e-5)
+    lambda path, x: jnp.zeros_like(x) if path[-1].key == "w3" else x, full
+  )
+  mixer_only = {
+    **full,
+    "layers": {b: {n: w for n, w in ws.items() if n not in ffn_leaves} for b, ws in full["layers"].items()},
+  }
+  np.testing.assert_allclose(
+    model.forward(zero_w3, toks, cfg=with_ffn), model.forward(mixer_only, toks, cfg=cfg), atol=1e-5, rtol=1e-5
+  )
   state = _check_prefill_then_decode(params, cfg, B=2, T=40, P=20)
   assert state["ring_k"].shape == (1, 2, 1, 8, 64)
   assert sum(x.nbytes for x in jax.tree.leaves(state)) // 2 == state_bytes_per_sequence(cfg)
   attn = CFG.replace(mixers="A", ffn=False)
   sharp = jax.tree_util.tree_map_with_path(  # peaked attention, where the head split shows
-      lambda path, x: 30 * x if path[-1].key == "w_qkv" else x, model.init_params(attn, jax.random.key(0)))
+    lambda path, x: 30 * x if path[-1].key == "w_qkv" else x, model.init_params(attn, jax.random.key(0))
+  )
   one, four = (model.forward(sharp, toks, cfg=attn.replace(attn_heads=h)) for h in (1, 0))
   assert np.abs(one - four).max() > 0.05  # the same weights read as 1 head or as 4
 
@@ -308,7 +348,9 @@ def test_attention_patterns_spend_the_same_parameter_budget(preset, mixers):
   cfg = base.replace(mixers=mixers)
   want, got = param_counts(base)["total"], param_counts(cfg)["total"]
   assert abs(got - want) / want < 0.01, (got, want)
-  assert get_config("laplace-3b").mixers == "G" and param_counts(get_config("laplace-3b"))["muon"] == 2_717_908_992
+  assert (
+    get_config("laplace-3b").mixers == "G" and param_counts(get_config("laplace-3b"))["muon"] == 2_717_908_992
+  )
 
 
 def test_attention_state_bytes_grow_with_context():
@@ -320,12 +362,15 @@ def test_attention_state_bytes_grow_with_context():
     state_bytes_per_sequence(cfg)
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(mixers="GX"), "letters"),
     (dict(mixers=""), "letters"),
     (dict(mixers="GGG"), "divides n_layers"),
     (dict(mixers="GS", window=0), "window"),
-])
+  ],
+)
 def test_invalid_mixer_patterns_rejected(bad, match):
   with pytest.raises(ValueError, match=match):
     CFG.replace(**bad)
@@ -341,8 +386,9 @@ def test_kv_cache_overflow_is_a_clear_error():
   _, state = model.prefill(params, state, np.ones((1, 10), np.int32), cfg=ATTN)
   with pytest.raises(ValueError, match="does not fit"):
     model.decode_step(params, state, jnp.ones((1,), jnp.int32), cfg=ATTN)
-  logits, _ = jax.jit(model.decode_step, static_argnames="cfg")(params, state, jnp.ones((1,), jnp.int32),
-                                                                 cfg=ATTN)
+  logits, _ = jax.jit(model.decode_step, static_argnames="cfg")(
+    params, state, jnp.ones((1,), jnp.int32), cfg=ATTN
+  )
   assert np.isnan(np.asarray(logits)).all()  # under jit: NaN, never a silently truncated context
 
 
@@ -350,16 +396,24 @@ def test_forward_at_positions_equals_full_logits_gathered(params):
   toks = jax.random.randint(jax.random.key(6), (2, 40), 0, CFG.vocab_size)
   pos = jnp.array([[0, 5, 39], [7, 7, 12]])
   full = model.forward(params, toks, cfg=CFG)
-  np.testing.assert_allclose(model.forward(params, toks, cfg=CFG, positions_BxK=pos),
-                             np.take_along_axis(np.asarray(full), np.asarray(pos)[..., None], 1), atol=1e-5)
+  np.testing.assert_allclose(
+    model.forward(params, toks, cfg=CFG, positions_BxK=pos),
+    np.take_along_axis(np.asarray(full), np.asarray(pos)[..., None], 1),
+    atol=1e-5,
+  )
 
 
 def test_laplace_3b_window_rings_cost_what_a_kv_cache_of_w_tokens_does():
   """GGGS at W = 2,048 holds, at every context, what GGGA holds at 2,048 tokens (init_state's own shapes)."""
   gggs = get_config("laplace-3b", mixers="GGGS", window=2048)
-  gggs_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-      lambda: model.init_state(gggs, 1))))
-  assert gggs_bytes == state_bytes_per_sequence(gggs) == state_bytes_per_sequence(gggs.replace(mixers="GGGA"), 2048)
+  gggs_bytes = sum(
+    x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: model.init_state(gggs, 1)))
+  )
+  assert (
+    gggs_bytes
+    == state_bytes_per_sequence(gggs)
+    == state_bytes_per_sequence(gggs.replace(mixers="GGGA"), 2048)
+  )
   assert state_bytes_per_sequence(gggs.replace(window=512)) < gggs_bytes
 
 
@@ -381,9 +435,12 @@ def test_param_tree_and_init_values_pinned(mixers):
   import hashlib
   import json
   import pathlib
+
   pinned = json.loads((pathlib.Path(__file__).parent / "data" / "param_tree_tiny.json").read_text())[mixers]
   params = model.init_params(get_config("tiny", mixers=mixers, window=16), jax.random.key(0))
-  got = {jax.tree_util.keystr(path): f"{np.asarray(x).dtype}{list(x.shape)} "
-         + hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
-         for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  got = {
+    jax.tree_util.keystr(path): f"{np.asarray(x).dtype}{list(x.shape)} "
+    + hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+    for path, x in jax.tree_util.tree_leaves_with_path(params)
+  }
   assert got == pinned

@@ -1,15 +1,24 @@
 """Muon against optax.contrib.muon (one device) and against itself on one device (8-device mesh)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from optax.contrib import MuonDimensionNumbers, muon as optax_muon
+from optax.contrib import MuonDimensionNumbers
+from optax.contrib import muon as optax_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from laplace_jax import config, hlo_traffic, sharding
-from laplace_jax.muon import (MuonState, make_plan, muon, newton_schulz, ns_flops, ns_flops_per_device,
-                              orthogonalize)
+from laplace_jax.muon import (
+  MuonState,
+  make_plan,
+  muon,
+  newton_schulz,
+  ns_flops,
+  ns_flops_per_device,
+  orthogonalize,
+)
 
 # Stacks with both orientations, a square one, counts that don't divide 8 and a plain 2-D matrix.
 SHAPES = {"w_qkvg": (3, 16, 48), "w_out": (3, 24, 16), "w1": (2, 16, 32), "w3": (5, 32, 16), "m2d": (24, 40)}
@@ -65,18 +74,26 @@ def test_bf16_newton_schulz_iterates_in_bf16_and_stays_near_fp32():
   assert 0.5 < s.min() and s.max() < 1.3
 
 
-@pytest.mark.parametrize("nesterov,scale_mode,weight_decay,schedule", [
+@pytest.mark.parametrize(
+  "nesterov,scale_mode,weight_decay,schedule",
+  [
     (True, "reference", 0.0, False),
     (False, "adamw_rms", 0.1, True),
-])
+  ],
+)
 def test_matches_optax_contrib_muon(nesterov, scale_mode, weight_decay, schedule):
   params = _tree(1)
   grads = [_tree(10 + i) for i in range(3)]
   lr = optax.linear_schedule(0.05, 0.01, 3) if schedule else 0.02
   ours = muon(lr, nesterov=nesterov, scale_mode=scale_mode, weight_decay=weight_decay, eps=1e-7)
-  theirs = optax_muon(lr, eps=1e-7, nesterov=nesterov, weight_decay=weight_decay,
-                      consistent_rms=0.2 if scale_mode == "adamw_rms" else None,
-                      muon_weight_dimension_numbers=_dims(params))
+  theirs = optax_muon(
+    lr,
+    eps=1e-7,
+    nesterov=nesterov,
+    weight_decay=weight_decay,
+    consistent_rms=0.2 if scale_mode == "adamw_rms" else None,
+    muon_weight_dimension_numbers=_dims(params),
+  )
   u_ours, _ = _run(ours, params, grads)
   u_theirs, _ = _run(theirs, params, grads)
   for a, b in zip(u_ours, u_theirs):
@@ -96,7 +113,9 @@ def test_stacked_leaf_is_independent_matrices():
       np.testing.assert_allclose(a["w"][l], b["w"], rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
+@pytest.mark.parametrize(
+  "kwargs,needle",
+  [
     (dict(learning_rate=-0.1), "learning_rate=-0.1"),
     (dict(learning_rate=float("nan")), "learning_rate=nan"),
     (dict(beta=1.0), "beta=1.0"),
@@ -106,7 +125,8 @@ def test_stacked_leaf_is_independent_matrices():
     (dict(weight_decay=-1.0), "weight_decay=-1.0"),
     (dict(scale_mode="spectral"), "scale_mode='spectral'"),
     (dict(distribution="broadcast"), "distribution='broadcast'"),
-])
+  ],
+)
 def test_bad_settings_fail_at_construction(kwargs, needle):
   kwargs = {"learning_rate": 0.02, **kwargs}
   with pytest.raises(ValueError, match=None) as e:
@@ -124,9 +144,11 @@ def test_bad_leaves_fail_at_init():
 
 # ---- distribution ----------------------------------------------------------------------------------
 
+
 def _sharded(tree, mesh):
-  return jax.device_put(tree, jax.tree.map(
-      lambda x: jax.NamedSharding(mesh, sharding.matrix_spec(x.shape, mesh)), tree))
+  return jax.device_put(
+    tree, jax.tree.map(lambda x: jax.NamedSharding(mesh, sharding.matrix_spec(x.shape, mesh)), tree)
+  )
 
 
 def _sharded_state(state, mesh):
@@ -152,8 +174,9 @@ def test_distributed_update_matches_one_device(data, fsdp):
   lr = optax.cosine_decay_schedule(0.03, 10)
   single, s_state = _run(muon(lr, weight_decay=0.1), params, grads)
   for distribution in ("all_to_all", "gather"):
-    got, state = _mesh_updates(muon(lr, weight_decay=0.1, mesh=mesh, distribution=distribution),
-                               params, grads, mesh)
+    got, state = _mesh_updates(
+      muon(lr, weight_decay=0.1, mesh=mesh, distribution=distribution), params, grads, mesh
+    )
     for u, want in zip(got, single):
       for k in params:
         if distribution == "gather":

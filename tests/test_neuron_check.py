@@ -1,11 +1,12 @@
 """laplace_jax.neuron_check: each rule fires on a small jitted program that breaks it, and not on one that
 keeps it (the programs are lowered here, so the patterns are the ones this jax emits)."""
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax import neuron_check
 
@@ -45,7 +46,9 @@ def test_while_needs_a_constant_trip_count():
 
 
 def test_threefry_fires_unsafe_rbg_does_not():
-  draw = lambda impl: lambda s, p: jax.random.uniform(jax.random.fold_in(jax.random.key(s, impl=impl), p), (4,))
+  draw = lambda impl: (
+    lambda s, p: jax.random.uniform(jax.random.fold_in(jax.random.key(s, impl=impl), p), (4,))
+  )
   seed = (jnp.uint32(1), jnp.uint32(2))
   assert rules(draw("threefry2x32"), *seed).get("threefry", 0) >= 1
   assert rules(draw("rbg"), *seed).get("threefry", 0) >= 1  # rbg's fold_in and split are Threefry's
@@ -57,7 +60,9 @@ def test_threefry_fires_unsafe_rbg_does_not():
 def test_element_types_of_values_not_attributes():
   t = text(lambda x: x.astype(jnp.int16) + 1, X)
   found = neuron_check.violations(t)  # the signature, convert, constant, broadcast, add and return: one each
-  assert {v.rule for v in found} == {"dtype"} and len(found) == sum("xi16>" in l or "<i16>" in l for l in t.splitlines())
+  assert {v.rule for v in found} == {"dtype"} and len(found) == sum(
+    "xi16>" in l or "<i16>" in l for l in t.splitlines()
+  )
   assert rules(lambda x: lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), X).keys() == {"dtype"}
   assert rules(lambda x: x.astype(jnp.complex64) * 2, X).get("dtype", 0) >= 1
   with jax.enable_x64(True):
@@ -88,8 +93,9 @@ def test_collectives_move_f32_or_bf16():
   assert _shard_mapped(every, jnp.bfloat16).counts() == {}
   assert _shard_mapped(every, jnp.float32).counts() == {}
   assert _shard_mapped(every, jnp.int32).counts() == {"collective": 5}
-  bits = lambda x: lax.bitcast_convert_type(lax.all_gather(lax.bitcast_convert_type(x, jnp.uint16), "fsdp",
-                                                           tiled=True)[:4], jnp.bfloat16)
+  bits = lambda x: lax.bitcast_convert_type(
+    lax.all_gather(lax.bitcast_convert_type(x, jnp.uint16), "fsdp", tiled=True)[:4], jnp.bfloat16
+  )
   counts = _shard_mapped(bits, jnp.bfloat16).counts()
   assert counts["collective"] == 1 and counts["dtype"] >= 1
 
@@ -122,9 +128,9 @@ def test_custom_calls_only_the_allowlist():
 
 
 def test_power_needs_a_constant_exponent():
-  assert rules(lambda x, n: x ** n, X, jnp.float32(2.0)) == {"power": 1}
+  assert rules(lambda x, n: x**n, X, jnp.float32(2.0)) == {"power": 1}
   assert rules(lambda x, t: 1 - jnp.float32(0.95) ** t, X, jnp.int32(3).astype(jnp.float32)) == {"power": 1}
-  assert rules(lambda x: x ** 2.5 + x ** 3, X) == {}
+  assert rules(lambda x: x**2.5 + x**3, X) == {}
 
 
 def test_empty_and_unrelated_text():

@@ -1,6 +1,7 @@
 """`--target neuron` on `python -m train` and `python -m serve`: every program lowered (in a fresh process, as
 the platform choice must be made before anything is traced), written to --hlo_dir, checked; the exit status
 and the printed counts agree with an independent check of the written files."""
+
 import json
 import os
 import pathlib
@@ -14,16 +15,27 @@ from laplace_jax import neuron_check
 from train.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SERVE_PROGRAMS = {"empty_table", "empty_prefill", "prefill_chunk", "prefill_chunk_scored", "insert", "decode",
-                  "sample", "gather_slots", "gather_prefill", "load_prefill"}
+SERVE_PROGRAMS = {
+  "empty_table",
+  "empty_prefill",
+  "prefill_chunk",
+  "prefill_chunk_scored",
+  "insert",
+  "decode",
+  "sample",
+  "gather_slots",
+  "gather_prefill",
+  "load_prefill",
+}
 
 
 def _run(module, *args, timeout=300):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   env.pop("XLA_FLAGS", None)
   env.pop("JAX_PLATFORMS", None)
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+  )
 
 
 def _independent_counts(hlo_dir):
@@ -33,16 +45,44 @@ def _independent_counts(hlo_dir):
 @pytest.fixture(scope="module")
 def train_lowered(tmp_path_factory):
   d = tmp_path_factory.mktemp("train_hlo")
-  r = _run("train", "--preset", "tiny", "--target", "neuron", "--simulate_devices", "8", "--mesh_data", "2",
-           "--mesh_fsdp", "4", "--global_batch", "8", "--seq_len", "256", "--hlo_dir", str(d))
+  r = _run(
+    "train",
+    "--preset",
+    "tiny",
+    "--target",
+    "neuron",
+    "--simulate_devices",
+    "8",
+    "--mesh_data",
+    "2",
+    "--mesh_fsdp",
+    "4",
+    "--global_batch",
+    "8",
+    "--seq_len",
+    "256",
+    "--hlo_dir",
+    str(d),
+  )
   return r, d
 
 
 @pytest.fixture(scope="module")
 def serve_lowered(tmp_path_factory):
   d = tmp_path_factory.mktemp("serve_hlo")
-  r = _run("serve", "--preset", "tiny", "--target", "neuron", "--mesh-devices", "8", "--n-slots", "16",
-           "--hlo-dir", str(d))
+  r = _run(
+    "serve",
+    "--preset",
+    "tiny",
+    "--target",
+    "neuron",
+    "--mesh-devices",
+    "8",
+    "--n-slots",
+    "16",
+    "--hlo-dir",
+    str(d),
+  )
   return r, d
 
 
@@ -51,8 +91,23 @@ def serve_lowered(tmp_path_factory):
 @pytest.fixture(scope="module")
 def train_3b(tmp_path_factory):
   d = tmp_path_factory.mktemp("train_3b")
-  r = _run("train", "--preset", "laplace-3b", "--target", "neuron", "--mesh_fsdp", "64", "--global_batch", "256",
-           "--seq_len", "2048", "--micro_batches", "1", "--hlo_dir", str(d))
+  r = _run(
+    "train",
+    "--preset",
+    "laplace-3b",
+    "--target",
+    "neuron",
+    "--mesh_fsdp",
+    "64",
+    "--global_batch",
+    "256",
+    "--seq_len",
+    "2048",
+    "--micro_batches",
+    "1",
+    "--hlo_dir",
+    str(d),
+  )
   return r, d
 
 
@@ -100,7 +155,9 @@ def test_serve_target_neuron_lowers_every_engine_program(serve_lowered):
 
 def test_serve_target_neuron_laplace_3b_1280_slots(serve_3b):
   _check_serve(*serve_3b, 64)
-  assert "tensor<24x1280x16x96x192xf32>" in (serve_3b[1] / "decode.mlir").read_text()  # every slot's GLA state
+  assert (
+    "tensor<24x1280x16x96x192xf32>" in (serve_3b[1] / "decode.mlir").read_text()
+  )  # every slot's GLA state
 
 
 def test_other_targets_are_refused():

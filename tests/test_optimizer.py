@@ -1,15 +1,23 @@
 """Optimizer: labels, schedule, the Muon + AdamW composition against optax's own, accumulation."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from optax.contrib import MuonDimensionNumbers, muon as optax_muon
+from optax.contrib import MuonDimensionNumbers
+from optax.contrib import muon as optax_muon
 
 from laplace_jax import config, sharding
 from laplace_jax.adamw import adamw as own_adamw
-from laplace_jax.optimizer import (OptimizerConfig, accumulate_gradients, lr_schedule, make_optimizer,
-                                   param_labels, split_microbatches)
+from laplace_jax.optimizer import (
+  OptimizerConfig,
+  accumulate_gradients,
+  lr_schedule,
+  make_optimizer,
+  param_labels,
+  split_microbatches,
+)
 
 CFG = config.get_config("tiny", vocab_size=256)
 
@@ -42,14 +50,25 @@ def test_schedule_warms_up_linearly_then_cosine_decays():
 
 def _reference(ocfg, clip=True):
   """The same recipe from optax's own parts: contrib.muon on the stacks, adamw on the rest."""
-  muon = optax_muon(lr_schedule(ocfg.muon_lr, ocfg), eps=1e-7, beta=ocfg.muon_beta,
-                    weight_decay=ocfg.muon_weight_decay,
-                    muon_weight_dimension_numbers=MuonDimensionNumbers(1, 2))
+  muon = optax_muon(
+    lr_schedule(ocfg.muon_lr, ocfg),
+    eps=1e-7,
+    beta=ocfg.muon_beta,
+    weight_decay=ocfg.muon_weight_decay,
+    muon_weight_dimension_numbers=MuonDimensionNumbers(1, 2),
+  )
   mask = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("embed", "lm_head"), p)
-  adamw = optax.adamw(lr_schedule(ocfg.adamw_lr, ocfg), b1=ocfg.adamw_b1, b2=ocfg.adamw_b2,
-                      eps=ocfg.adamw_eps, weight_decay=ocfg.adamw_weight_decay, mask=mask)
+  adamw = optax.adamw(
+    lr_schedule(ocfg.adamw_lr, ocfg),
+    b1=ocfg.adamw_b1,
+    b2=ocfg.adamw_b2,
+    eps=ocfg.adamw_eps,
+    weight_decay=ocfg.adamw_weight_decay,
+    mask=mask,
+  )
   labels = lambda p: jax.tree_util.tree_map_with_path(
-      lambda path, _: "muon" if path[-1].key in config.MUON_PARAM_NAMES else "adamw", p)
+    lambda path, _: "muon" if path[-1].key in config.MUON_PARAM_NAMES else "adamw", p
+  )
   parts = optax.partition({"muon": muon, "adamw": adamw}, labels)
   return optax.chain(optax.clip_by_global_norm(ocfg.clip_norm), parts) if clip else parts
 
@@ -65,8 +84,10 @@ def _updates(tx, params, grads_seq):
 
 def _close(a, b):
   """Leafwise equal to rounding (Newton–Schulz rounds differently near zero: atol scales with the leaf)."""
-  return all(np.allclose(x, y, rtol=2e-5, atol=1e-5 * np.abs(y).max())
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return all(
+    np.allclose(x, y, rtol=2e-5, atol=1e-5 * np.abs(y).max())
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def test_make_optimizer_matches_optax_composition():
@@ -113,7 +134,9 @@ def test_distributed_optimizer_matches_gather_and_one_device_closely():
     assert _close(a, b) and _close(a, s) and _close(b, s)
 
 
-@pytest.mark.parametrize("change,needle", [
+@pytest.mark.parametrize(
+  "change,needle",
+  [
     (dict(muon_lr=-1.0), "muon_lr=-1.0"),
     (dict(adamw_lr=float("inf")), "adamw_lr=inf"),
     (dict(muon_beta=1.0), "muon_beta=1.0"),
@@ -123,7 +146,8 @@ def test_distributed_optimizer_matches_gather_and_one_device_closely():
     (dict(clip_norm=-1.0), "clip_norm=-1.0"),
     (dict(muon_scale_mode="rms"), "muon_scale_mode='rms'"),
     (dict(muon_ns_steps=0), "muon_ns_steps=0"),
-])
+  ],
+)
 def test_bad_settings_are_clear_errors(change, needle):
   with pytest.raises(ValueError) as e:
     OptimizerConfig(**change)
@@ -132,10 +156,11 @@ def test_bad_settings_are_clear_errors(change, needle):
 
 # ---- accumulation ----------------------------------------------------------------------------------
 
+
 def _sum_loss(w, mb):
   """Summed masked squared error of a linear model and its token count."""
   err_BxT = (mb["x"] @ w["w"])[..., 0] - mb["y"]
-  return jnp.sum(mb["mask"] * err_BxT ** 2), jnp.sum(mb["mask"])
+  return jnp.sum(mb["mask"] * err_BxT**2), jnp.sum(mb["mask"])
 
 
 def test_accumulation_weights_tokens_like_one_big_batch():
@@ -143,9 +168,12 @@ def test_accumulation_weights_tokens_like_one_big_batch():
   B, T, D = 8, 6, 3
   mask = np.ones((B, T), np.float32)
   mask[1::4, 2:] = 0  # micro-batch 1 (rows 1, 5 after interleaving) loses most of its tokens
-  mask[3, :] = 0      # and micro-batch 3 one whole row
-  batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
-           "y": jnp.asarray(rng.standard_normal((B, T)), jnp.float32), "mask": jnp.asarray(mask)}
+  mask[3, :] = 0  # and micro-batch 3 one whole row
+  batch = {
+    "x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+    "y": jnp.asarray(rng.standard_normal((B, T)), jnp.float32),
+    "mask": jnp.asarray(mask),
+  }
   w = {"w": jnp.asarray(rng.standard_normal((D, 1)), jnp.float32)}
   grad_fn = jax.value_and_grad(_sum_loss, has_aux=True)
   micro = split_microbatches(batch, 4)
@@ -157,8 +185,10 @@ def test_accumulation_weights_tokens_like_one_big_batch():
   np.testing.assert_allclose(loss, big_sum / big_n, rtol=1e-6)
   np.testing.assert_allclose(grads["w"], big_g["w"] / big_n, rtol=1e-5)
   # the control: averaging per-micro-batch means would not match
-  per_mb = [jax.tree.map(lambda g, n=n: g / n, grad_fn(w, jax.tree.map(lambda x: x[k], micro))[1])
-            for k, n in enumerate(counts)]
+  per_mb = [
+    jax.tree.map(lambda g, n=n: g / n, grad_fn(w, jax.tree.map(lambda x: x[k], micro))[1])
+    for k, n in enumerate(counts)
+  ]
   naive = sum(g["w"] for g in per_mb) / 4
   assert not np.allclose(naive, big_g["w"] / big_n, rtol=1e-3)
 
@@ -172,6 +202,7 @@ def test_split_microbatches_interleaves_rows_and_rejects_bad_sizes():
 
 # ---- no runtime power (Neuron) ------------------------------------------------------------------------
 
+
 def test_own_adamw_matches_optax_adamw_over_steps():
   params = _params(11)
   grads = [_params(12 + i, scale=s) for i, s in enumerate((1.0, 0.01, 30.0, 1.0))]
@@ -180,7 +211,9 @@ def test_own_adamw_matches_optax_adamw_over_steps():
   theirs = _updates(optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask), params, grads)
   for u, r in zip(ours, theirs):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9), u, r)
-  assert jax.tree.structure(own_adamw(1e-3).init(params)) == jax.tree.structure(optax.adamw(1e-3).init(params))
+  assert jax.tree.structure(own_adamw(1e-3).init(params)) == jax.tree.structure(
+    optax.adamw(1e-3).init(params)
+  )
 
 
 def test_optimizer_update_lowers_without_power():

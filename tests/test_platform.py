@@ -1,4 +1,5 @@
 """laplace_jax.platform: the per-platform PRNG choice."""
+
 import jax
 import pytest
 

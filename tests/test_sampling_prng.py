@@ -1,6 +1,7 @@
 """Per-slot random numbers under each PRNG: Threefry (JAX's default) keeps its streams bit for bit; under rbg /
 unsafe_rbg (Neuron) they come from Philox-4x32-10 (serve/philox.py, checked against Random123's known answers
 and a plain-Python reference), depend on the slot's own (seed, position) only, and lower without Threefry."""
+
 import functools
 
 import jax
@@ -27,18 +28,29 @@ def _philox_reference(ctr, key, rounds=10):
 
 def test_philox_known_answers_and_reference():
   # Random123's kat_vectors for philox4x32 10
-  for ctr, key, want in (((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-                         ((M32,) * 4, (M32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD))):
+  for ctr, key, want in (
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((M32,) * 4, (M32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+  ):
     assert [int(x) for x in philox.philox4x32(ctr, key)] == list(want) == _philox_reference(ctr, key)
   rng = np.random.default_rng(0)
-  ctr, key = rng.integers(0, 2**32, (4, 64), dtype=np.uint32), rng.integers(0, 2**32, (2, 64), dtype=np.uint32)
+  ctr, key = (
+    rng.integers(0, 2**32, (4, 64), dtype=np.uint32),
+    rng.integers(0, 2**32, (2, 64), dtype=np.uint32),
+  )
   got = np.stack([np.asarray(x) for x in jax.jit(philox.philox4x32)(tuple(ctr), tuple(key))])
-  want = np.array([_philox_reference([int(c) for c in ctr[:, i]], [int(k) for k in key[:, i]]) for i in range(64)])
+  want = np.array(
+    [_philox_reference([int(c) for c in ctr[:, i]], [int(k) for k in key[:, i]]) for i in range(64)]
+  )
   np.testing.assert_array_equal(got.T, want)
 
 
 def test_threefry_streams_are_unchanged():
-  seed, pos, hi = jnp.array([0, 5, 7, 2**32 - 1], jnp.uint32), jnp.array([0, 1, 9, 3]), jnp.array([0, 0, 3, 1])
+  seed, pos, hi = (
+    jnp.array([0, 5, 7, 2**32 - 1], jnp.uint32),
+    jnp.array([0, 1, 9, 3]),
+    jnp.array([0, 0, 3, 1]),
+  )
   got = np.asarray(jax.jit(sampling.slot_uniforms)(seed, pos, hi))
   for i in range(4):
     key = jax.random.key(int(seed[i]))
@@ -57,7 +69,7 @@ def test_rbg_draws_are_philox_of_the_slots_own_seed_and_position(impl):
   bits = [_philox_reference([int(p), 0, 0, 0], [int(s), int(h)])[0] for s, p, h in zip(seed, pos, hi)]
   np.testing.assert_array_equal(u, np.array([(b >> 9) / 2**23 for b in bits], np.float32))
   np.testing.assert_array_equal(flipped, u)  # a slot's draw does not depend on its neighbours
-  assert len(set(u.tolist())) == len(u)      # seed, high word and position each change the draw
+  assert len(set(u.tolist())) == len(u)  # seed, high word and position each change the draw
   assert ((u >= 0) & (u < 1)).all()
 
 
@@ -87,8 +99,14 @@ def test_seeded_tokens_reproduce_and_ignore_the_batch(impl):
 
 
 def test_rbg_sampling_lowers_without_threefry():
-  args = (jnp.zeros((4, 300)), jnp.ones(4), jnp.zeros(4, jnp.int32), jnp.ones(4), jnp.zeros(4, jnp.uint32),
-          jnp.zeros(4, jnp.int32))
+  args = (
+    jnp.zeros((4, 300)),
+    jnp.ones(4),
+    jnp.zeros(4, jnp.int32),
+    jnp.ones(4),
+    jnp.zeros(4, jnp.uint32),
+    jnp.zeros(4, jnp.int32),
+  )
   count = {}
   for impl in ("threefry", "rbg"):
     with platform.using_prng(impl):

@@ -1,11 +1,13 @@
 """`scan_layers`: the layer stack scanned (one compiled body) or unrolled (Neuron's default) — one parameter
 tree, one initialisation, equal outputs: forward, prefill + decode_step and the sharded train step."""
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from laplace_jax import model, platform, sharding, train_step as ts
+from laplace_jax import model, platform, sharding
+from laplace_jax import train_step as ts
 from laplace_jax.config import LaplaceConfig, get_config, layers_scanned
 
 TINY = get_config("tiny")
@@ -38,10 +40,13 @@ def test_same_parameter_tree_and_no_layer_loop_when_unrolled(cfg):
   scanned, unrolled = _both(cfg)
   init = lambda c: jax.eval_shape(lambda: model.init_params(c, jax.random.key(0)))
   p = init(scanned)
-  assert jax.tree.map(lambda x: (x.shape, x.dtype), p) == jax.tree.map(lambda x: (x.shape, x.dtype), init(unrolled))
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), p) == jax.tree.map(
+    lambda x: (x.shape, x.dtype), init(unrolled)
+  )
   toks = jax.ShapeDtypeStruct((2, 64), np.int32)
-  loops = lambda c: jax.jit(model.forward, static_argnames="cfg").lower(p, toks, cfg=c).as_text().count(
-      "stablehlo.while")
+  loops = lambda c: (
+    jax.jit(model.forward, static_argnames="cfg").lower(p, toks, cfg=c).as_text().count("stablehlo.while")
+  )
   assert loops(scanned) == loops(unrolled) + 1  # the layer loop (the CPU's GLA chunk scan is one more)
   with platform.lowering_for("neuron"):  # auto, as --target neuron lowers: layers and GLA chunks unrolled
     assert loops(cfg) == 0
@@ -51,13 +56,15 @@ def test_forward_prefill_and_decode_equal():
   scanned, unrolled = _both(HYBRID)
   params = jax.jit(model.init_params, static_argnums=0)(HYBRID, jax.random.key(1))
   toks = jax.random.randint(jax.random.key(2), (2, 140), 0, HYBRID.vocab_size)
-  np.testing.assert_allclose(model.forward(params, toks, cfg=unrolled), model.forward(params, toks, cfg=scanned),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    model.forward(params, toks, cfg=unrolled), model.forward(params, toks, cfg=scanned), rtol=1e-6, atol=1e-6
+  )
   step = jax.jit(model.decode_step, static_argnames="cfg")
   out = {}
   for cfg in (scanned, unrolled):
-    logits, state = model.prefill(params, model.init_state(cfg, 2, 160), toks[:, :130], np.array([130, 77]),
-                                  cfg=cfg)
+    logits, state = model.prefill(
+      params, model.init_state(cfg, 2, 160), toks[:, :130], np.array([130, 77]), cfg=cfg
+    )
     seq = [logits]
     for t in range(130, 140):
       logits, state = step(params, state, toks[:, t], cfg=cfg)
@@ -86,13 +93,16 @@ def test_sharded_train_step_loss_and_grads_equal():
 
 def test_checkpoints_and_cached_states_move_between_the_forms():
   import dataclasses
+
   from laplace_jax import checkpoint
   from serve import state_cache
+
   saved_before_the_field = {k: v for k, v in dataclasses.asdict(TINY).items() if k != "scan_layers"}
   for value in ("auto", "true", "false"):
     checkpoint.check_config(saved_before_the_field, TINY.replace(scan_layers=value), where="export")
-    checkpoint.check_config(dataclasses.asdict(TINY.replace(scan_layers="true")), TINY.replace(scan_layers=value),
-                            where="export")
+    checkpoint.check_config(
+      dataclasses.asdict(TINY.replace(scan_layers="true")), TINY.replace(scan_layers=value), where="export"
+    )
   with pytest.raises(ValueError, match="remat: saved False, given True"):  # the control: other fields count
     checkpoint.check_config(saved_before_the_field, TINY.replace(remat=True), where="export")
   params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}

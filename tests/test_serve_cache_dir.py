@@ -2,6 +2,7 @@
 directory (links, FIFOs, directories, damaged or foreign files) is skipped without blocking start-up,
 interrupted writes leave nothing behind, the byte budget holds at start, and the model fingerprint covers
 every parameter byte. No engine here: StateCache alone, on tiny states."""
+
 import hashlib
 import json
 import os
@@ -10,9 +11,8 @@ import threading
 
 import jax
 import numpy as np
-import pytest
-
 import serve_fixtures as sf
+
 from serve import state_cache
 from serve.state_cache import MAGIC, StateCache, encode_entry
 
@@ -29,8 +29,9 @@ ENTRY = sum(a.nbytes for a in _state(0).values())
 def _open(d, budget=1 << 20, timeout=20.0):
   """StateCache(d) built in a thread: a blocking open (a FIFO) fails the test instead of hanging it."""
   out = []
-  t = threading.Thread(target=lambda: out.append(StateCache("m", budget, directory=d, layout=LAYOUT)),
-                       daemon=True)
+  t = threading.Thread(
+    target=lambda: out.append(StateCache("m", budget, directory=d, layout=LAYOUT)), daemon=True
+  )
   t.start()
   t.join(timeout)
   assert out, "StateCache blocked at start"
@@ -53,17 +54,35 @@ def test_planted_and_odd_files_are_skipped_and_start_up_goes_on(tmp_path, caplog
   c.put(list(range(70)), _state(1))
   c.flush()
   plant = lambda name, data: (tmp_path / "c" / name).write_bytes(data)
-  plant("shape.state", encode_entry(np.arange(5, dtype=np.int32), {"gla": np.ones((3, 5), np.float32),
-                                                                    "conv": np.ones((2, 2), np.float32)}, "m"))
-  plant("dtype.state", encode_entry(np.arange(5, dtype=np.int32), {k: v.astype(np.float64)
-                                                                    for k, v in _state(2).items()}, "m"))
-  plant("object.state", encode_entry(np.arange(5, dtype=np.int32), _state(3), "m").replace(b'"float32"', b'"object"'))
+  plant(
+    "shape.state",
+    encode_entry(
+      np.arange(5, dtype=np.int32),
+      {"gla": np.ones((3, 5), np.float32), "conv": np.ones((2, 2), np.float32)},
+      "m",
+    ),
+  )
+  plant(
+    "dtype.state",
+    encode_entry(np.arange(5, dtype=np.int32), {k: v.astype(np.float64) for k, v in _state(2).items()}, "m"),
+  )
+  plant(
+    "object.state",
+    encode_entry(np.arange(5, dtype=np.int32), _state(3), "m").replace(b'"float32"', b'"object"'),
+  )
   plant("model.state", encode_entry(np.arange(5, dtype=np.int32), _state(4), "another-model"))
   plant("noline.state", MAGIC + b"{" * 100)
   plant("list.state", MAGIC + b"[1, 2]\n")
   payload = b"\0" * 8
-  plant("fields.state", MAGIC + json.dumps({"model_id": "m", "n_ids": "two", "arrays": 5,
-                                            "sha256": hashlib.sha256(payload).hexdigest()}).encode() + b"\n" + payload)
+  plant(
+    "fields.state",
+    MAGIC
+    + json.dumps(
+      {"model_id": "m", "n_ids": "two", "arrays": 5, "sha256": hashlib.sha256(payload).hexdigest()}
+    ).encode()
+    + b"\n"
+    + payload,
+  )
   os.symlink(str(tmp_path / "nowhere"), os.path.join(d, "dangling.state"))
   os.symlink(os.path.join(d, os.listdir(d)[0]), os.path.join(d, "link.state"))  # even to a good file
   os.mkfifo(os.path.join(d, "fifo.state"))
@@ -81,6 +100,7 @@ def test_failed_writes_leave_no_temporary_files(tmp_path, monkeypatch):
 
   def broken(fd):
     raise OSError(28, "No space left on device")
+
   monkeypatch.setattr(os, "fsync", broken)
   c.put(list(range(70)), _state(1))
   c.flush()

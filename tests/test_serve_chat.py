@@ -2,13 +2,14 @@
 (same tokens, logprobs and usage; streamed deltas add up to the whole reply), its fields are checked with
 400s, Hugging Face-style Jinja templates render sandboxed, and /tokenize, /detokenize, /tokenizer_info
 answer in vLLM's shapes."""
+
 import json
 
 import pytest
-
 import serve_fixtures as sf
-from serve import chat, protocol
 from serve_fixtures import KEY, call
+
+from serve import chat, protocol
 
 HI = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 RENDERED = "System: Be brief.\n\nUser: Hello there\n\nAssistant:"
@@ -23,8 +24,9 @@ def tok():
 def served(tok):
   cfg, params = sf.tiny(5)
   engine = sf.engine(params, cfg, n_slots=4, prefill_batch=2, max_queue=4)
-  with sf.serving(engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000, max_prompts=8),
-                  api_key=KEY) as served:
+  with sf.serving(
+    engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000, max_prompts=8), api_key=KEY
+  ) as served:
     yield served
 
 
@@ -34,8 +36,9 @@ def _chat(url, **body):
 
 def test_chat_is_the_completion_of_the_rendered_prompt(served):
   url, _ = served
-  st, ref = call(url, body={"prompt": RENDERED, "max_tokens": 12, "temperature": 0, "logprobs": 2,
-                            "stop": ["\n\nUser:"]})
+  st, ref = call(
+    url, body={"prompt": RENDERED, "max_tokens": 12, "temperature": 0, "logprobs": 2, "stop": ["\n\nUser:"]}
+  )
   assert st == 200, ref
   st, out = _chat(url, max_completion_tokens=12, logprobs=True, top_logprobs=2)
   assert st == 200, out
@@ -46,8 +49,9 @@ def test_chat_is_the_completion_of_the_rendered_prompt(served):
   lp = c["logprobs"]["content"]
   assert [e["token"] for e in lp] == ref["choices"][0]["logprobs"]["tokens"]
   assert [e["logprob"] for e in lp] == ref["choices"][0]["logprobs"]["token_logprobs"]
-  assert all(len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
-             for e in lp)
+  assert all(
+    len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode("utf-8", "replace") == e["token"] for e in lp
+  )
   assert lp[0]["top_logprobs"][0]["logprob"] >= lp[0]["logprob"] - 1e-6  # greedy: the chosen is the top
 
 
@@ -55,8 +59,9 @@ def test_streamed_deltas_add_up_to_the_whole_reply(served):
   url, _ = served
   st, whole = _chat(url, max_tokens=10, n=2, seed=3, temperature=1.0)
   assert st == 200, whole
-  st, events = _chat(url, max_tokens=10, n=2, seed=3, temperature=1.0, stream=True,
-                     stream_options={"include_usage": True})
+  st, events = _chat(
+    url, max_tokens=10, n=2, seed=3, temperature=1.0, stream=True, stream_options={"include_usage": True}
+  )
   assert st == 200 and events[-1] == "[DONE]", events
   chunks = [json.loads(e) for e in events[:-1]]
   assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
@@ -73,12 +78,17 @@ def test_streamed_deltas_add_up_to_the_whole_reply(served):
   assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 
-@pytest.mark.parametrize("body, param", [
+@pytest.mark.parametrize(
+  "body, param",
+  [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    (
+      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+      "messages",
+    ),
     ({"messages": HI, "logprobs": 3}, "logprobs"),
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
@@ -88,7 +98,8 @@ def test_streamed_deltas_add_up_to_the_whole_reply(served):
     ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": HI, "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": " x" * 1100}]}, "messages"),
-])
+  ],
+)
 def test_bad_chat_fields_get_400_naming_the_field(served, body, param):
   url, _ = served
   st, out = call(url, path="/v1/chat/completions", body=body)
@@ -109,16 +120,27 @@ def test_tokenizer_endpoints_in_vllms_shapes(served, tok):
   assert st == 200 and back == {"prompt": RENDERED}
   st, info = call(url, "GET", "/tokenizer_info")
   assert st == 200 and info["eos_token"] == "<|endoftext|>" and info["chat_template"] == chat.DEFAULT_TEMPLATE
-  for path, body in [("/tokenize", {"prompt": 5}), ("/tokenize", {}), ("/detokenize", {"tokens": [50257]}),
-                     ("/detokenize", {"tokens": "1 2"}), ("/tokenize", {"prompt": "x", "model": "other"})]:
+  for path, body in [
+    ("/tokenize", {"prompt": 5}),
+    ("/tokenize", {}),
+    ("/detokenize", {"tokens": [50257]}),
+    ("/detokenize", {"tokens": "1 2"}),
+    ("/tokenize", {"prompt": "x", "model": "other"}),
+  ]:
     assert call(url, path=path, body=body)[0] in (400, 404), (path, body)
   assert call(url, path="/tokenize", body={"prompt": "x"}, headers={})[0] == 401
   assert call(url, "GET", "/tokenizer_info", headers={})[0] == 401
 
 
 def _limits(tok):
-  return protocol.Limits(model_name="m", vocab_size=tok.vocab_size, eos_id=tok.eos_id, max_tokens=16,
-                         max_prompt_tokens=100, max_stop_ids=4)
+  return protocol.Limits(
+    model_name="m",
+    vocab_size=tok.vocab_size,
+    eos_id=tok.eos_id,
+    max_tokens=16,
+    max_prompt_tokens=100,
+    max_stop_ids=4,
+  )
 
 
 HF_STYLE = """{{ bos_token }}{% for message in messages %}
@@ -155,5 +177,6 @@ def test_hugging_face_style_templates_render_sandboxed(tok, tmp_path):
 
 def test_a_bad_chat_template_stops_the_server_before_it_loads(tmp_path):
   from serve.__main__ import main
+
   with pytest.raises(SystemExit, match="--chat_template .*cannot read"):
     main(["--preset", "tiny", "--random-init", "--chat-template", str(tmp_path / "missing.jinja")])

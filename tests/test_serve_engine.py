@@ -1,17 +1,18 @@
 """serve.engine / serve.sampling: batching never changes a request's tokens, nothing recompiles after
 warm-up, sampling draws from the exact filtered distribution, slots and the queue are bounded."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import serve_fixtures as sf
+from serve_fixtures import GPT2_VOCAB
+
 from laplace_jax import model, sharding
 from serve import sampling
 from serve.engine import QueueFull, Request
-from serve_fixtures import GPT2_VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,9 @@ def params():
 @pytest.fixture(scope="module")
 def engine(cfg, params):
   """8 slots split over the 8 simulated devices, prefill batch 2, warmed up."""
-  return sf.engine(params, cfg, n_slots=8, prefill_batch=2, max_queue=64, mesh=sharding.make_mesh(data=1, fsdp=8))
+  return sf.engine(
+    params, cfg, n_slots=8, prefill_batch=2, max_queue=64, mesh=sharding.make_mesh(data=1, fsdp=8)
+  )
 
 
 _COUNTER = sf.CompileCounter()
@@ -35,13 +38,20 @@ _COUNTER = sf.CompileCounter()
 
 def _requests(seed, n, **fixed):
   rng = np.random.default_rng(seed)
-  settings = [dict(temperature=0.0), dict(temperature=0.9, top_k=20), dict(temperature=1.0),
-              dict(temperature=0.8, top_p=0.95, top_k=40)]
+  settings = [
+    dict(temperature=0.0),
+    dict(temperature=0.9, top_k=20),
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_p=0.95, top_k=40),
+  ]
   out = []
   for i in range(n):
-    spec = dict(prompt_ids=rng.integers(0, GPT2_VOCAB, int(rng.integers(1, 300))).tolist(),
-                max_tokens=int(rng.integers(1, 20)), seed=int(rng.integers(0, 2**32)),
-                **settings[i % len(settings)])
+    spec = dict(
+      prompt_ids=rng.integers(0, GPT2_VOCAB, int(rng.integers(1, 300))).tolist(),
+      max_tokens=int(rng.integers(1, 20)),
+      seed=int(rng.integers(0, 2**32)),
+      **settings[i % len(settings)],
+    )
     spec.update(fixed)
     out.append(spec)
   return out
@@ -93,7 +103,7 @@ def test_stop_ids_and_max_tokens(engine):
   req = Request(prompt_ids=[5, 6, 7], max_tokens=6, temperature=0.0, stop_ids=[base[3]])
   engine.generate([req])
   first = base.index(base[3])
-  assert req.output_ids == base[:first + 1] and req.finish_reason == "stop"
+  assert req.output_ids == base[: first + 1] and req.finish_reason == "stop"
   one = Request(prompt_ids=[5, 6, 7], max_tokens=1, temperature=0.0)
   engine.generate([one])
   assert one.output_ids == base[:1] and one.finish_reason == "length"
@@ -101,7 +111,9 @@ def test_stop_ids_and_max_tokens(engine):
 
 def test_seed_reproducible_and_matters(engine):
   p = list(range(40))
-  a, b, c = engine.generate([Request(prompt_ids=p, max_tokens=12, temperature=1.0, seed=s) for s in (7, 7, 8)])
+  a, b, c = engine.generate(
+    [Request(prompt_ids=p, max_tokens=12, temperature=1.0, seed=s) for s in (7, 7, 8)]
+  )
   assert a == b and a != c
 
 
@@ -121,12 +133,19 @@ def test_queue_bound_and_cancel_free_slots(engine):
   assert not engine.reserved and not engine.pending and engine.prefill is None
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(prompt_ids=[]), "empty"), (dict(prompt_ids=[GPT2_VOCAB]), "expected ids in"),
-    (dict(prompt_ids=[1], max_tokens=-1), "max_tokens"), (dict(prompt_ids=[1], top_p=0.0), "top_p"),
-    (dict(prompt_ids=[1], seed=2**64), "seed"), (dict(prompt_ids=[1], stop_ids=list(range(9))), "stop ids"),
+@pytest.mark.parametrize(
+  "bad, message",
+  [
+    (dict(prompt_ids=[]), "empty"),
+    (dict(prompt_ids=[GPT2_VOCAB]), "expected ids in"),
+    (dict(prompt_ids=[1], max_tokens=-1), "max_tokens"),
+    (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1], seed=2**64), "seed"),
+    (dict(prompt_ids=[1], stop_ids=list(range(9))), "stop ids"),
     (dict(prompt_ids=[1], logprobs=6), "logprobs"),
-    (dict(prompt_ids=[1], siblings=8), "--n_slots")])
+    (dict(prompt_ids=[1], siblings=8), "--n_slots"),
+  ],
+)
 def test_bad_requests_are_refused(engine, bad, message):
   if "siblings" in bad:  # built here: a Request held by the parameter list would outlive the test
     bad = dict(bad, siblings=[Request(prompt_ids=[1]) for _ in range(bad["siblings"])])
@@ -154,12 +173,19 @@ def _reference_probs(logits, valid, temperature, top_k, top_p):
 def test_sampling_draws_from_the_filtered_distribution():
   V, valid, N = 200, 190, 3000
   rng = np.random.default_rng(0)
-  rows = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.5),   # plain, temperature, top-k, top-p
-          (1.0, 100, 0.8), (1.0, 0, 0.97)]                                # past the cap: the bisection path
+  rows = [
+    (1.0, 0, 1.0),
+    (0.7, 0, 1.0),
+    (1.0, 5, 1.0),
+    (1.0, 0, 0.5),  # plain, temperature, top-k, top-p
+    (1.0, 100, 0.8),
+    (1.0, 0, 0.97),
+  ]  # past the cap: the bisection path
   logits = jnp.asarray(rng.normal(size=(len(rows), V)) * 2.0, jnp.float32)
   t, k, p = (jnp.asarray(c, dt) for c, dt in zip(zip(*rows), (jnp.float32, jnp.int32, jnp.float32)))
-  draw = jax.jit(jax.vmap(functools.partial(sampling.sample, logits, t, k, p, jnp.arange(len(rows)),
-                                            valid_vocab=valid)))
+  draw = jax.jit(
+    jax.vmap(functools.partial(sampling.sample, logits, t, k, p, jnp.arange(len(rows)), valid_vocab=valid))
+  )
   toks = np.asarray(draw(jnp.broadcast_to(jnp.arange(N)[:, None], (N, len(rows)))))  # [N, rows]
   for i, (temp, top_k, top_p) in enumerate(rows):
     q = _reference_probs(np.asarray(logits[i]), valid, temp, top_k, top_p)
@@ -167,14 +193,22 @@ def test_sampling_draws_from_the_filtered_distribution():
     assert np.all(emp[q == 0] == 0), f"row {i} drew tokens outside its kept set"
     sd = np.sqrt(q * (1 - q) / N)
     assert np.all(np.abs(emp - q) <= 5 * sd + 2e-3), f"row {i}: frequencies off the reference"
-  greedy = sampling.sample(logits, jnp.zeros(len(rows)), k, p, jnp.arange(len(rows)),
-                           jnp.zeros(len(rows), jnp.int32), valid_vocab=valid)
+  greedy = sampling.sample(
+    logits,
+    jnp.zeros(len(rows)),
+    k,
+    p,
+    jnp.arange(len(rows)),
+    jnp.zeros(len(rows), jnp.int32),
+    valid_vocab=valid,
+  )
   np.testing.assert_array_equal(greedy, np.argmax(np.asarray(logits)[:, :valid], -1))
 
 
 def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
   from laplace_jax import checkpoint
   from serve import loading
+
   checkpoint.export_params(params, tmp_path / "export", config=cfg)
   mesh = loading.make_serving_mesh(8)
   got, got_cfg = loading.load_model(checkpoint=str(tmp_path / "export"), mesh=mesh, dtype="param")

@@ -1,11 +1,12 @@
 """`python -m serve --checkpoint RUN/export/step_N` builds the model from the config saved with the export
 (issue 16, finding 7): a run trained with a config no preset has serves from its export alone, greedy
 tokens equal to the exported params' own model; --preset only checks it; train.eval loads it alike."""
+
 import jax
 import numpy as np
 import pytest
-
 import serve_fixtures as sf
+
 from laplace_jax import checkpoint, model
 from serve import __main__ as serve_main
 from train import prepare
@@ -17,15 +18,51 @@ from train.loop import run
 def export(tmp_path_factory):
   root = tmp_path_factory.mktemp("serve_export")
   prepare.main(["--corpus", "kjv", "-o", str(root / "kjv"), "--max-documents", "20", "--no-progress"])
-  summary = run(load_config(["--preset", "tiny", "--model.d_model", "96", "--global_batch", "8", "--seq_len", "64",
-                             "--steps", "1", "--save_every", "100", "--log_every", "1", "--no-progress",
-                             "--data_dir", str(root / "kjv"), "--out_dir", str(root / "run")]))
+  summary = run(
+    load_config(
+      [
+        "--preset",
+        "tiny",
+        "--model.d_model",
+        "96",
+        "--global_batch",
+        "8",
+        "--seq_len",
+        "64",
+        "--steps",
+        "1",
+        "--save_every",
+        "100",
+        "--log_every",
+        "1",
+        "--no-progress",
+        "--data_dir",
+        str(root / "kjv"),
+        "--out_dir",
+        str(root / "run"),
+      ]
+    )
+  )
   return summary["export"]
 
 
 def test_a_non_preset_run_serves_from_its_export_alone(export):
-  server = serve_main.build(serve_main.parse_args(["--checkpoint", export, "--n-slots", "2", "--prefill-batch", "1",
-                                                   "--state-cache-gb", "0", "--params-dtype", "param"]))
+  server = serve_main.build(
+    serve_main.parse_args(
+      [
+        "--checkpoint",
+        export,
+        "--n-slots",
+        "2",
+        "--prefill-batch",
+        "1",
+        "--state-cache-gb",
+        "0",
+        "--params-dtype",
+        "param",
+      ]
+    )
+  )
   assert server.engine.cfg.d_model == 96 and server.limits.model_name == "laplace-step_1"
   params, cfg = checkpoint.load_export(export)
   prompt = [464, 1110, 318]
@@ -33,10 +70,18 @@ def test_a_non_preset_run_serves_from_its_export_alone(export):
   for _ in range(4):  # greedy continuation from the exported params, by the model itself
     ids.append(int(np.argmax(np.asarray(model.forward(params, np.array([ids]), cfg=cfg))[0, -1, :50257])))
   with sf.serving(server.engine, server.tok, server.limits) as (url, _):
-    st, out = sf.call(url, body={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-                                 "return_token_ids": True})
+    st, out = sf.call(
+      url,
+      body={
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+      },
+    )
   assert st == 200, out
-  assert out["model"] == "laplace-step_1" and out["choices"][0]["token_ids"] == ids[len(prompt):]
+  assert out["model"] == "laplace-step_1" and out["choices"][0]["token_ids"] == ids[len(prompt) :]
 
 
 def test_preset_with_checkpoint_only_checks_the_saved_config(export):

@@ -1,17 +1,18 @@
 """serve.server over loopback: completions with and without streaming, stop strings, auth, 4xx for
 malformed input (and the server keeps serving), 429 past the queue, disconnects free their slots."""
+
 import asyncio
 import json
 import time
 
 import aiohttp
 import pytest
-
 import serve_fixtures as sf
+from serve_fixtures import AUTH, KEY, call
+
 from laplace_jax import model
 from serve import protocol
 from serve.server import Server
-from serve_fixtures import AUTH, KEY, call
 
 
 @pytest.fixture(scope="module")
@@ -24,30 +25,58 @@ def served(tok):
   """A tiny model behind the server: 4 slots, a queue of 2, max_tokens <= 64, an API key."""
   cfg, params = sf.tiny(1)
   engine = sf.engine(params, cfg, n_slots=4, prefill_batch=2, max_queue=2)
-  with sf.serving(engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000, max_prompts=4 + 2),
-                  api_key=KEY) as served:
+  with sf.serving(
+    engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000, max_prompts=4 + 2), api_key=KEY
+  ) as served:
     yield served
 
 
 def test_round_trip_text_and_ids(served, tok):
   url, _ = served
-  st, a = call(url, body={"model": "laplace-tiny", "prompt": "Hello world", "max_tokens": 12,
-                          "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+  st, a = call(
+    url,
+    body={
+      "model": "laplace-tiny",
+      "prompt": "Hello world",
+      "max_tokens": 12,
+      "temperature": 0,
+      "return_token_ids": True,
+      "ignore_eos": True,
+    },
+  )
   assert st == 200, a
   ch = a["choices"][0]
   assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 12
   assert ch["text"] == tok.token_bytes(ch["token_ids"]).decode("utf-8", "replace")
-  assert a["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14,
-                        "prompt_tokens_details": {"cached_tokens": 0}}
-  st, b = call(url, body={"prompt": [15496, 995], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                          "return_token_ids": True})
+  assert a["usage"] == {
+    "prompt_tokens": 2,
+    "completion_tokens": 12,
+    "total_tokens": 14,
+    "prompt_tokens_details": {"cached_tokens": 0},
+  }
+  st, b = call(
+    url,
+    body={
+      "prompt": [15496, 995],
+      "max_tokens": 12,
+      "temperature": 0,
+      "ignore_eos": True,
+      "return_token_ids": True,
+    },
+  )
   assert st == 200 and b["choices"][0]["token_ids"] == ch["token_ids"]
 
 
 def test_streaming_matches_non_streaming(served):
   url, _ = served
-  body = {"prompt": "The King James Bible", "max_tokens": 20, "temperature": 0.8, "top_k": 50, "seed": 11,
-          "ignore_eos": True}
+  body = {
+    "prompt": "The King James Bible",
+    "max_tokens": 20,
+    "temperature": 0.8,
+    "top_k": 50,
+    "seed": 11,
+    "ignore_eos": True,
+  }
   st, whole = call(url, body=body)
   assert st == 200
   st, events = call(url, body={**body, "stream": True, "stream_options": {"include_usage": True}})
@@ -65,8 +94,8 @@ def test_stop_string_cuts_the_text(served):
   url, _ = served
   body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
   full = call(url, body=body)[1]["choices"][0]["text"]
-  stop = full[len(full) // 2:len(full) // 2 + 3]
-  cut = full[:full.index(stop)]
+  stop = full[len(full) // 2 : len(full) // 2 + 3]
+  cut = full[: full.index(stop)]
   for stream in (False, True):
     st, out = call(url, body={**body, "stop": [stop], "stream": stream})
     assert st == 200
@@ -94,19 +123,21 @@ def test_models_health_metrics_and_auth(served):
   assert st == 401
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (None, 400, None),                                               # malformed JSON (raw below)
-    ([1, 2], 400, None),                                             # not an object
+@pytest.mark.parametrize(
+  "body, status, param",
+  [
+    (None, 400, None),  # malformed JSON (raw below)
+    ([1, 2], 400, None),  # not an object
     ({}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": ["a", 1]}, 400, "prompt"),
-    ({"prompt": ["a"] * 7}, 400, "prompt"),                          # more prompts than slots + queue
+    ({"prompt": ["a"] * 7}, 400, "prompt"),  # more prompts than slots + queue
     ({"prompt": ["a", "b"], "n": 4}, 400, "n"),
     ({"prompt": [1, 50257]}, 400, "prompt"),
     ({"prompt": [1, -1]}, 400, "prompt"),
-    ({"prompt": [1] * 1001}, 400, "prompt"),                         # over max_prompt_tokens
+    ({"prompt": [1] * 1001}, 400, "prompt"),  # over max_prompt_tokens
     ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 65}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
@@ -119,14 +150,15 @@ def test_models_health_metrics_and_auth(served):
     ({"prompt": "hi", "stop": 3}, 400, "stop"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "n": 7}, 400, "n"),
-    ({"prompt": "hi", "n": 5}, 400, None),                           # more choices than the 4 slots
+    ({"prompt": "hi", "n": 5}, 400, None),  # more choices than the 4 slots
     ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ({"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ({"prompt": "hi", "echo": 1}, 400, "echo"),
     ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
-])
+  ],
+)
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, body, status, param):
   url, _ = served
   st, err = call(url, body=body, raw="{not json" if body is None else None)
@@ -157,6 +189,7 @@ def test_full_queue_gives_429_and_disconnects_free_slots(served):
         await r.content.readuntil(b"\n\n")  # decoding has started
       for r in opened:
         r.close()  # the client goes away mid-stream
+
   asyncio.run(go())
   deadline = time.time() + 20
   while time.time() < deadline and (engine.active_slots or engine.queue_depth):
@@ -170,19 +203,27 @@ def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
   batch and must still stop counting at the token that completes the stop string."""
   ids = tok.encode(" alpha beta gamma delta epsilon zeta eta theta")
   stop = " gam"
-  first = next(i for i in range(len(ids)) if stop in tok.token_bytes(ids[:i + 1]).decode())
+  first = next(i for i in range(len(ids)) if stop in tok.token_bytes(ids[: i + 1]).decode())
   assert first + 1 < len(ids)
 
   class StubEngine:
     cancelled = []
+
     def cancel(self, req):
       self.cancelled.append(req)
 
-  limits = protocol.Limits(model_name="m", vocab_size=tok.vocab_size, eos_id=tok.eos_id, max_tokens=64,
-                           max_prompt_tokens=100, max_stop_ids=8)
+  limits = protocol.Limits(
+    model_name="m",
+    vocab_size=tok.vocab_size,
+    eos_id=tok.eos_id,
+    max_tokens=64,
+    max_prompt_tokens=100,
+    max_stop_ids=8,
+  )
   server = Server(StubEngine(), tok, limits)
-  c = protocol.parse_completion({"prompt": [1], "max_tokens": len(ids), "stop": stop, "ignore_eos": True},
-                                limits, tok.encode)
+  c = protocol.parse_completion(
+    {"prompt": [1], "max_tokens": len(ids), "stop": stop, "ignore_eos": True}, limits, tok.encode
+  )
 
   from serve.server import _Choice
   from serve.text import TextStream
@@ -194,25 +235,30 @@ def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
       ch.put_nowait(([t], "length" if i == len(ids) - 1 else None))
     resp = await server._whole([ch], c, {})
     return json.loads(resp.text), ch.req
+
   out, req = asyncio.run(go())
   assert out["usage"]["completion_tokens"] == first + 1
-  assert out["choices"][0]["text"] == tok.token_bytes(ids[:first + 1]).decode().split(stop)[0]
+  assert out["choices"][0]["text"] == tok.token_bytes(ids[: first + 1]).decode().split(stop)[0]
   assert out["choices"][0]["finish_reason"] == "stop" and StubEngine.cancelled == [req]
 
 
 def _req():
   from serve.engine import Request
+
   return Request(prompt_ids=[1])
 
 
 def test_prompts_are_tokenized_off_the_event_loop(served, tok):
   import dataclasses as dc
   import threading
+
   url, server = served
   threads = []
+
   def encode(text):
     threads.append(threading.get_ident())
     return tok.encode(text)
+
   server.tok = dc.replace(tok, encode=encode)
   try:
     assert call(url, body={"prompt": "a prompt to encode", "max_tokens": 2})[0] == 200
@@ -226,18 +272,27 @@ def test_lm_eval_loglikelihood_request_and_echo(served, tok):
   """The request lm-evaluation-harness's local-completions sends for loglikelihood, scored against
   log-softmax of model.forward's logits."""
   import numpy as np
+
   url, server = served
   ids = tok.encode("The quick brown fox jumps over the lazy dog")
-  st, out = call(url, body={"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
-                            "seed": 1234})
+  st, out = call(
+    url, body={"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+  )
   assert st == 200, out
   lp = out["choices"][0]["logprobs"]
   assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
   assert lp["top_logprobs"][0] is None and all(len(t) == 1 for t in lp["top_logprobs"][1:])
-  logits = np.asarray(model.forward(server.engine.params, np.array([ids]), cfg=server.engine.cfg))[0, :, :tok.vocab_size]
-  ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
-  np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], [ref[t - 1, ids[t]] for t in range(1, len(ids))],
-                             atol=1e-4)
+  logits = np.asarray(model.forward(server.engine.params, np.array([ids]), cfg=server.engine.cfg))[
+    0, :, : tok.vocab_size
+  ]
+  ref = (
+    logits
+    - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
+  np.testing.assert_allclose(
+    lp["token_logprobs"][1 : len(ids)], [ref[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4
+  )
   assert out["choices"][0]["text"].startswith("The quick brown fox jumps over the lazy dog")
   assert lp["text_offset"][:3] == [0, 3, 9]  # "The", " quick", " brown"
   st, zero = call(url, body={"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 0})
@@ -248,8 +303,11 @@ def test_lm_eval_loglikelihood_request_and_echo(served, tok):
 def test_n_choices_prompt_lists_seeds_and_model_info(served):
   url, _ = served
   body = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True, "logprobs": 2}
-  alone = [call(url, body={**body, "prompt": p, "seed": s})[1]["choices"][0]["token_ids"]
-           for p in ("one", "two") for s in (2**63 + 5, 2**63 + 6)]
+  alone = [
+    call(url, body={**body, "prompt": p, "seed": s})[1]["choices"][0]["token_ids"]
+    for p in ("one", "two")
+    for s in (2**63 + 5, 2**63 + 6)
+  ]
   st, out = call(url, body={**body, "prompt": ["one", "two"], "n": 2, "seed": 2**63 + 5})
   assert st == 200, out
   assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
@@ -272,8 +330,14 @@ def test_n_choices_prompt_lists_seeds_and_model_info(served):
 
 def test_streamed_echo_and_logprobs_match_the_whole_response(served):
   url, _ = served
-  body = {"prompt": "Once upon a time there", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-          "echo": True, "logprobs": 2}
+  body = {
+    "prompt": "Once upon a time there",
+    "max_tokens": 8,
+    "temperature": 0,
+    "ignore_eos": True,
+    "echo": True,
+    "logprobs": 2,
+  }
   st, whole = call(url, body=body)
   assert st == 200
   st, events = call(url, body={**body, "stream": True})

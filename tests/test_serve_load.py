@@ -1,6 +1,7 @@
 """Load on loopback: waves of 240 concurrent streaming requests, a quarter of whose clients hang up
 mid-stream. Every well-formed request that stays connected completes; every slot is free at the end;
 no request object outlives its wave and the process does not grow from wave to wave."""
+
 import asyncio
 import gc
 import json
@@ -10,8 +11,8 @@ import time
 
 import aiohttp
 import pytest
-
 import serve_fixtures as sf
+
 from serve.engine import Request
 
 N_CONCURRENT = 240
@@ -33,11 +34,20 @@ def served():
 
 async def _client(session, url, rng, i):
   """One streaming request; some hang up after a few events. Returns 'done', 'hung up' or an error."""
-  prompt = (" ".join(rng.choice(["the", "light", "word", "and", "was", "in"]) for _ in range(rng.randint(1, 60)))
-            if i % 2 else [rng.randrange(50257) for _ in range(rng.randint(1, 300))])
-  body = {"prompt": prompt, "max_tokens": rng.randint(1, 24), "stream": True,
-          "temperature": rng.choice([0, 0.7, 1.0]), "top_k": rng.choice([0, 0, 40]), "seed": i,
-          "stop": rng.choice([None, ["\n\n"], ["the"]])}
+  prompt = (
+    " ".join(rng.choice(["the", "light", "word", "and", "was", "in"]) for _ in range(rng.randint(1, 60)))
+    if i % 2
+    else [rng.randrange(50257) for _ in range(rng.randint(1, 300))]
+  )
+  body = {
+    "prompt": prompt,
+    "max_tokens": rng.randint(1, 24),
+    "stream": True,
+    "temperature": rng.choice([0, 0.7, 1.0]),
+    "top_k": rng.choice([0, 0, 40]),
+    "seed": i,
+    "stop": rng.choice([None, ["\n\n"], ["the"]]),
+  }
   hang_up_after = rng.randint(1, 4) if rng.random() < 0.25 else None
   async with session.post(url + "/v1/completions", json=body) as r:
     if r.status != 200:
@@ -46,7 +56,7 @@ async def _client(session, url, rng, i):
     async for line in r.content:
       if not line.startswith(b"data: "):
         continue
-      data = line[len(b"data: "):].strip()
+      data = line[len(b"data: ") :].strip()
       if data == b"[DONE]":
         return "done"
       if b'"error"' in data:
@@ -62,16 +72,22 @@ async def _client(session, url, rng, i):
 async def _wave(url, seed):
   rng = random.Random(seed)
   async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-    return await asyncio.gather(*(_client(s, url, random.Random(rng.random()), i) for i in range(N_CONCURRENT)))
+    return await asyncio.gather(
+      *(_client(s, url, random.Random(rng.random()), i) for i in range(N_CONCURRENT))
+    )
 
 
 def _settle(server, timeout=30):
   """Wait for the engine to go idle and the server to close every connection of the wave."""
   engine = server.engine
   deadline = time.time() + timeout
-  while time.time() < deadline and not (engine.active_slots == 0 and engine.queue_depth == 0
-                                        and engine.prefill is None and not engine.reserved
-                                        and server.open_connections == 0):
+  while time.time() < deadline and not (
+    engine.active_slots == 0
+    and engine.queue_depth == 0
+    and engine.prefill is None
+    and not engine.reserved
+    and server.open_connections == 0
+  ):
     time.sleep(0.05)
 
 

@@ -1,14 +1,15 @@
 """serve.engine's completion fields: logprobs computed in the compiled step equal log-softmax of
 `model.forward`'s logits, echo scores every prompt token (also with max_tokens 0), n choices share one
 prefill and each follows its own seed, 64-bit seeds, nothing recompiles."""
+
 import jax
 import numpy as np
 import pytest
-
 import serve_fixtures as sf
+from serve_fixtures import GPT2_VOCAB as V
+
 from laplace_jax import model
 from serve.engine import Request
-from serve_fixtures import GPT2_VOCAB as V
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,11 @@ def engine(cfg, params):
 def _reference(params, cfg, ids):
   """log-softmax over the valid vocabulary of forward's logits: row t scores token t + 1."""
   logits = np.asarray(model.forward(params, np.array([ids]), cfg=cfg))[0, :, :V].astype(np.float64)
-  return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-      -1, keepdims=True)
+  return (
+    logits
+    - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
 
 
 def _check_top(top, ref_row, n):
@@ -71,19 +75,26 @@ def test_echo_scores_every_prompt_token_even_with_max_tokens_0(engine, cfg, para
   one = Request(prompt_ids=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0.0)
   engine.generate([one])  # what lm-evaluation-harness sends: the generated token's logprob follows
   assert one.prompt_logprobs[0] is None
-  np.testing.assert_allclose([x[0] for x in one.prompt_logprobs[1:]], [x[0] for x in scored.prompt_logprobs[1:]],
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    [x[0] for x in one.prompt_logprobs[1:]], [x[0] for x in scored.prompt_logprobs[1:]], atol=1e-5
+  )
   assert abs(one.token_logprobs[0][0] - ref[-1][one.output_ids[0]]) < 1e-4
 
 
 def test_n_choices_share_a_prefill_and_follow_their_own_seeds(engine):
   prompt = list(range(500, 700))
   seeds = [11, 12, 13]
-  alone = [engine.generate([Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=s)])[0]
-           for s in seeds]
+  alone = [
+    engine.generate([Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=s)])[0] for s in seeds
+  ]
   before = engine.stats["prefill_tokens"]
-  lead = Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=seeds[0],
-                 siblings=[Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=s) for s in seeds[1:]])
+  lead = Request(
+    prompt_ids=prompt,
+    max_tokens=8,
+    temperature=1.0,
+    seed=seeds[0],
+    siblings=[Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=s) for s in seeds[1:]],
+  )
   engine.generate([lead])
   assert engine.stats["prefill_tokens"] - before == len(prompt)  # one prefill for three choices
   assert [lead.output_ids] + [s.output_ids for s in lead.siblings] == alone
@@ -93,7 +104,9 @@ def test_n_choices_share_a_prefill_and_follow_their_own_seeds(engine):
 def test_64_bit_seeds(engine):
   p = list(range(30))
   big = 2**40 + 7
-  a, b, c = engine.generate([Request(prompt_ids=p, max_tokens=12, temperature=1.0, seed=s) for s in (big, big, 7)])
+  a, b, c = engine.generate(
+    [Request(prompt_ids=p, max_tokens=12, temperature=1.0, seed=s) for s in (big, big, 7)]
+  )
   assert a == b and a != c
   d = engine.generate([Request(prompt_ids=p, max_tokens=12, temperature=1.0, seed=2**64 - 1)])[0]
   assert d != a
@@ -101,13 +114,23 @@ def test_64_bit_seeds(engine):
 
 def test_no_request_shape_compiles_after_warmup(engine):
   compiles = []
+
   def listen(event, duration, **kw):
     if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(event)
+
   jax.monitoring.register_event_duration_secs_listener(listen)
   p = list(range(200, 461))
-  engine.generate([Request(prompt_ids=p, max_tokens=3, logprobs=5, echo=True, temperature=0.5, top_p=0.9),
-                   Request(prompt_ids=p[:10], max_tokens=0, echo=True, logprobs=0),
-                   Request(prompt_ids=p[:99], max_tokens=4, seed=2**63,
-                           siblings=[Request(prompt_ids=p[:99], max_tokens=2, logprobs=2) for _ in range(3)])])
+  engine.generate(
+    [
+      Request(prompt_ids=p, max_tokens=3, logprobs=5, echo=True, temperature=0.5, top_p=0.9),
+      Request(prompt_ids=p[:10], max_tokens=0, echo=True, logprobs=0),
+      Request(
+        prompt_ids=p[:99],
+        max_tokens=4,
+        seed=2**63,
+        siblings=[Request(prompt_ids=p[:99], max_tokens=2, logprobs=2) for _ in range(3)],
+      ),
+    ]
+  )
   assert compiles == []

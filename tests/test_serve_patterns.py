@@ -3,21 +3,22 @@ tokens equal laplace_jax.generate's (an independent loop, one sequence, a fresh 
 of different lengths decoding together in slots that earlier, longer sequences used; attention's per-slot
 context bound refuses a prompt that does not fit (400) and ends a reply that reaches it with 'length'; the
 state cache restores sliding-window states with the same tokens as a full prefill."""
+
 import functools
 
 import jax
 import numpy as np
 import pytest
-
 import serve_fixtures as sf
+from serve_fixtures import GPT2_VOCAB
+
 from laplace_jax import generate, model
 from serve import state_cache
 from serve.engine import Engine, Request
 from serve.state_cache import StateCache
-from serve_fixtures import GPT2_VOCAB
 
-CONTEXT = 170   # the attention engine's --max_context; every reference call spans it (one compile each)
-WINDOW = 16     # sliding window: far shorter than the prompts, so the rings wrap many times
+CONTEXT = 170  # the attention engine's --max_context; every reference call spans it (one compile each)
+WINDOW = 16  # sliding window: far shorter than the prompts, so the rings wrap many times
 
 
 @functools.lru_cache
@@ -40,11 +41,15 @@ def engines(tmp_path_factory):
       if "A" in pattern:
         kw["max_context"] = CONTEXT
       if pattern == "GS":
-        kw["state_cache"] = StateCache(state_cache.model_identity(cfg, params), 1 << 30,
-                                       str(tmp_path_factory.mktemp("gs-cache")),
-                                       layout=state_cache.layout_for(cfg))
+        kw["state_cache"] = StateCache(
+          state_cache.model_identity(cfg, params),
+          1 << 30,
+          str(tmp_path_factory.mktemp("gs-cache")),
+          layout=state_cache.layout_for(cfg),
+        )
       built[pattern] = sf.engine(params, cfg, **kw)
     return built[pattern]
+
   return get
 
 
@@ -80,8 +85,9 @@ def test_attention_context_bound_refuses_long_prompts_and_ends_with_length(engin
   rng = np.random.default_rng(2)
   with pytest.raises(ValueError, match=f"--max_context={CONTEXT}"):
     eng.submit(Request(prompt_ids=rng.integers(0, GPT2_VOCAB, CONTEXT).tolist(), max_tokens=1))
-  scored = Request(prompt_ids=rng.integers(0, GPT2_VOCAB, CONTEXT).tolist(), max_tokens=0, echo=True,
-                   logprobs=0)  # scoring only: the whole context fits
+  scored = Request(
+    prompt_ids=rng.integers(0, GPT2_VOCAB, CONTEXT).tolist(), max_tokens=0, echo=True, logprobs=0
+  )  # scoring only: the whole context fits
   eng.generate([scored])
   assert len(scored.prompt_logprobs) == CONTEXT and np.isfinite(scored.prompt_logprobs[-1][0])
   prompt = rng.integers(0, GPT2_VOCAB, 60).tolist()
@@ -95,14 +101,27 @@ def test_attention_context_bound_refuses_long_prompts_and_ends_with_length(engin
 def test_the_context_bound_is_a_400_naming_the_flag(engines):
   eng = engines("GA")
   tok = sf.gpt2_tokenizer()
-  with sf.serving(eng, tok, sf.limits(tok, eng, max_tokens=4096, max_prompt_tokens=4096, max_choices=4,
-                                      max_reply_entries=1 << 20, max_prompts=4), api_key=sf.KEY) as (url, _):
+  with sf.serving(
+    eng,
+    tok,
+    sf.limits(
+      tok,
+      eng,
+      max_tokens=4096,
+      max_prompt_tokens=4096,
+      max_choices=4,
+      max_reply_entries=1 << 20,
+      max_prompts=4,
+    ),
+    api_key=sf.KEY,
+  ) as (url, _):
     status, body = sf.call(url, body={"prompt": [5] * CONTEXT, "max_tokens": 4})
     assert status == 400 and "--max_context" in body["error"]["message"], body
     # Greedy and ignore_eos: a sampled EOS at the last position would end the reply with 'stop' instead
     # (seen once in CI: the server's default temperature is 1 and its default seed random).
-    status, body = sf.call(url, body={"prompt": [5] * (CONTEXT - 3), "max_tokens": 50, "temperature": 0,
-                                      "ignore_eos": True})
+    status, body = sf.call(
+      url, body={"prompt": [5] * (CONTEXT - 3), "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+    )
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert body["usage"]["completion_tokens"] == 3
     status, info = sf.call(url, method="GET", path="/tokenizer_info")
@@ -118,6 +137,7 @@ def test_the_context_bound_is_a_400_naming_the_flag(engines):
 
 def _state_bytes(cfg, context):
   from laplace_jax.config import state_bytes_per_sequence
+
   return state_bytes_per_sequence(cfg, context)
 
 
@@ -138,7 +158,9 @@ def test_a_cached_sliding_window_state_gives_the_tokens_of_a_full_prefill(engine
   assert cache.flush(30) and {"ring_k", "ring_v", "pos"} <= set(cache.layout)
   again = StateCache(cache.model_id, 1 << 30, cache.dir, layout=state_cache.layout_for(eng.cfg))
   assert len(again) == len(cache) > 0
-  other = StateCache(cache.model_id, 1 << 30, cache.dir, layout=state_cache.layout_for(eng.cfg.replace(window=8)))
+  other = StateCache(
+    cache.model_id, 1 << 30, cache.dir, layout=state_cache.layout_for(eng.cfg.replace(window=8))
+  )
   assert len(other) == 0 and other.stats["files_skipped"] == len(cache)
 
 
@@ -154,5 +176,6 @@ def test_patterns_are_checked_at_start():
 
 def test_the_server_refuses_max_context_without_attention_before_loading_weights():
   from serve.__main__ import main
+
   with pytest.raises(SystemExit, match="leave --max_context unset"):
     main(["--preset", "tiny", "--random_init", "--max-context", "64"])  # the dashed spelling is accepted too

@@ -1,5 +1,6 @@
 """`python -m serve --state-cache-dir`: a conversation's state survives a kill -9 of the server, the next
 turn after the restart restores it, and its tokens equal those of a server with no cache."""
+
 import json
 import os
 import re
@@ -17,8 +18,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _start(*flags):
   env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "serve", "--preset", "tiny", "--random-init", "--port", "0",
-                           "--n-slots", "4", *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "serve",
+      "--preset",
+      "tiny",
+      "--random-init",
+      "--port",
+      "0",
+      "--n-slots",
+      "4",
+      *flags,
+    ],
+    cwd=ROOT,
+    env=env,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   deadline, log = time.time() + 240, []
   while time.time() < deadline:
     line = proc.stderr.readline()
@@ -33,8 +51,9 @@ def _start(*flags):
 
 
 def _post(url, body):
-  req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                               {"Content-Type": "application/json"})
+  req = urllib.request.Request(
+    url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+  )
   with urllib.request.urlopen(req, timeout=120) as r:
     return json.loads(r.read())
 

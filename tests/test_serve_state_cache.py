@@ -1,18 +1,19 @@
 """serve.state_cache and its use by the engine: longest-prefix hits on exact ids only, LRU eviction by
 bytes, atomic files that survive a restart (a damaged one is skipped), and restored states that equal a
 full prefill within fp32 rounding, so the tokens are the same with the cache on and off."""
+
 import os
 
 import jax
 import numpy as np
 import pytest
+import serve_fixtures as sf
+from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, sharding
 from serve import state_cache
-import serve_fixtures as sf
 from serve.engine import Request
 from serve.state_cache import StateCache
-from serve_fixtures import GPT2_VOCAB
 
 
 def _state(fill, L=2, n=3):
@@ -92,7 +93,7 @@ def test_directory_round_trip_and_a_damaged_file_is_skipped(tmp_path, caplog):
   again = StateCache("m", budget_bytes=10 * ENTRY_BYTES, directory=d)
   assert len(again) == 1 and again.stats["files_skipped"] == 2
   assert "skipping" in caplog.text
-  (ids, st), = [(e.ids, e.state) for e in again.entries.values()]
+  ((ids, st),) = [(e.ids, e.state) for e in again.entries.values()]
   i = int(ids[0])
   np.testing.assert_array_equal(st["gla"], _state(i)["gla"])
   assert again.lookup([i] * 71, 70)[0] == 70
@@ -113,6 +114,7 @@ def test_bad_directories_are_refused(tmp_path):
 
 # ---- the engine ----
 
+
 @pytest.fixture(scope="module")
 def cfg():
   return sf.tiny(3)[0]
@@ -124,8 +126,16 @@ def params():
 
 
 def _engine(cfg, params, cache):
-  return sf.engine(params, cfg, n_slots=8, prefill_batch=2, state_cache=cache, snapshot_every=2,
-                   cache_min_tokens=16, mesh=sharding.make_mesh(data=1, fsdp=8))
+  return sf.engine(
+    params,
+    cfg,
+    n_slots=8,
+    prefill_batch=2,
+    state_cache=cache,
+    snapshot_every=2,
+    cache_min_tokens=16,
+    mesh=sharding.make_mesh(data=1, fsdp=8),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +173,10 @@ def test_a_conversation_resumes_from_the_cache_with_the_same_tokens(engines, kin
   sampling = dict(temperature=0.0) if kind == "greedy" else dict(temperature=0.9, top_k=40)
   convs = [list(rng.integers(0, GPT2_VOCAB, int(rng.integers(20, 200)))) for _ in range(3)]
   for turn in range(3):
-    specs = [dict(prompt_ids=c, max_tokens=int(rng.integers(2, 12)), seed=int(rng.integers(2**32)),
-                  **sampling) for c in convs]
+    specs = [
+      dict(prompt_ids=c, max_tokens=int(rng.integers(2, 12)), seed=int(rng.integers(2**32)), **sampling)
+      for c in convs
+    ]
     before = dict(cached.stats)
     got = cached.generate([Request(**s) for s in specs])
     want = plain.generate([Request(**s) for s in specs])
@@ -208,9 +220,17 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
 
   def batch():
     prompts = [base + list(rng2.integers(0, GPT2_VOCAB, 20 + 10 * i)) for i in range(3)]
-    return [Request(prompt_ids=p, max_tokens=5, temperature=0.8, seed=40 + i,
-                    siblings=[Request(prompt_ids=p, max_tokens=5, temperature=0.8, seed=50 + i)])
-            for i, p in enumerate(prompts)]
+    return [
+      Request(
+        prompt_ids=p,
+        max_tokens=5,
+        temperature=0.8,
+        seed=40 + i,
+        siblings=[Request(prompt_ids=p, max_tokens=5, temperature=0.8, seed=50 + i)],
+      )
+      for i, p in enumerate(prompts)
+    ]
+
   outs = []
   for eng in (cached, plain):
     rng2 = np.random.default_rng(10)
@@ -224,6 +244,7 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
 
 def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
   from serve.__main__ import main
+
   (tmp_path / "notes.txt").write_text("not a cache")
   with pytest.raises(SystemExit, match="--state_cache_dir=.*not a state cache"):
     main(["--preset", "tiny", "--random-init", "--state-cache-dir", str(tmp_path)])
@@ -235,16 +256,26 @@ def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params)
   eng = _engine(cfg, params, StateCache(state_cache.model_identity(cfg, params), 1 << 30))
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, d, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-      and listening else None)
+    lambda event, d, **kw: (
+      compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" and listening else None
+    )
+  )
   listening = True
   try:
     prompt = list(range(1000, 1600))  # long enough to leave snapshots
-    out = eng.generate([Request(prompt_ids=prompt, max_tokens=3, logprobs=2),
-                        Request(prompt_ids=prompt[:40], max_tokens=2, echo=True, logprobs=0)])[0]
+    out = eng.generate(
+      [
+        Request(prompt_ids=prompt, max_tokens=3, logprobs=2),
+        Request(prompt_ids=prompt[:40], max_tokens=2, echo=True, logprobs=0),
+      ]
+    )[0]
     eng._collect_copies(block=True)
-    r = Request(prompt_ids=prompt + out + [5, 6, 7], max_tokens=2, seed=2**50,
-                siblings=[Request(prompt_ids=prompt + out + [5, 6, 7], max_tokens=1)])
+    r = Request(
+      prompt_ids=prompt + out + [5, 6, 7],
+      max_tokens=2,
+      seed=2**50,
+      siblings=[Request(prompt_ids=prompt + out + [5, 6, 7], max_tokens=1)],
+    )
     eng.generate([r])
     assert r.cached_tokens == len(prompt) + len(out)
   finally:

@@ -2,14 +2,15 @@
 (tenant, cache_salt) so a prefix cached for one is never restored for another, usage.prompt_tokens_details.
 cached_tokens, per-tenant cache counters behind the key, and slots shared fairly between tenants. One tiny
 engine (4 slots, a state cache with a directory) serves every test here."""
+
 import json
 import os
 import time
 
 import numpy as np
 import pytest
-
 import serve_fixtures as sf
+
 from serve import state_cache
 from serve.engine import QueueFull, Request
 from serve.state_cache import StateCache
@@ -21,10 +22,13 @@ ALICE, BOB = ({"Authorization": f"Bearer {KEYS[t]}"} for t in ("alice", "bob"))
 
 # ---- keys ----
 
+
 def test_keys_name_tenants_and_wrong_keys_get_none():
   t = Tenants([("alice", "k1"), ("alice", "k2"), ("bob", "k3")])
-  assert [t.authenticate(h) for h in ("Bearer k1", "bearer k2", "Bearer k3", "Bearer k4", "k1", None, "Bearer ",
-                                      "Bearer \udcff")] == ["alice", "alice", "bob", None, None, None, None, None]
+  assert [
+    t.authenticate(h)
+    for h in ("Bearer k1", "bearer k2", "Bearer k3", "Bearer k4", "k1", None, "Bearer ", "Bearer \udcff")
+  ] == ["alice", "alice", "bob", None, None, None, None, None]
   assert Tenants().authenticate(None) == ""  # no keys: the anonymous tenant
   with pytest.raises(ValueError, match="two tenants"):
     Tenants([("alice", "k1"), ("bob", "k1")])
@@ -48,6 +52,7 @@ def test_keys_file(tmp_path):
 
 def test_help_and_errors_never_print_a_key(monkeypatch, capsys, tmp_path):
   from serve.__main__ import parse_args, tenant_keys
+
   monkeypatch.setenv("LAPLACE_API_KEY", "sekrit-from-env")
   with pytest.raises(SystemExit):
     parse_args(["--help"])
@@ -61,6 +66,7 @@ def test_help_and_errors_never_print_a_key(monkeypatch, capsys, tmp_path):
 
 
 # ---- the cache's scopes ----
+
 
 def _state(fill):
   return {"gla": np.full((2, 3, 4), fill, np.float32), "conv": np.full((2, 2), fill, np.float32)}
@@ -92,6 +98,7 @@ def test_a_state_is_restored_only_in_the_scope_that_cached_it(tmp_path):
 
 # ---- one engine for the rest ----
 
+
 @pytest.fixture(scope="module")
 def tok():
   return sf.gpt2_tokenizer()
@@ -113,18 +120,27 @@ def eng(cache_dir):
   # restoring it would break the prefill; the engine must skip it and serve on.
   StateCache(ident, 1 << 30, cache_dir).put(PLANTED, {"gla": np.ones((3, 5), np.float32)})
   cache = StateCache(ident, 1 << 30, cache_dir)
-  return sf.engine(params, cfg, n_slots=4, prefill_batch=1, max_queue=8, state_cache=cache,
-                   cache_min_tokens=16)
+  return sf.engine(
+    params, cfg, n_slots=4, prefill_batch=1, max_queue=8, state_cache=cache, cache_min_tokens=16
+  )
 
 
 def _server(eng, tok):
   tenants = Tenants(list(KEYS.items()))
-  return sf.serving(eng, tok, sf.limits(tok, eng, max_tokens=64, max_prompt_tokens=2000, max_prompts=12),
-                    tenants=tenants)
+  return sf.serving(
+    eng, tok, sf.limits(tok, eng, max_tokens=64, max_prompt_tokens=2000, max_prompts=12), tenants=tenants
+  )
 
 
 def _complete(url, prompt, headers, **kw):
-  body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **kw}
+  body = {
+    "prompt": prompt,
+    "max_tokens": 4,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+    **kw,
+  }
   st, out = sf.call(url, body=body, headers=headers)
   assert st == 200, out
   return out
@@ -143,15 +159,24 @@ def test_cached_tokens_never_cross_keys_or_salts(eng, tok):
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # Alice herself gets the hit, whole and streamed (the final usage chunk), and so does her salt.
     assert _complete(url, resumed, ALICE)["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
-    st, events = sf.call(url, body={"prompt": resumed, "max_tokens": 2, "stream": True,
-                                    "stream_options": {"include_usage": True}}, headers=ALICE)
+    st, events = sf.call(
+      url,
+      body={"prompt": resumed, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+      headers=ALICE,
+    )
     assert st == 200 and json.loads(events[-2])["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     again = resumed + salted["choices"][0]["token_ids"] + [14]
     got = _complete(url, again, ALICE, cache_salt="tab-2")["usage"]
-    assert got["prompt_tokens_details"]["cached_tokens"] == len(again) - 1 and got["prompt_tokens"] == len(again)
+    assert got["prompt_tokens_details"]["cached_tokens"] == len(again) - 1 and got["prompt_tokens"] == len(
+      again
+    )
     # Chat: the same usage object.
-    st, chat = sf.call(url, path="/v1/chat/completions", headers=BOB,
-                       body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    st, chat = sf.call(
+      url,
+      path="/v1/chat/completions",
+      headers=BOB,
+      body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert st == 200 and chat["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     st, err = sf.call(url, body={"prompt": "hi", "cache_salt": ""}, headers=ALICE)
     assert st == 400 and err["error"]["param"] == "cache_salt"
@@ -212,6 +237,7 @@ def test_stopping_the_server_writes_the_finished_conversations_state(eng, tok, c
   def slow_disk(path, data):
     time.sleep(1.0)
     write(path, data)
+
   monkeypatch.setattr(state_cache, "_atomic_write", slow_disk)
   prompt = np.random.default_rng(3).integers(0, 50_000, 60).tolist()
   with _server(eng, tok) as (url, _):
@@ -245,7 +271,9 @@ def test_a_request_never_waits_for_another_scopes_state(eng):
     for tenant, salt in (("bob", None), ("alice", "s")):
       eng._restore([Request(prompt_ids=prompt, tenant=tenant, cache_salt=salt)])
       assert not leaf.waited and len(eng._copies) == 1
-    with pytest.raises(ValueError, match="layout"):  # Alice's next turn waits for it (the fake lands, refused)
+    with pytest.raises(
+      ValueError, match="layout"
+    ):  # Alice's next turn waits for it (the fake lands, refused)
       eng._restore([Request(prompt_ids=prompt, tenant="alice")])
     assert leaf.waited
   finally:

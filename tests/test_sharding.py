@@ -1,10 +1,11 @@
 """Meshes and partition specs on 8 simulated devices (and an abstract 64-device mesh for laplace-3b)."""
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax import config, sharding
 
@@ -12,7 +13,9 @@ from laplace_jax import config, sharding
 def _abstract_params(cfg):
   shapes = config.param_shapes(cfg)
   tree = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes["model"].items()}
-  tree["layers"] = {n: jax.ShapeDtypeStruct((cfg.n_layers,) + s, jnp.float32) for n, s in shapes["layer"].items()}
+  tree["layers"] = {
+    n: jax.ShapeDtypeStruct((cfg.n_layers,) + s, jnp.float32) for n, s in shapes["layer"].items()
+  }
   return tree
 
 
@@ -25,7 +28,9 @@ def test_make_mesh_axes_and_sizes():
 
 
 def test_make_mesh_too_large_says_how_to_simulate():
-  with pytest.raises(ValueError, match=r"needs 16 devices but 8 are present.*xla_force_host_platform_device_count"):
+  with pytest.raises(
+    ValueError, match=r"needs 16 devices but 8 are present.*xla_force_host_platform_device_count"
+  ):
     sharding.make_mesh(data=2, fsdp=8)
   with pytest.raises(ValueError, match="data=3"):
     sharding.make_mesh(data=3)
@@ -34,7 +39,9 @@ def test_make_mesh_too_large_says_how_to_simulate():
 
 
 def test_laplace_3b_specs_on_64_devices():
-  specs = sharding.param_specs(_abstract_params(config.get_config("laplace-3b")), AbstractMesh((1, 64), ("data", "fsdp")))
+  specs = sharding.param_specs(
+    _abstract_params(config.get_config("laplace-3b")), AbstractMesh((1, 64), ("data", "fsdp"))
+  )
   layers = specs["layers"]
   for name in config.MUON_PARAM_NAMES:  # fan_in over fsdp, never the layer axis
     assert layers[name] == P(None, "fsdp", None), name
@@ -45,8 +52,9 @@ def test_laplace_3b_specs_on_64_devices():
 
 
 def _shard_shapes(tree, mesh):
-  placed = jax.device_put(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree),
-                          sharding.param_shardings(tree, mesh))
+  placed = jax.device_put(
+    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), sharding.param_shardings(tree, mesh)
+  )
   return jax.tree.map(lambda x: x.addressable_shards[0].data.shape, placed)
 
 
@@ -56,10 +64,12 @@ def test_tiny_params_placed_fsdp_sharded():
   local = _shard_shapes(_abstract_params(cfg), mesh)
   assert local["layers"]["w_qkvg"] == (2, 16, 192)  # [L, D/4, qkvg]: Muon leaves always shard
   assert local["layers"]["w3"] == (2, 32, 64)
-  assert local["layers"]["ln1_scale"] == (2, 64)    # small: replicated
+  assert local["layers"]["ln1_scale"] == (2, 64)  # small: replicated
   # Replicated over "data": devices 0 and 4 (same fsdp index, other data replica) hold the same block.
-  arr = jax.device_put(jnp.arange(64.0).reshape(1, 64, 1) * jnp.ones((2, 64, 8)),
-                       jax.NamedSharding(mesh, sharding.matrix_spec((2, 64, 8), mesh)))
+  arr = jax.device_put(
+    jnp.arange(64.0).reshape(1, 64, 1) * jnp.ones((2, 64, 8)),
+    jax.NamedSharding(mesh, sharding.matrix_spec((2, 64, 8), mesh)),
+  )
   blocks = {s.device.id: s.index for s in arr.addressable_shards}
   devs = mesh.devices
   assert blocks[devs[0, 1].id] == blocks[devs[1, 1].id] != blocks[devs[0, 2].id]
@@ -70,7 +80,9 @@ def test_large_leaf_that_does_not_divide_is_an_error():
   tree = {"layers": {"big_table": jax.ShapeDtypeStruct((24, 1000, 999), jnp.float32)}}
   with pytest.raises(ValueError, match=r"layers/big_table: shape \(24, 1000, 999\).*'fsdp' axis size 64"):
     sharding.param_specs(tree, mesh)
-  assert sharding.param_specs(tree, mesh, min_shard_elements=10**9)["layers"]["big_table"] == P(None, None, None)
+  assert sharding.param_specs(tree, mesh, min_shard_elements=10**9)["layers"]["big_table"] == P(
+    None, None, None
+  )
   with pytest.raises(ValueError, match=r"layers/w1: shape \(24, 100, 30\) has neither matrix dim"):
     sharding.param_specs({"layers": {"w1": jax.ShapeDtypeStruct((24, 100, 30), jnp.float32)}}, mesh)
 
@@ -90,10 +102,15 @@ def test_batch_and_decode_state_split_over_every_device():
   assert shard["tokens"].spec == P(("data", "fsdp"), None)
   placed = jax.device_put(batch, shard)
   assert placed["tokens"].addressable_shards[0].data.shape == (2, 32)
-  state = {"gla": jax.ShapeDtypeStruct((2, 8, 4, 8, 16), jnp.float32),
-           "conv": jax.ShapeDtypeStruct((2, 8, 4, 64), jnp.float32)}
+  state = {
+    "gla": jax.ShapeDtypeStruct((2, 8, 4, 8, 16), jnp.float32),
+    "conv": jax.ShapeDtypeStruct((2, 8, 4, 64), jnp.float32),
+  }
   specs = jax.tree.map(lambda s: s.spec, sharding.decode_state_shardings(state, mesh))
-  assert specs == {"gla": P(None, ("data", "fsdp"), None, None, None), "conv": P(None, ("data", "fsdp"), None, None)}
+  assert specs == {
+    "gla": P(None, ("data", "fsdp"), None, None, None),
+    "conv": P(None, ("data", "fsdp"), None, None),
+  }
   with pytest.raises(ValueError, match=r"batch/tokens: batch size 12 .* does not divide over the 8 devices"):
     sharding.batch_shardings({"tokens": jnp.zeros((12, 32))}, mesh)
   with pytest.raises(ValueError, match=r"state/gla: batch size 6"):
@@ -102,11 +119,16 @@ def test_batch_and_decode_state_split_over_every_device():
 
 def test_optimizer_state_follows_param_rule():
   mesh = sharding.make_mesh(fsdp=8)
-  params = {"embed": jnp.zeros((512, 64)), "layers": {"w1": jnp.zeros((2, 64, 128)), "ln1_scale": jnp.zeros((2, 64))}}
+  params = {
+    "embed": jnp.zeros((512, 64)),
+    "layers": {"w1": jnp.zeros((2, 64, 128)), "ln1_scale": jnp.zeros((2, 64))},
+  }
   state = jax.eval_shape(optax.adamw(1e-3).init, params)
   specs = sharding.param_specs(state, mesh)
-  leaves = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(
-      specs, is_leaf=lambda x: isinstance(x, P))}
+  leaves = {
+    jax.tree_util.keystr(p): s
+    for p, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
+  }
   mu = [s for k, s in leaves.items() if ".mu" in k and "'w1'" in k]
   assert mu == [P(None, "fsdp", None)]
   assert all(s == P() for k, s in leaves.items() if "count" in k)

@@ -1,5 +1,5 @@
 """The short conv and its ring state (laplace_jax/short_conv.py) against a direct numpy convolution."""
-import jax
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -11,7 +11,7 @@ B, W, D = 3, 4, 5
 def _reference(x_BxTxD, kernel_WxD, bias_D):
   """out_t = bias + Σ_i kernel[i] · x_{t−(W−1)+i}, zeros before position 0."""
   pad = np.concatenate([np.zeros((x_BxTxD.shape[0], W - 1, D), np.float32), x_BxTxD], 1)
-  return bias_D + sum(pad[:, i:i + x_BxTxD.shape[1]] * kernel_WxD[i] for i in range(W))
+  return bias_D + sum(pad[:, i : i + x_BxTxD.shape[1]] * kernel_WxD[i] for i in range(W))
 
 
 def test_pieces_of_any_length_and_decode_equal_one_convolution():
@@ -26,11 +26,11 @@ def test_pieces_of_any_length_and_decode_equal_one_convolution():
   for n_B in lengths.T:
     chunk = np.zeros((B, 7, D), np.float32)
     for b in range(B):
-      chunk[b, :n_B[b]] = x[b, int(pos[b]):int(pos[b]) + n_B[b]]
+      chunk[b, : n_B[b]] = x[b, int(pos[b]) : int(pos[b]) + n_B[b]]
     before = np.asarray(ring)
     out, ring = short_conv.conv_sequence(jnp.asarray(chunk), kernel, bias, ring, pos, jnp.asarray(n_B))
     for b in range(B):
-      outs[b].append(np.asarray(out[b, :n_B[b]]))
+      outs[b].append(np.asarray(out[b, : n_B[b]]))
       if n_B[b] == 0:
         np.testing.assert_array_equal(ring[b], before[b])  # exactly kept
     pos = pos + n_B
@@ -44,4 +44,4 @@ def test_pieces_of_any_length_and_decode_equal_one_convolution():
   assert not np.asarray(table[0]).any()  # the other layer's ring is untouched
   for b in range(B):
     got = np.concatenate(outs[b])
-    np.testing.assert_allclose(got, want[b, :len(got)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want[b, : len(got)], rtol=1e-5, atol=1e-5)

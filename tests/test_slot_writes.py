@@ -1,5 +1,6 @@
 """Inserting a prefilled sequence writes only its slot's rows of the donated slot table: no instruction of
 the compiled insert reads or writes as much as one layer of the state table."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +13,19 @@ from serve.slots import N_TOP, SlotFunctions, entry_writes, host_settings
 def test_insert_moves_the_slot_rows_not_the_table():
   cfg = get_config("tiny")
   slots, prefill_batch = 2048, 2
-  fns = SlotFunctions(model, cfg, n_slots=slots, prefill_batch=prefill_batch, n_stop=4,
-                      valid_vocab=cfg.vocab_size)
+  fns = SlotFunctions(
+    model, cfg, n_slots=slots, prefill_batch=prefill_batch, n_stop=4, valid_vocab=cfg.vocab_size
+  )
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   table, pf = jax.eval_shape(fns._empty_table), jax.eval_shape(fns._empty_prefill)
-  compiled = fns.insert.lower(params, table, pf, np.array([0, 1], np.int32), np.array([3, slots], np.int32),
-                              host_settings([], prefill_batch, 4)).compile()
+  compiled = fns.insert.lower(
+    params,
+    table,
+    pf,
+    np.array([0, 1], np.int32),
+    np.array([3, slots], np.int32),
+    host_settings([], prefill_batch, 4),
+  ).compile()
   layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(table["model"])) // cfg.n_layers
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   biggest = max(ops, key=lambda o: max(o.read_bytes, o.written_bytes))
@@ -28,12 +36,21 @@ def test_insert_moves_the_slot_rows_not_the_table():
 
 def test_decode_over_a_serving_mesh_leaves_the_kernel_to_xla(monkeypatch, caplog):
   import logging
+
   from laplace_jax import gla_decode, sharding
+
   cfg = get_config("tiny")
   monkeypatch.setattr(gla_decode, "resolve_impl", lambda impl, backend=None: "interpret")  # as on a GPU
   gla_decode._logged.clear()
-  fns = SlotFunctions(model, cfg, n_slots=8, prefill_batch=1, n_stop=2, valid_vocab=cfg.vocab_size,
-                      mesh=sharding.make_mesh(fsdp=8))
+  fns = SlotFunctions(
+    model,
+    cfg,
+    n_slots=8,
+    prefill_batch=1,
+    n_stop=2,
+    valid_vocab=cfg.vocab_size,
+    mesh=sharding.make_mesh(fsdp=8),
+  )
   params = model.init_params(cfg, jax.random.key(0))
   with caplog.at_level(logging.WARNING, logger="laplace_jax.gla_decode"):
     table, out = fns.generate(params, fns.empty_table())
@@ -60,16 +77,30 @@ def test_insert_writes_the_real_entries_and_nothing_else():
   S, P = 6, 4
   fns = SlotFunctions(model, cfg, n_slots=S, prefill_batch=P, n_stop=2, valid_vocab=cfg.vocab_size)
   rng = np.random.default_rng(0)
-  rand = lambda x: jnp.asarray(rng.integers(1, 100, x.shape) if x.dtype.kind in "iu" else rng.normal(size=x.shape),
-                               x.dtype)
+  rand = lambda x: jnp.asarray(
+    rng.integers(1, 100, x.shape) if x.dtype.kind in "iu" else rng.normal(size=x.shape), x.dtype
+  )
   pf = jax.tree.map(rand, fns.empty_prefill())
-  rows = [{"temperature": 0.0, "top_k": i, "top_p": 0.5 + i / 10, "seed": 10 + i, "seed_hi": i, "max_tokens": 5 + i,
-           "logprobs": -1, "stop_ids": [i]} for i in range(P)]
+  rows = [
+    {
+      "temperature": 0.0,
+      "top_k": i,
+      "top_p": 0.5 + i / 10,
+      "seed": 10 + i,
+      "seed_hi": i,
+      "max_tokens": 5 + i,
+      "logprobs": -1,
+      "stop_ids": [i],
+    }
+    for i in range(P)
+  ]
   settings = host_settings(rows, P, 2)
   for row_E, slot_E in (([0, 1, 2, 1], [6, 4, 7, 1]), ([3, 0, 1, 2], [6, 9, 6, 6])):
     table = jax.tree.map(rand, fns.empty_table())
     want = jax.tree.map(np.array, table)
-    table, out = fns.insert(None, table, pf, jnp.asarray(row_E, jnp.int32), jnp.asarray(slot_E, jnp.int32), settings)
+    table, out = fns.insert(
+      None, table, pf, jnp.asarray(row_E, jnp.int32), jnp.asarray(slot_E, jnp.int32), settings
+    )
     out = np.asarray(out)
     for e, (r, s) in enumerate(zip(row_E, slot_E)):
       if s >= S:

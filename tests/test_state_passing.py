@@ -1,11 +1,13 @@
 """State passing (truncated BPTT) in the train step: two consecutive segments from the carried state score
 exactly what one forward over the whole sequence scores; on the FSDP mesh, with micro-batches, any pattern."""
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from laplace_jax import model, sharding, train_step as ts
+from laplace_jax import model, sharding
+from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 
 # A larger init than the preset's makes the output depend on the context strongly enough to tell a carried
@@ -25,14 +27,21 @@ def test_two_segments_with_carried_state_equal_the_full_sequence():
   mesh = sharding.make_mesh(data=2, fsdp=4)  # 8 simulated devices: the carry is sharded with the rows
   B, T = 16, 32
   opt = optax.sgd(0.0)  # parameters stay put, so each step scores its segment with the same model
-  step = ts.compile_train_step(CFG, opt, mesh, global_batch=B, seq_len=T, state_passing=True,
-                               step_cfg=ts.StepConfig(micro_batches=micro_batches))
+  step = ts.compile_train_step(
+    CFG,
+    opt,
+    mesh,
+    global_batch=B,
+    seq_len=T,
+    state_passing=True,
+    step_cfg=ts.StepConfig(micro_batches=micro_batches),
+  )
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=B)
   assert set(state["carry"]) == {"gla", "conv", "pos"} and state["carry"]["gla"].shape[0] == B
   tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (B, 2 * T + 1)).astype(np.int32)
   losses = []
   for s in range(2):
-    seg = tokens[:, s * T:(s + 1) * T + 1]
+    seg = tokens[:, s * T : (s + 1) * T + 1]
     state, m = step(state, {"inputs": seg[:, :-1], "targets": seg[:, 1:]})
     losses.append(float(m["loss"]))
   assert np.asarray(state["carry"]["pos"]).tolist() == [2 * T] * B  # batch-major like every carry leaf
@@ -40,7 +49,7 @@ def test_two_segments_with_carried_state_equal_the_full_sequence():
   np.testing.assert_allclose(losses, [ce[:, :T].mean(), ce[:, T:].mean()], rtol=2e-5)
   # Without the carry the second segment scores differently (the test can tell the two apart).
   fresh = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=B)
-  _, m = step(fresh, {"inputs": tokens[:, T:2 * T], "targets": tokens[:, T + 1:]})
+  _, m = step(fresh, {"inputs": tokens[:, T : 2 * T], "targets": tokens[:, T + 1 :]})
   assert abs(float(m["loss"]) - ce[:, T:].mean()) > 20 * 2e-5 * ce[:, T:].mean()
 
 
@@ -51,7 +60,9 @@ def test_attention_layers_carry_nothing():
   opt = optax.adam(1e-2)
   step = ts.compile_train_step(cfg, opt, mesh, global_batch=8, seq_len=16, state_passing=True)
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0, carry_batch=8)
-  assert set(state["carry"]) == {"gla", "conv", "pos"} and state["carry"]["gla"].shape[1] == 1  # one GLA layer
+  assert (
+    set(state["carry"]) == {"gla", "conv", "pos"} and state["carry"]["gla"].shape[1] == 1
+  )  # one GLA layer
   assert set(ts.init_carry(CFG.replace(mixers="A"), 2)) == {"conv", "pos"}
   tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
   for _ in range(2):
@@ -70,32 +81,64 @@ def test_carry_must_match_the_batch():
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   from train import prepare
+
   d = tmp_path_factory.mktemp("data") / "kjv"
-  prepare.main(["--corpus", "kjv", "-o", str(d), "--max-documents", "20", "--val-fraction", "0.1",
-                "--no-progress"])
+  prepare.main(
+    ["--corpus", "kjv", "-o", str(d), "--max-documents", "20", "--val-fraction", "0.1", "--no-progress"]
+  )
   return d
 
 
 def test_resumed_run_is_bit_identical_and_the_flag_is_checked(data_dir, tmp_path):
   """4 steps straight vs 2 + resume 2: the carried states and stream positions come back from the checkpoint."""
   import json
+
   from train.config import load_config
   from train.loop import run
-  common = ["--preset", "tiny", "--model.vocab_size", "50304", "--global_batch", "8", "--seq_len", "32",
-            "--mesh_data", "1", "--mesh_fsdp", "1", "--micro_batches", "2", "--eval_batches", "0",
-            "--log_every", "1", "--no-progress", "--data_dir", str(data_dir), "--state_passing",
-            "--optimizer.total_steps", "4"]
-  train = lambda out, steps, *extra: run(load_config(common + ["--out_dir", str(out), "--steps", str(steps),
-                                                               "--save_every", "2", *extra]))
-  losses = lambda out: [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()
-                        if "loss" in json.loads(l)]
+
+  common = [
+    "--preset",
+    "tiny",
+    "--model.vocab_size",
+    "50304",
+    "--global_batch",
+    "8",
+    "--seq_len",
+    "32",
+    "--mesh_data",
+    "1",
+    "--mesh_fsdp",
+    "1",
+    "--micro_batches",
+    "2",
+    "--eval_batches",
+    "0",
+    "--log_every",
+    "1",
+    "--no-progress",
+    "--data_dir",
+    str(data_dir),
+    "--state_passing",
+    "--optimizer.total_steps",
+    "4",
+  ]
+  train = lambda out, steps, *extra: run(
+    load_config(common + ["--out_dir", str(out), "--steps", str(steps), "--save_every", "2", *extra])
+  )
+  losses = lambda out: [
+    json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(l)
+  ]
   train(tmp_path / "straight", 4)
   train(tmp_path / "resumed", 2)
   train(tmp_path / "resumed", 4)
   assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
   with pytest.raises(ValueError, match="train.state_passing: saved True, now False"):
-    run(load_config([a for a in common if a != "--state_passing"] + ["--out_dir", str(tmp_path / "resumed"),
-                                                                       "--steps", "6"]))
+    run(
+      load_config(
+        [a for a in common if a != "--state_passing"]
+        + ["--out_dir", str(tmp_path / "resumed"), "--steps", "6"]
+      )
+    )
 
 
 def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
@@ -104,11 +147,14 @@ def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
   resume restores such a checkpoint with pos = 0 on the abstract state's sharding."""
   from laplace_jax import checkpoint
   from train import resume
+
   params = model.init_params(CFG, jax.random.key(0))
   tokens = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
-  _, carry = model.forward_carry(params, tokens[:, :7], model.init_carry(CFG, 2), cfg=CFG)  # pos 7: not ≡ 0 mod 4
+  _, carry = model.forward_carry(
+    params, tokens[:, :7], model.init_carry(CFG, 2), cfg=CFG
+  )  # pos 7: not ≡ 0 mod 4
   W = CFG.conv_size
-  order = (np.asarray(carry["pos"])[:, None] + np.arange(W)) % W          # the old layout: oldest input first
+  order = (np.asarray(carry["pos"])[:, None] + np.arange(W)) % W  # the old layout: oldest input first
   old_conv = np.take_along_axis(np.asarray(carry["conv"]), order[None, :, :, None], axis=2)
   want, _ = model.forward_carry(params, tokens[:, 7:], carry, cfg=CFG)
   at = lambda pos: {**carry, "conv": old_conv, "pos": np.full((2,), pos, np.int32)}

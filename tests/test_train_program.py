@@ -1,4 +1,5 @@
 """`python -m train` end to end: exact resume after a real kill, 2 processes == 1, the config system."""
+
 import json
 import os
 import signal
@@ -12,19 +13,35 @@ import numpy as np
 import pytest
 
 from train import prepare
-from train.config import load_config, build_parser
+from train.config import build_parser, load_config
 from train.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_data", "2", "--mesh_fsdp", "4",
-          "--eval_batches", "1", "--log_every", "1", "--no-progress"]
+COMMON = [
+  "--preset",
+  "tiny",
+  "--global_batch",
+  "8",
+  "--seq_len",
+  "64",
+  "--mesh_data",
+  "2",
+  "--mesh_fsdp",
+  "4",
+  "--eval_batches",
+  "1",
+  "--log_every",
+  "1",
+  "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   d = tmp_path_factory.mktemp("data") / "kjv"
-  prepare.main(["--corpus", "kjv", "-o", str(d), "--max-documents", "80", "--val-fraction", "0.1",
-                "--no-progress"])
+  prepare.main(
+    ["--corpus", "kjv", "-o", str(d), "--max-documents", "80", "--val-fraction", "0.1", "--no-progress"]
+  )
   return d
 
 
@@ -36,8 +53,13 @@ SCHEDULE = ["--optimizer.total_steps", str(STEPS)]
 def reference(data_dir, tmp_path_factory):
   """step -> loss of one uninterrupted in-process run, the reference of both program tests (one compile)."""
   ref = tmp_path_factory.mktemp("ref")
-  run(load_config(COMMON + SCHEDULE + ["--data_dir", str(data_dir), "--out_dir", str(ref), "--steps", str(STEPS),
-                                       "--save_every", "100"]))
+  run(
+    load_config(
+      COMMON
+      + SCHEDULE
+      + ["--data_dir", str(data_dir), "--out_dir", str(ref), "--steps", str(STEPS), "--save_every", "100"]
+    )
+  )
   want = _losses(ref)
   assert sorted(want) == list(range(1, STEPS + 1))
   return want
@@ -52,15 +74,36 @@ def _losses(out_dir):
 def _cli(*args, **popen):
   env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+  return subprocess.Popen(
+    [sys.executable, "-m", "train", *args],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    **popen,
+  )
 
 
 def test_kill_then_resume_equals_uninterrupted_run(data_dir, reference, tmp_path):
   steps, want = STEPS, reference
   out = tmp_path / "killed"
-  args = COMMON + SCHEDULE + ["--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps),
-                              "--save_every", "2", "--simulate_devices", "8"]
+  args = (
+    COMMON
+    + SCHEDULE
+    + [
+      "--data_dir",
+      str(data_dir),
+      "--out_dir",
+      str(out),
+      "--steps",
+      str(steps),
+      "--save_every",
+      "2",
+      "--simulate_devices",
+      "8",
+    ]
+  )
   proc = _cli(*args)
   ckpts = out / "checkpoints"
   deadline = time.time() + 300
@@ -72,6 +115,7 @@ def test_kill_then_resume_equals_uninterrupted_run(data_dir, reference, tmp_path
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   from laplace_jax.checkpoint import Checkpointer
+
   with Checkpointer(ckpts) as c:
     resumed_from = c.latest_step()
   assert resumed_from is not None and 2 <= resumed_from < steps
@@ -89,9 +133,27 @@ def test_two_processes_match_one_process(data_dir, reference, tmp_path):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   out = tmp_path / "two"
-  procs = [_cli(*COMMON, *SCHEDULE, "--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps),
-                "--simulate_devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num_processes", "2",
-                "--process_id", str(i)) for i in range(2)]
+  procs = [
+    _cli(
+      *COMMON,
+      *SCHEDULE,
+      "--data_dir",
+      str(data_dir),
+      "--out_dir",
+      str(out),
+      "--steps",
+      str(steps),
+      "--simulate_devices",
+      "4",
+      "--coordinator",
+      f"127.0.0.1:{port}",
+      "--num_processes",
+      "2",
+      "--process_id",
+      str(i),
+    )
+    for i in range(2)
+  ]
   logs = [p.communicate(timeout=400)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), "\n\n".join(logs)
   assert "2 process(es)" in logs[0]
@@ -102,27 +164,30 @@ def test_two_processes_match_one_process(data_dir, reference, tmp_path):
 
 def test_config_precedence_toml_then_flags(tmp_path):
   toml = tmp_path / "run.toml"
-  toml.write_text('[train]\nsteps = 7\nglobal_batch = 32\n[model]\nd_model = 32\n'
-                  '[optimizer]\nmuon_lr = 0.01\n')
+  toml.write_text(
+    "[train]\nsteps = 7\nglobal_batch = 32\n[model]\nd_model = 32\n[optimizer]\nmuon_lr = 0.01\n"
+  )
   rc = load_config(["--config", str(toml), "--steps", "9", "--model.n_layers", "3"])
   assert (rc.train.steps, rc.train.global_batch) == (9, 32)
   assert (rc.model.d_model, rc.model.n_layers, rc.model.n_heads) == (32, 3, 4)  # rest from the tiny preset
   assert rc.optimizer.muon_lr == 0.01 and rc.optimizer.total_steps == 9
 
 
-@pytest.mark.parametrize("argv, match", [
+@pytest.mark.parametrize(
+  "argv, match",
+  [
     (["--steps", "0"], "positive integer"),
     (["--model.n_decay_tiers", "3"], "divisor of n_heads"),
     (["--optimizer.muon_beta", "1.0"], "muon_beta"),
     (["--preset", "huge"], "preset"),
-])
+  ],
+)
 def test_bad_config_is_a_clear_error(argv, match):
   with pytest.raises(ValueError, match=match):
     load_config(argv)
 
 
 def test_help_documents_every_flag():
-  text = build_parser().format_help()
   for action in build_parser()._actions:
     if action.option_strings and action.dest != "help":
       assert action.help and len(action.help) > 12, action.option_strings
@@ -130,6 +195,8 @@ def test_help_documents_every_flag():
 
 def test_compile_only_reports_memory(tmp_path):
   # The reference's step (same schedule and steps): read back from the suite's compilation cache.
-  summary = run(load_config(COMMON + SCHEDULE + ["--steps", str(STEPS), "--compile_only", "--out_dir", str(tmp_path)]))
+  summary = run(
+    load_config(COMMON + SCHEDULE + ["--steps", str(STEPS), "--compile_only", "--out_dir", str(tmp_path)])
+  )
   assert summary["memory"]["temp_bytes"] > 0 and summary["compile_s"] > 0
   assert not (tmp_path / "checkpoints").exists()

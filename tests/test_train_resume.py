@@ -1,5 +1,6 @@
 """Runs that cannot silently change: the saved run config, resume refusals and overrides, the LR schedule
 kept when a run is extended, metrics rows written once per step across a crash."""
+
 import json
 import shutil
 from pathlib import Path
@@ -12,23 +13,45 @@ from train.config import load_config
 from train.loop import run
 
 # One device: what is checked here does not depend on the mesh, and the step compiles faster.
-COMMON = ["--preset", "tiny", "--global_batch", "8", "--seq_len", "64", "--mesh_data", "1", "--mesh_fsdp", "1",
-          "--eval_batches", "0", "--log_every", "1", "--no-progress"]
+COMMON = [
+  "--preset",
+  "tiny",
+  "--global_batch",
+  "8",
+  "--seq_len",
+  "64",
+  "--mesh_data",
+  "1",
+  "--mesh_fsdp",
+  "1",
+  "--eval_batches",
+  "0",
+  "--log_every",
+  "1",
+  "--no-progress",
+]
 # The LR schedule of test_extended_run_keeps_its_schedule's reference, given to every first run here whose
 # schedule the test does not check (later runs keep the saved one): their train steps are then one program,
 # compiled once and read back from the suite's compilation cache (tests/conftest.py).
 SCHEDULE = ["--optimizer.total_steps", "4"]
 # The allowed changes both resume tests accept: a field (muon_lr) and the schedule (total_steps). One set, so
 # their resumed runs (each saved with SCHEDULE's schedule) compile one program between them, not two.
-ALLOWED_CHANGES = ["--optimizer.muon_lr", "0.5", "--optimizer.total_steps", "12",
-                   "--allow_changes", "optimizer.muon_lr,optimizer.total_steps"]
+ALLOWED_CHANGES = [
+  "--optimizer.muon_lr",
+  "0.5",
+  "--optimizer.total_steps",
+  "12",
+  "--allow_changes",
+  "optimizer.muon_lr,optimizer.total_steps",
+]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   d = tmp_path_factory.mktemp("data") / "kjv"
-  prepare.main(["--corpus", "kjv", "-o", str(d), "--max-documents", "40", "--val-fraction", "0.1",
-                "--no-progress"])
+  prepare.main(
+    ["--corpus", "kjv", "-o", str(d), "--max-documents", "40", "--val-fraction", "0.1", "--no-progress"]
+  )
   return d
 
 
@@ -45,15 +68,27 @@ def test_changed_config_is_refused_listing_each_difference_then_allowed(data_dir
   _train(data_dir, out, "--steps", "2", "--profile_steps", "1", *SCHEDULE)
   assert list((out / "profile").rglob("*.xplane.pb")), "no jax.profiler trace written"
   with pytest.raises(ValueError) as e:
-    _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--global_batch", "16",
-           "--model.remat", "true")  # remat is allowed: it does not change the math
+    _train(
+      data_dir,
+      out,
+      "--steps",
+      "3",
+      "--optimizer.muon_lr",
+      "0.5",
+      "--global_batch",
+      "16",
+      "--model.remat",
+      "true",
+    )  # remat is allowed: it does not change the math
   msg = str(e.value)
   assert "optimizer.muon_lr: saved 0.02, now 0.5 (--optimizer.muon_lr)" in msg
   assert "train.global_batch: saved 8, now 16 (--global_batch)" in msg
   assert "remat" not in msg
   assert "--allow_changes train.global_batch,optimizer.muon_lr" in msg
   with pytest.raises(ValueError, match=r"--allow_changes 'optimizer.muon_rate'.*unknown field"):
-    _train(data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--allow_changes", "optimizer.muon_rate")
+    _train(
+      data_dir, out, "--steps", "3", "--optimizer.muon_lr", "0.5", "--allow_changes", "optimizer.muon_rate"
+    )
   summary = _train(data_dir, out, "--steps", "3", *ALLOWED_CHANGES)
   assert summary["start_step"] == 2 and summary["end_step"] == 3
 
@@ -95,8 +130,11 @@ def test_rbg_run_resumes_bit_identically_and_refuses_another_prng(data_dir, tmp_
 
 def test_checkpoint_without_a_prng_counts_as_threefry():
   resume.check_prng("threefry", {}, where="old")
-  with pytest.raises(ValueError, match=r"refusing to resume old: that run used the 'threefry' PRNG, this one "
-                                       r"would use 'rbg'\. Resume with --prng threefry"):
+  with pytest.raises(
+    ValueError,
+    match=r"refusing to resume old: that run used the 'threefry' PRNG, this one "
+    r"would use 'rbg'\. Resume with --prng threefry",
+  ):
     resume.check_prng("rbg", {}, where="old")
 
 
@@ -142,7 +180,9 @@ def test_clip_norm_off_from_toml_and_flags(tmp_path):
 def test_tokens_per_step_sets_the_batch_for_any_length():
   assert load_config(["--seq_len", "16384", "--tokens_per_step", "32768"]).train.global_batch == 2
   assert load_config(["--seq_len", "2048", "--tokens_per_step", "32768"]).train.global_batch == 16
-  with pytest.raises(ValueError, match=r"--tokens_per_step=1000: expected a multiple of the sequence length 256"):
+  with pytest.raises(
+    ValueError, match=r"--tokens_per_step=1000: expected a multiple of the sequence length 256"
+  ):
     load_config(["--tokens_per_step", "1000"])
   with pytest.raises(ValueError, match="disagree"):
     load_config(["--seq_len", "128", "--tokens_per_step", "1024", "--global_batch", "4"])

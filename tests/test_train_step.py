@@ -1,11 +1,13 @@
 """The compiled train step: accumulation, non-finite skipping, one compile, mesh == single device."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from laplace_jax import sharding, train_step as ts
+from laplace_jax import sharding
+from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 
 CFG = get_config("tiny", max_seq_len=128)
@@ -18,8 +20,14 @@ def _batch(B, seed=0, T=T):
 
 
 def _run(opt, mesh, batches, micro=1, cfg=CFG):
-  comp = ts.compile_train_step(cfg, opt, mesh, global_batch=batches[0]["inputs"].shape[0], seq_len=T,
-                               step_cfg=ts.StepConfig(micro_batches=micro))
+  comp = ts.compile_train_step(
+    cfg,
+    opt,
+    mesh,
+    global_batch=batches[0]["inputs"].shape[0],
+    seq_len=T,
+    step_cfg=ts.StepConfig(micro_batches=micro),
+  )
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(batches[0]["inputs"].shape[0], T, mesh))
   losses = []
@@ -31,6 +39,7 @@ def _run(opt, mesh, batches, micro=1, cfg=CFG):
 
 def test_loss_matches_plain_cross_entropy():
   from laplace_jax import model
+
   params = model.init_params(CFG, jax.random.key(0))
   b = _batch(2)
   total, aux = ts.loss_sums(params, b, cfg=CFG)
@@ -54,6 +63,7 @@ def test_accumulation_equals_one_big_batch():
 def test_weights_make_accumulation_token_weighted():
   """Masked tokens count zero: loss == mean over weighted tokens only, however the batch is split."""
   from laplace_jax import model
+
   params = model.init_params(CFG, jax.random.key(0))
   b = _batch(4)
   w = np.ones((4, T), np.float32)
@@ -79,7 +89,9 @@ def test_non_finite_step_is_skipped_and_counted():
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   opt = optax.adamw(1e-3)
   # test_sharded_step_matches_single_device's one-device step: read back from the compilation cache.
-  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2))
+  comp = ts.compile_train_step(
+    CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2)
+  )
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
   state["params"]["final_norm_scale"] = state["params"]["final_norm_scale"].at[0].set(jnp.nan)
   before = jax.tree.map(np.asarray, state["params"])
@@ -94,11 +106,14 @@ def test_non_finite_step_is_skipped_and_counted():
 def test_no_recompilation_over_a_run():
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+    lambda ev, _d, **kw: compiles.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None
+  )
   mesh = sharding.make_mesh(data=2, fsdp=4)
   opt = optax.adamw(1e-3)
   # test_sharded_step_matches_single_device's 8-device step: read back from the compilation cache.
-  comp = ts.compile_train_step(CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2))
+  comp = ts.compile_train_step(
+    CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2)
+  )
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(16, T, mesh))
   state, _ = comp(state, jax.device_put(_batch(16), batch_sh))
@@ -112,8 +127,9 @@ def test_no_recompilation_over_a_run():
 def test_bad_batch_sizes_rejected_before_compiling():
   mesh = sharding.make_mesh(data=2, fsdp=4)
   with pytest.raises(ValueError, match="multiple of 16"):
-    ts.compile_train_step(CFG, optax.adamw(1e-3), mesh, global_batch=8, seq_len=T,
-                          step_cfg=ts.StepConfig(micro_batches=2))
+    ts.compile_train_step(
+      CFG, optax.adamw(1e-3), mesh, global_batch=8, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2)
+    )
   with pytest.raises(ValueError, match="micro_batches"):
     ts.StepConfig(micro_batches=0)
 
@@ -125,13 +141,16 @@ def test_20_steps_distributed_muon_equals_undistributed():
   moves the last bit of some Newton–Schulz inputs, so the losses agree to float32 rounding (measured max
   relative difference ≈ 1e-7 over the 20 steps)."""
   from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+
   mesh = sharding.make_mesh(data=2, fsdp=4)
   ocfg = OptimizerConfig(total_steps=20, warmup_steps=2, muon_lr=0.05, adamw_lr=3e-3)
   batches = [_batch(8, s) for s in range(20)]
   runs = {}
-  for name, opt in {"all_to_all": make_optimizer(ocfg, mesh=mesh),
-                    "gather": make_optimizer(ocfg.replace(muon_distribution="gather"), mesh=mesh),
-                    "undistributed": make_optimizer(ocfg, mesh=None)}.items():
+  for name, opt in {
+    "all_to_all": make_optimizer(ocfg, mesh=mesh),
+    "gather": make_optimizer(ocfg.replace(muon_distribution="gather"), mesh=mesh),
+    "undistributed": make_optimizer(ocfg, mesh=None),
+  }.items():
     runs[name] = _run(opt, mesh, batches)[1]
   assert runs["all_to_all"][-1] < runs["all_to_all"][0] - 0.5  # it trains
   np.testing.assert_allclose(runs["all_to_all"], runs["gather"], rtol=1e-6)
@@ -153,6 +172,7 @@ def test_windowed_pattern_trains():
 def test_hybrid_pattern_sharded_muon_step_matches_single_device():
   """A GLA + attention pattern trains with Muon on its attention matrices too, sharded == one device."""
   from laplace_jax import optimizer as optim
+
   cfg = CFG.replace(n_layers=4, mixers="GA")
   ocfg = optim.OptimizerConfig(total_steps=10, warmup_steps=1)
   batches = [_batch(16, s) for s in range(2)]

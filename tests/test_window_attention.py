@@ -1,10 +1,11 @@
 """Sliding-window attention (mixer 'S') against a naive [T, T]-masked softmax written here in numpy."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from decode_traffic import assert_matmul_form_on_neuron_reduces_elsewhere, passes_over_tables
+
 from laplace_jax import platform
 from laplace_jax import window_attention as wa
 
@@ -22,8 +23,9 @@ def _reference(q, k, v, W):
   return np.einsum("bhts,bshd->bthd", p, v)
 
 
-@pytest.mark.parametrize("T, W", [(5, 8), (8, 8), (21, 8), (200, 8), (37, 1)],
-                         ids=["T<W", "T=W", "T%W!=0", "T>>W", "W=1"])
+@pytest.mark.parametrize(
+  "T, W", [(5, 8), (8, 8), (21, 8), (200, 8), (37, 1)], ids=["T<W", "T=W", "T%W!=0", "T>>W", "W=1"]
+)
 def test_window_attention_matches_masked_reference(T, W):
   q, k, v = jax.random.normal(jax.random.key(T), (3, 2, T, 3, 4))
   np.testing.assert_allclose(wa.window_attention(q, k, v, W), _reference(q, k, v, W), atol=1e-5)
@@ -54,18 +56,20 @@ def test_ring_chunks_then_decode_equal_whole_sequence():
   want = _reference(q, k, v, W)
   kr = vr = jnp.zeros((B, H, W, d))
   pos = jnp.zeros((B,), jnp.int32)
-  take = lambda x, p, n: jnp.stack([jnp.pad(x[b, p[b]:p[b] + n], [(0, n - len(x[b, p[b]:p[b] + n])), (0, 0),
-                                                                   (0, 0)]) for b in range(B)])
-  for n in ([5, 3], [11, 2], [0, 6]):          # chunks of 12 padded tokens, some rows consume fewer or none
+  take = lambda x, p, n: jnp.stack(
+    [jnp.pad(x[b, p[b] : p[b] + n], [(0, n - len(x[b, p[b] : p[b] + n])), (0, 0), (0, 0)]) for b in range(B)]
+  )
+  for n in ([5, 3], [11, 2], [0, 6]):  # chunks of 12 padded tokens, some rows consume fewer or none
     n = jnp.array(n)
     o, kr, vr = wa.ring_chunk_attention(take(q, pos, 12), take(k, pos, 12), take(v, pos, 12), kr, vr, pos, n)
     for b in range(B):
-      np.testing.assert_allclose(o[b, :int(n[b])], want[b, int(pos[b]):int(pos[b] + n[b])], atol=1e-5)
+      np.testing.assert_allclose(o[b, : int(n[b])], want[b, int(pos[b]) : int(pos[b] + n[b])], atol=1e-5)
     pos = pos + n
   ktab, vtab = jnp.zeros((2, B, H, W, d)).at[1].set(kr), jnp.zeros((2, B, H, W, d)).at[1].set(vr)
   for _ in range(5):
-    o, ktab, vtab = wa.ring_decode_attention(take(q, pos, 1), take(k, pos, 1), take(v, pos, 1), ktab, vtab, 1,
-                                             pos)
+    o, ktab, vtab = wa.ring_decode_attention(
+      take(q, pos, 1), take(k, pos, 1), take(v, pos, 1), ktab, vtab, 1, pos
+    )
     for b in range(B):
       np.testing.assert_allclose(o[b, 0], want[b, int(pos[b])], atol=1e-5)
     pos = pos + 1
@@ -80,8 +84,9 @@ def test_ring_of_a_short_prompt_masks_its_empty_slots():
   B, H, d, W = 1, 1, 4, 8
   q, k, v = jax.random.normal(jax.random.key(4), (3, B, 4, H, d))
   junk = jnp.full((B, H, W, d), 1e3)
-  _, kr, vr = wa.ring_chunk_attention(q[:, :3], k[:, :3], v[:, :3], junk, junk, jnp.zeros((B,), jnp.int32),
-                                      jnp.array([3]))
+  _, kr, vr = wa.ring_chunk_attention(
+    q[:, :3], k[:, :3], v[:, :3], junk, junk, jnp.zeros((B,), jnp.int32), jnp.array([3])
+  )
   o, *_ = wa.ring_decode_attention(q[:, 3:], k[:, 3:], v[:, 3:], kr[None], vr[None], 0, jnp.array([3]))
   np.testing.assert_allclose(o[0, 0], _reference(q, k, v, W)[0, 3], atol=1e-5)
 
@@ -118,7 +123,9 @@ def test_decode_forms_agree_on_short_and_full_rings(dtype):
   np.testing.assert_allclose(got[0], want[0], atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
   for g, w in zip(got[1:], want[1:]):
     np.testing.assert_array_equal(g, w)
-  assert_matmul_form_on_neuron_reduces_elsewhere(lambda *a: wa.ring_decode_attention(*a, 1, pos), (q, k, v, kt, vt))
+  assert_matmul_form_on_neuron_reduces_elsewhere(
+    lambda *a: wa.ring_decode_attention(*a, 1, pos), (q, k, v, kt, vt)
+  )
 
 
 def test_compiled_decode_reads_each_ring_once_in_place():
@@ -129,4 +136,4 @@ def test_compiled_decode_reads_each_ring_once_in_place():
 
   with platform.lowering_for("cpu"):
     assert moved(wa.ring_decode_attention) < 1.2
-  assert moved(wa._decode_matmuls) > 2.5          # the check can tell the two apart
+  assert moved(wa._decode_matmuls) > 2.5  # the check can tell the two apart

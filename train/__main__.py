@@ -1,4 +1,5 @@
 """`python -m train`: see `python -m train --help` (and train/config.py for the config system)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,7 @@ import sys
 def _setup_jax(tc):
   """Device simulation and multi-process initialisation, before any JAX backend starts."""
   import jax
+
   if tc.target and not tc.simulate_devices:
     tc = dataclasses.replace(tc, simulate_devices=64)  # a trn2.48xlarge: 16 chips x 4 logical cores (LNC=2)
   if tc.simulate_devices:
@@ -24,25 +26,29 @@ def _setup_jax(tc):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=n_proc, process_id=proc_id)
   from laplace_jax import platform  # the PRNG, before any key is made (--target: the target's choice)
+
   with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
     platform.use_prng(tc.prng)
 
 
 def main(argv=None) -> int:
   from train.config import load_config
+
   try:
     rc = load_config(sys.argv[1:] if argv is None else argv)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   _setup_jax(rc.train)
-  from train.loop import run, TrainingError
+  from train.loop import TrainingError, run
+
   try:
     summary = run(rc)
   except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   import jax
+
   if jax.process_index() == 0:
     print(json.dumps({k: v for k, v in summary.items() if k not in ("sample", "report")}))
   return 1 if summary.get("violations") else 0

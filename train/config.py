@@ -7,16 +7,17 @@ line, train fields are `--steps 100`, model and optimizer fields `--model.d_mode
 help is its field's docstring, written once beside the field. Flags are spelled with underscores, as the
 fields are; the dashed spelling (`--data-dir`, `--model.d-model`, `--no-resume`) is accepted too.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import tomllib
 import typing
-from typing import Any
+
+import tomllib
 
 from laplace_jax import cli
-from laplace_jax.config import LaplaceConfig, get_config, PRESETS
+from laplace_jax.config import PRESETS, LaplaceConfig, get_config
 from laplace_jax.optimizer import OptimizerConfig
 
 
@@ -104,26 +105,51 @@ class TrainConfig:
   and conv windows; no gradient across the boundary)"""
 
   def __post_init__(self):
-    for f in ("steps", "global_batch", "micro_batches", "mesh_data", "log_every", "keep_checkpoints",
-              "max_bad_steps", "num_processes", "save_every"):
+    for f in (
+      "steps",
+      "global_batch",
+      "micro_batches",
+      "mesh_data",
+      "log_every",
+      "keep_checkpoints",
+      "max_bad_steps",
+      "num_processes",
+      "save_every",
+    ):
       if getattr(self, f) < 1:
         raise ValueError(f"--{f}={getattr(self, f)}: expected a positive integer.")
-    for f in ("seq_len", "tokens_per_step", "mesh_fsdp", "simulate_devices", "eval_every", "eval_batches", "sample_tokens",
-              "process_id", "profile_steps"):
+    for f in (
+      "seq_len",
+      "tokens_per_step",
+      "mesh_fsdp",
+      "simulate_devices",
+      "eval_every",
+      "eval_batches",
+      "sample_tokens",
+      "process_id",
+      "profile_steps",
+    ):
       if getattr(self, f) < 0:
         raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
     if self.data_source:
       from laplace_jax.recall import parse_task
+
       parse_task(self.data_source)
     from laplace_jax.platform import PRNG_CHOICES
+
     if self.prng not in PRNG_CHOICES:
-      raise ValueError(f"--prng={self.prng!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry "
-                       "elsewhere).")
+      raise ValueError(
+        f"--prng={self.prng!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry elsewhere)."
+      )
     if self.target not in ("", "neuron"):
-      raise ValueError(f"--target={self.target!r}: the only lowering target is 'neuron' (Trainium); on a CPU or "
-                       "GPU host run without --target (--compile_only compiles for the host).")
+      raise ValueError(
+        f"--target={self.target!r}: the only lowering target is 'neuron' (Trainium); on a CPU or "
+        "GPU host run without --target (--compile_only compiles for the host)."
+      )
     if self.hlo_dir and not self.target:
-      raise ValueError(f"--hlo_dir={self.hlo_dir!r} needs --target neuron (it is where the lowered step goes).")
+      raise ValueError(
+        f"--hlo_dir={self.hlo_dir!r} needs --target neuron (it is where the lowered step goes)."
+      )
     if self.target and self.compile_only:
       raise ValueError("--target lowers without compiling; drop --compile_only (or --target).")
     if self.preset not in PRESETS:
@@ -158,8 +184,11 @@ def _field_type(cls, f):
 def build_parser() -> argparse.ArgumentParser:
   """Every field of the three sections is a flag; its help is the field's docstring (laplace_jax.cli)."""
   ap = cli.FlagParser(
-      prog="python -m train", description="Train a Laplace model with pjit over a device mesh.",
-      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prog="python -m train",
+    description="Train a Laplace model with pjit over a device mesh.",
+    epilog=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   ap.add_argument("--config", metavar="FILE.toml", help="TOML file with [train], [model], [optimizer] tables")
   for section, cls in _SECTIONS.items():
     group = ap.add_argument_group(f"[{section}]")
@@ -169,12 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
       default = f.default
       helptext = cli.field_help(cls, f.name) + (f": one of {sorted(PRESETS)}" if f.name == "preset" else "")
       if t is bool and section == "train":
-        group.add_argument(flag, dest=f"{section}.{f.name}", action=cli.Toggle, default=None,
-                           help=f"{helptext} (default: {default})")
+        group.add_argument(
+          flag,
+          dest=f"{section}.{f.name}",
+          action=cli.Toggle,
+          default=None,
+          help=f"{helptext} (default: {default})",
+        )
       else:
         typ = _parse_bool if t is bool else (t if t in (int, float, str) else str)
-        group.add_argument(flag, dest=f"{section}.{f.name}", type=typ, default=None, metavar=t.__name__.upper()
-                           if hasattr(t, "__name__") else "V", help=f"{helptext} (default: {default!r})".strip())
+        group.add_argument(
+          flag,
+          dest=f"{section}.{f.name}",
+          type=typ,
+          default=None,
+          metavar=t.__name__.upper() if hasattr(t, "__name__") else "V",
+          help=f"{helptext} (default: {default!r})".strip(),
+        )
   return ap
 
 
@@ -213,22 +253,33 @@ def load_config(argv=None) -> RunConfig:
   args = vars(build_parser().parse_args(argv))
   toml = read_toml(args.pop("config")) if args.get("config") else {}
   args.pop("config", None)
-  flags = {sec: {k.split(".", 1)[1]: v for k, v in args.items() if k.startswith(sec + ".") and v is not None}
-           for sec in _SECTIONS}
+  flags = {
+    sec: {k.split(".", 1)[1]: v for k, v in args.items() if k.startswith(sec + ".") and v is not None}
+    for sec in _SECTIONS
+  }
   train_vals = {**toml.get("train", {}), **flags["train"]}
   train = _apply(TrainConfig, TrainConfig(), train_vals, "[train]")
-  model = _apply(LaplaceConfig, get_config(train.preset), {**toml.get("model", {}), **flags["model"]},
-                 "[model]")
-  optimizer = _apply(OptimizerConfig, optimizer_defaults(train.preset, train.steps),
-                     {**toml.get("optimizer", {}), **flags["optimizer"]}, "[optimizer]")
+  model = _apply(
+    LaplaceConfig, get_config(train.preset), {**toml.get("model", {}), **flags["model"]}, "[model]"
+  )
+  optimizer = _apply(
+    OptimizerConfig,
+    optimizer_defaults(train.preset, train.steps),
+    {**toml.get("optimizer", {}), **flags["optimizer"]},
+    "[optimizer]",
+  )
   if train.tokens_per_step:
     seq = train.seq_len or model.max_seq_len
     if train.tokens_per_step % seq:
-      raise ValueError(f"--tokens_per_step={train.tokens_per_step}: expected a multiple of the sequence length "
-                       f"{seq}. Use e.g. {max(1, train.tokens_per_step // seq) * seq}.")
+      raise ValueError(
+        f"--tokens_per_step={train.tokens_per_step}: expected a multiple of the sequence length "
+        f"{seq}. Use e.g. {max(1, train.tokens_per_step // seq) * seq}."
+      )
     if "global_batch" in train_vals and train_vals["global_batch"] * seq != train.tokens_per_step:
-      raise ValueError(f"--global_batch={train.global_batch} and --tokens_per_step={train.tokens_per_step} "
-                       f"disagree at seq_len {seq}; set only one of them.")
+      raise ValueError(
+        f"--global_batch={train.global_batch} and --tokens_per_step={train.tokens_per_step} "
+        f"disagree at seq_len {seq}; set only one of them."
+      )
     train = dataclasses.replace(train, global_batch=train.tokens_per_step // seq)
   explicit = frozenset(f"{sec}.{k}" for sec in _SECTIONS for k in {**toml.get(sec, {}), **flags[sec]})
   return RunConfig(train, model, optimizer, explicit)

@@ -20,6 +20,7 @@ predicting the token after position p pooled into buckets [0, 2), [2, 4), [4, 8)
 document; printed, in the JSON and as a PNG. GLA-only models (an attention layer would need the whole
 document's KV cache). `python -m train.prepare --corpus kjv-books` keeps whole books as documents.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,42 +32,70 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
   from laplace_jax import cli
-  ap = cli.FlagParser(prog="python -m train.eval", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+
+  ap = cli.FlagParser(
+    prog="python -m train.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ap.add_argument("--checkpoint", required=True, help="an exported params directory (RUN/export/step_N)")
   ap.add_argument("--data_dir", required=True, help="prepared data (python -m train.prepare)")
   ap.add_argument("--split", default="val", help="split to evaluate (default: val)")
   ap.add_argument("--json", help="also write the result to this file (never overwritten)")
   ap.add_argument("--seq_len", type=int, default=0, help="tokens per window (0: the model's max_seq_len)")
   ap.add_argument("--global_batch", type=int, default=8, help="windows per batch, over all devices")
-  ap.add_argument("--max_batches", type=int, default=0, help="only the first N full batches (0: the whole split)")
+  ap.add_argument(
+    "--max_batches", type=int, default=0, help="only the first N full batches (0: the whole split)"
+  )
   ap.add_argument("--mesh_data", type=int, default=1, help="data-parallel axis size of the device mesh")
   ap.add_argument("--mesh_fsdp", type=int, default=0, help="0: all devices left after mesh_data")
   ap.add_argument("--simulate_devices", type=int, default=0, help="CPU only: simulate this many devices")
   ap.add_argument("--preset", help="refuse the checkpoint unless its config is this preset's")
-  ap.add_argument("--by_position", action="store_true",
-                  help="held-out loss per position bucket (powers of two), one stream per document")
-  ap.add_argument("--png", help="--by_position: the plot's file (default: beside --json, else by_position.png)")
-  ap.add_argument("--reset_every", type=int, default=0,
-                  help="--by_position: zero the state every N tokens (a multiple of --segment), so no position "
-                  "sees more than N tokens back: the same positions with a bounded context (0: never)")
-  ap.add_argument("--segment", type=int, default=1024,
-                  help="--by_position: tokens per forward call through the explicit state")
+  ap.add_argument(
+    "--by_position",
+    action="store_true",
+    help="held-out loss per position bucket (powers of two), one stream per document",
+  )
+  ap.add_argument(
+    "--png", help="--by_position: the plot's file (default: beside --json, else by_position.png)"
+  )
+  ap.add_argument(
+    "--reset_every",
+    type=int,
+    default=0,
+    help="--by_position: zero the state every N tokens (a multiple of --segment), so no position "
+    "sees more than N tokens back: the same positions with a bounded context (0: never)",
+  )
+  ap.add_argument(
+    "--segment",
+    type=int,
+    default=1024,
+    help="--by_position: tokens per forward call through the explicit state",
+  )
   return ap
 
 
 def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_batches: int):
   """The loop's held-out packing; with max_batches 0 the tail too, as a padded batch with zero weights."""
   import numpy as np
+
   from laplace_jax import data
+
   manifest = data.load_manifest(data_dir)
   if split not in manifest["splits"]:
-    raise ValueError(f"--split {split!r}: {data_dir} has no such split (it has {sorted(manifest['splits'])}). "
-                     "Prepare held-out data with `python -m train.prepare ... --val_fraction F`, or pass "
-                     "--split with one of those.")
+    raise ValueError(
+      f"--split {split!r}: {data_dir} has no such split (it has {sorted(manifest['splits'])}). "
+      "Prepare held-out data with `python -m train.prepare ... --val_fraction F`, or pass "
+      "--split with one of those."
+    )
   if max_batches:
-    full = data.make_eval_batches(data_dir, seq_len=seq_len, global_batch_size=global_batch, split=split,
-                                  max_batches=max_batches, process_index=0, process_count=1)
+    full = data.make_eval_batches(
+      data_dir,
+      seq_len=seq_len,
+      global_batch_size=global_batch,
+      split=split,
+      max_batches=max_batches,
+      process_index=0,
+      process_count=1,
+    )
     return [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full], manifest
   docs = data._documents(data_dir, manifest, split)
   eos = np.int32([manifest["eos_id"]])
@@ -76,13 +105,15 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
   n_batches = -(-n_windows // global_batch)
   total = n_batches * global_batch * width
   padded = np.zeros(total, np.int32)
-  padded[:len(tokens)] = tokens
+  padded[: len(tokens)] = tokens
   valid = np.zeros(total, bool)
-  valid[:len(tokens)] = True
+  valid[: len(tokens)] = True
   x = padded.reshape(n_batches, global_batch, width)
   v = valid.reshape(n_batches, global_batch, width)
-  return [{"inputs": x[i, :, :-1], "targets": x[i, :, 1:], "weights": v[i, :, 1:].astype(np.float32)}
-          for i in range(n_batches)], manifest
+  return [
+    {"inputs": x[i, :, :-1], "targets": x[i, :, 1:], "weights": v[i, :, 1:].astype(np.float32)}
+    for i in range(n_batches)
+  ], manifest
 
 
 def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024, reset_every=0) -> dict:
@@ -92,18 +123,25 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from laplace_jax import checkpoint as ckpt, data, model
+
+  from laplace_jax import checkpoint as ckpt
+  from laplace_jax import data, model
+
   path = Path(checkpoint)
   cfg = ckpt.export_config(path, preset=preset)
   if set("AS") & set(cfg.mixers):  # the training carry holds no KV cache or window rings
-    raise ValueError(f"--by_position: the model has attention layers (mixers={cfg.mixers!r}); scoring "
-                     "book-length streams in constant memory needs a GLA-only model. Use the plain eval.")
+    raise ValueError(
+      f"--by_position: the model has attention layers (mixers={cfg.mixers!r}); scoring "
+      "book-length streams in constant memory needs a GLA-only model. Use the plain eval."
+    )
   if segment < 1 or segment % min(cfg.chunk_size, segment):
     raise ValueError(f"--segment {segment}: expected a positive multiple of the chunk size {cfg.chunk_size}")
   if reset_every < 0 or (reset_every and reset_every % segment):
-    raise ValueError(f"--reset_every {reset_every}: expected 0 (never) or a multiple of --segment {segment}; "
-                     f"e.g. --segment {min(segment, reset_every) if reset_every > 0 else segment} "
-                     f"--reset_every {reset_every}")
+    raise ValueError(
+      f"--reset_every {reset_every}: expected 0 (never) or a multiple of --segment {segment}; "
+      f"e.g. --segment {min(segment, reset_every) if reset_every > 0 else segment} "
+      f"--reset_every {reset_every}"
+    )
   manifest = data.load_manifest(data_dir)
   data.check_vocab(manifest, cfg.vocab_size)
   docs = data._documents(data_dir, manifest, split)
@@ -122,58 +160,97 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
   for s in streams:
     n = len(s) - 1  # positions 0..n-1 each predict the next token
     padded = np.zeros(-(-n // segment) * segment + 1, np.int32)
-    padded[:len(s)] = s
+    padded[: len(s)] = s
     carry = model.init_carry(cfg, 1)
     ce = []
     for a in range(0, n, segment):  # the zero padding sits after the last real token: causal, never read
       if reset_every and a and a % reset_every == 0:
         carry = model.init_carry(cfg, 1)
-      c, carry = seg_ce(params, carry, padded[None, a:a + segment], padded[None, a + 1:a + segment + 1])
+      c, carry = seg_ce(params, carry, padded[None, a : a + segment], padded[None, a + 1 : a + segment + 1])
       ce.append(np.asarray(c, np.float64))
     ce = np.concatenate(ce)[:n]
     bucket = np.maximum(np.floor(np.log2(np.maximum(np.arange(n), 1))).astype(int), 0)
     np.add.at(ce_sum, bucket, ce)
     np.add.at(count, bucket, 1)
-  buckets = [{"position_lo": 0 if k == 0 else 2 ** k, "position_hi": 2 ** (k + 1),
-              "loss": ce_sum[k] / count[k] if count[k] else None, "tokens": int(count[k])}
-             for k in range(n_buckets)]
-  return {"checkpoint": str(path), "data_dir": str(data_dir), "split": split, "documents": len(streams),
-          "longest_document": longest, "tokens": int(count.sum()), "loss": float(ce_sum.sum() / count.sum()),
-          "buckets": buckets, "mixers": cfg.mixers, "segment": segment, "reset_every": reset_every}
+  buckets = [
+    {
+      "position_lo": 0 if k == 0 else 2**k,
+      "position_hi": 2 ** (k + 1),
+      "loss": ce_sum[k] / count[k] if count[k] else None,
+      "tokens": int(count[k]),
+    }
+    for k in range(n_buckets)
+  ]
+  return {
+    "checkpoint": str(path),
+    "data_dir": str(data_dir),
+    "split": split,
+    "documents": len(streams),
+    "longest_document": longest,
+    "tokens": int(count.sum()),
+    "loss": float(ce_sum.sum() / count.sum()),
+    "buckets": buckets,
+    "mixers": cfg.mixers,
+    "segment": segment,
+    "reset_every": reset_every,
+  }
 
 
 def plot_by_position(res: dict, png) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   b = [x for x in res["buckets"] if x["tokens"]]
   fig, ax = plt.subplots(figsize=(6.5, 4))
   ax.plot([x["position_hi"] for x in b], [x["loss"] for x in b], "o-")
   ax.set_xscale("log", base=2)
   ax.set_xlabel("position in the document (bucket's upper end)")
   ax.set_ylabel("held-out loss (nats/token)")
-  ax.set_title(f"{Path(res['checkpoint']).parent.parent.name}: {res['documents']} documents, "
-               f"longest {res['longest_document']:,} tokens", fontsize=9)
+  ax.set_title(
+    f"{Path(res['checkpoint']).parent.parent.name}: {res['documents']} documents, "
+    f"longest {res['longest_document']:,} tokens",
+    fontsize=9,
+  )
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(png, dpi=100)
   plt.close(fig)
 
 
-def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, max_batches=0, mesh_data=1,
-             mesh_fsdp=0, preset=None) -> dict:
+def evaluate(
+  checkpoint,
+  data_dir,
+  *,
+  split="val",
+  seq_len=0,
+  global_batch=8,
+  max_batches=0,
+  mesh_data=1,
+  mesh_fsdp=0,
+  preset=None,
+) -> dict:
   import jax
-  from laplace_jax import checkpoint as ckpt, data, sharding, train_step as ts
+
+  from laplace_jax import checkpoint as ckpt
+  from laplace_jax import data, sharding
+  from laplace_jax import train_step as ts
 
   path = Path(checkpoint)
   mesh = sharding.make_mesh(data=mesh_data, fsdp=mesh_fsdp or None)
-  params, cfg = ckpt.load_export(path, lambda abstract: sharding.param_shardings(abstract, mesh), preset=preset)
+  params, cfg = ckpt.load_export(
+    path, lambda abstract: sharding.param_shardings(abstract, mesh), preset=preset
+  )
   seq_len = seq_len or cfg.max_seq_len
   if global_batch % mesh.devices.size:
-    raise ValueError(f"--global_batch {global_batch} does not split over the mesh's {mesh.devices.size} "
-                     f"devices; use a multiple of {mesh.devices.size}.")
-  batches, manifest = split_batches(data_dir, split, seq_len=seq_len, global_batch=global_batch,
-                                    max_batches=max_batches)
+    raise ValueError(
+      f"--global_batch {global_batch} does not split over the mesh's {mesh.devices.size} "
+      f"devices; use a multiple of {mesh.devices.size}."
+    )
+  batches, manifest = split_batches(
+    data_dir, split, seq_len=seq_len, global_batch=global_batch, max_batches=max_batches
+  )
   data.check_vocab(manifest, cfg.vocab_size)
   shards = jax.tree.map(lambda a: a.sharding, params)
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(global_batch, seq_len, mesh, weighted=True))
@@ -188,16 +265,27 @@ def evaluate(checkpoint, data_dir, *, split="val", seq_len=0, global_batch=8, ma
       if byte_len:
         n_bytes += byte_len(b["targets"][b["weights"] > 0])
   loss = ce / max(tok, 1.0)
-  return {"checkpoint": str(path), "data_dir": str(data_dir), "split": split, "tokens": int(tok),
-          "loss": loss, "perplexity": math.exp(loss), "bytes": n_bytes or None,
-          "bits_per_byte": ce / math.log(2) / n_bytes if n_bytes else None,
-          "seq_len": seq_len, "global_batch": global_batch, "batches": len(batches),
-          "mixers": cfg.mixers, "mesh": dict(mesh.shape)}
+  return {
+    "checkpoint": str(path),
+    "data_dir": str(data_dir),
+    "split": split,
+    "tokens": int(tok),
+    "loss": loss,
+    "perplexity": math.exp(loss),
+    "bytes": n_bytes or None,
+    "bits_per_byte": ce / math.log(2) / n_bytes if n_bytes else None,
+    "seq_len": seq_len,
+    "global_batch": global_batch,
+    "batches": len(batches),
+    "mixers": cfg.mixers,
+    "mesh": dict(mesh.shape),
+  }
 
 
 def _byte_counter(manifest):
   """ids -> UTF-8 bytes of their text (EOS excluded), for GPT-2 data; None for other tokenizers."""
   from laplace_jax import tokenizer
+
   if manifest.get("tokenizer") != tokenizer.TOKENIZER_NAME:
     return None
   enc = tokenizer.get_tokenizer()
@@ -209,22 +297,33 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   if args.simulate_devices:
     import jax
+
     jax.config.update("jax_num_cpu_devices", args.simulate_devices)
     jax.config.update("jax_platforms", "cpu")
   if args.json and Path(args.json).exists():
-    print(f"error: --json {args.json} exists; results are never overwritten, pick a new file.", file=sys.stderr)
+    print(
+      f"error: --json {args.json} exists; results are never overwritten, pick a new file.", file=sys.stderr
+    )
     return 2
   if args.by_position:
     try:
-      res = loss_by_position(args.checkpoint, args.data_dir, split=args.split, preset=args.preset,
-                             segment=args.segment, reset_every=args.reset_every)
+      res = loss_by_position(
+        args.checkpoint,
+        args.data_dir,
+        split=args.split,
+        preset=args.preset,
+        segment=args.segment,
+        reset_every=args.reset_every,
+      )
     except (ValueError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
     for b in res["buckets"]:
       if b["tokens"]:
-        print(f"positions [{b['position_lo']:>6}, {b['position_hi']:>6}): loss {b['loss']:.4f} "
-              f"({b['tokens']:,} tokens)")
+        print(
+          f"positions [{b['position_lo']:>6}, {b['position_hi']:>6}): loss {b['loss']:.4f} "
+          f"({b['tokens']:,} tokens)"
+        )
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "by_position.png")
     plot_by_position(res, png)
     res["png"] = png
@@ -233,14 +332,24 @@ def main(argv=None) -> int:
       Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
   try:
-    res = evaluate(args.checkpoint, args.data_dir, split=args.split, seq_len=args.seq_len,
-                   global_batch=args.global_batch, max_batches=args.max_batches, mesh_data=args.mesh_data,
-                   mesh_fsdp=args.mesh_fsdp, preset=args.preset)
+    res = evaluate(
+      args.checkpoint,
+      args.data_dir,
+      split=args.split,
+      seq_len=args.seq_len,
+      global_batch=args.global_batch,
+      max_batches=args.max_batches,
+      mesh_data=args.mesh_data,
+      mesh_fsdp=args.mesh_fsdp,
+      preset=args.preset,
+    )
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"{res['split']}: {res['tokens']:,} tokens, loss {res['loss']:.4f} nats/token, perplexity "
-        f"{res['perplexity']:.2f}" + (f", {res['bits_per_byte']:.4f} bits/byte" if res["bits_per_byte"] else ""))
+  print(
+    f"{res['split']}: {res['tokens']:,} tokens, loss {res['loss']:.4f} nats/token, perplexity "
+    f"{res['perplexity']:.2f}" + (f", {res['bits_per_byte']:.4f} bits/byte" if res["bits_per_byte"] else "")
+  )
   print(json.dumps(res))
   if args.json:
     Path(args.json).write_text(json.dumps(res, indent=1))

@@ -1,21 +1,20 @@
 """The training loop: mesh, compiled step, grain data, Orbax checkpoints, metrics, eval, loss curve."""
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import json
-import math
-import os
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import checkpoint, data, neuron_check, platform, recall, sharding, timing, train_step as ts
+from laplace_jax import checkpoint, data, neuron_check, platform, recall, sharding, timing
 from laplace_jax import optimizer as optim
+from laplace_jax import train_step as ts
 from laplace_jax.config import flops_per_token, param_counts
 from train import resume
 from train.config import RunConfig, TrainConfig
@@ -43,11 +42,13 @@ def describe_memory(compiled) -> str:
   m = compiled.memory_analysis()
   if m is None:
     return "memory analysis unavailable on this backend"
-  gib = lambda b: b / 2 ** 30
+  gib = lambda b: b / 2**30
   total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  return (f"per device: arguments {gib(m.argument_size_in_bytes):.2f} GiB, outputs "
-          f"{gib(m.output_size_in_bytes):.2f} GiB (aliased {gib(m.alias_size_in_bytes):.2f}), temporaries "
-          f"{gib(m.temp_size_in_bytes):.2f} GiB; peak ≈ {gib(total):.2f} GiB")
+  return (
+    f"per device: arguments {gib(m.argument_size_in_bytes):.2f} GiB, outputs "
+    f"{gib(m.output_size_in_bytes):.2f} GiB (aliased {gib(m.alias_size_in_bytes):.2f}), temporaries "
+    f"{gib(m.temp_size_in_bytes):.2f} GiB; peak ≈ {gib(total):.2f} GiB"
+  )
 
 
 def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
@@ -55,14 +56,18 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
   path = Path(tc.data_dir)
   if not (path / "manifest.json").exists():
     if tc.data_dir != TrainConfig.data_dir:
-      raise FileNotFoundError(f"--data_dir {path}: no manifest.json there. Prepare it first: "
-                              f"python -m train.prepare YOUR_FILES -o {path}")
+      raise FileNotFoundError(
+        f"--data_dir {path}: no manifest.json there. Prepare it first: "
+        f"python -m train.prepare YOUR_FILES -o {path}"
+      )
     if jax.process_index() == 0:
       from train import prepare
+
       log0(f"preparing the embedded corpus (King James Bible) into {path} …")
       prepare.main(["--corpus", "kjv", "-o", str(path), "--no_progress"])
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices("data prepared")
   manifest = data.load_manifest(path)
   data.check_vocab(manifest, vocab_size)
@@ -71,17 +76,31 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
 
 def check_recall_vocab(spec: str, vocab_size: int):
   if vocab_size < recall.task_vocab(spec):
-    raise ValueError(f"--data_source {spec} uses {recall.task_vocab(spec)} token ids but the model has "
-                     f"vocab_size={vocab_size}; set --model.vocab_size {recall.task_vocab(spec)} or more.")
+    raise ValueError(
+      f"--data_source {spec} uses {recall.task_vocab(spec)} token ids but the model has "
+      f"vocab_size={vocab_size}; set --model.vocab_size {recall.task_vocab(spec)} or more."
+    )
 
 
 def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
   """The training stream: a recall task (--data_source) or the prepared text in --data_dir."""
   if tc.data_source:
-    return recall.RecallStream(tc.data_source, seq_len=seq_len, global_batch=tc.global_batch, seed=tc.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count())
-  return data.make_train_iterator(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
-                                  seed=tc.seed, vocab_size=vocab_size, contiguous=tc.state_passing)
+    return recall.RecallStream(
+      tc.data_source,
+      seq_len=seq_len,
+      global_batch=tc.global_batch,
+      seed=tc.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+  return data.make_train_iterator(
+    tc.data_dir,
+    seq_len=seq_len,
+    global_batch_size=tc.global_batch,
+    seed=tc.seed,
+    vocab_size=vocab_size,
+    contiguous=tc.state_passing,
+  )
 
 
 def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
@@ -89,17 +108,28 @@ def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = 
   if tc.data_source:
     b = tc.global_batch // jax.process_count()
     rows = slice(jax.process_index() * b, (jax.process_index() + 1) * b)
-    return [{k: v[rows] for k, v in batch.items()}
-            for batch in recall.eval_batches(tc.data_source, global_batch=tc.global_batch,
-                                             n_batches=tc.eval_batches)]
-  return data.make_eval_batches(tc.data_dir, seq_len=seq_len, global_batch_size=tc.global_batch,
-                                max_batches=tc.eval_batches or None, vocab_size=vocab_size, split=split)
+    return [
+      {k: v[rows] for k, v in batch.items()}
+      for batch in recall.eval_batches(
+        tc.data_source, global_batch=tc.global_batch, n_batches=tc.eval_batches
+      )
+    ]
+  return data.make_eval_batches(
+    tc.data_dir,
+    seq_len=seq_len,
+    global_batch_size=tc.global_batch,
+    max_batches=tc.eval_batches or None,
+    vocab_size=vocab_size,
+    split=split,
+  )
 
 
 def _write_loss_curve(metrics_path: Path, png: Path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   rows = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
   train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
   evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
@@ -127,8 +157,10 @@ def _open_run(rc: RunConfig, prng_impl: str):
   try:
     latest = ckpt.latest_step()
     if latest is not None and not tc.resume:
-      raise ValueError(f"--no_resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
-                       "use another --out_dir or remove that directory to start afresh.")
+      raise ValueError(
+        f"--no_resume, but {ckpt_dir} already holds checkpoints (latest step {latest}); "
+        "use another --out_dir or remove that directory to start afresh."
+      )
     if latest is not None:
       meta = ckpt.metadata(latest)
       saved = meta.get("run_config") or {"model": meta.get("config") or {}}
@@ -170,29 +202,50 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
     lr_schedule = optim.lr_schedule(rc.optimizer.adamw_lr, rc.optimizer)  # reported as "lr"
     step_cfg = ts.StepConfig(micro_batches=tc.micro_batches, z_loss=tc.z_loss)
     counts = param_counts(cfg)
-    log0(f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
-         f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
-         f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)")
+    log0(
+      f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
+      f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
+      f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)"
+    )
     carry_batch = tc.global_batch if tc.state_passing else 0  # state passing: one carried state per row
     abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch)
     t0 = time.perf_counter()
-    lowered = ts.lower_train_step(cfg, opt, mesh, global_batch=tc.global_batch, seq_len=seq_len,
-                                  step_cfg=step_cfg, lr_schedule=lr_schedule, abstract_state=abstract,
-                                  weighted=weighted)
+    lowered = ts.lower_train_step(
+      cfg,
+      opt,
+      mesh,
+      global_batch=tc.global_batch,
+      seq_len=seq_len,
+      step_cfg=step_cfg,
+      lr_schedule=lr_schedule,
+      abstract_state=abstract,
+      weighted=weighted,
+    )
     lower_s = time.perf_counter() - t0
   if tc.target:
     reports, text = neuron_check.check_programs({"train_step": lowered.as_text()}, tc.hlo_dir or None)
     log0(f"train step lowered for {tc.target} in {lower_s:.1f} s (not compiled)\n{text}")
-    return {"lower_s": lower_s, "violations": sum(len(r.violations) for r in reports.values()),
-            "by_rule": {k: r.counts() for k, r in reports.items()}}
+    return {
+      "lower_s": lower_s,
+      "violations": sum(len(r.violations) for r in reports.values()),
+      "by_rule": {k: r.counts() for k, r in reports.items()},
+    }
   compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
   log0(f"train step compiled in {compile_s:.1f} s; {describe_memory(compiled)}")
   if tc.compile_only:
     m = compiled.memory_analysis()
-    return {"compile_s": compile_s, "memory": None if m is None else {
-        "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-        "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}}
+    return {
+      "compile_s": compile_s,
+      "memory": None
+      if m is None
+      else {
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+      },
+    }
 
   if tc.data_source:
     check_recall_vocab(tc.data_source, cfg.vocab_size)
@@ -219,12 +272,16 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc), "prng_impl": prng_impl}
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
-  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh,
-                                                                  weighted=weighted))
+  batch_sh = jax.tree.map(
+    lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh, weighted=weighted)
+  )
   to_global = lambda b: jax.tree.map(
-      lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, b)
-  eval_fn = jax.jit(lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],
-                    in_shardings=(jax.tree.map(lambda s: s.sharding, abstract["params"]), batch_sh))
+    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, b
+  )
+  eval_fn = jax.jit(
+    lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],
+    in_shardings=(jax.tree.map(lambda s: s.sharding, abstract["params"]), batch_sh),
+  )
 
   def evaluate(params):
     ce = tok = 0.0
@@ -239,8 +296,15 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   bar = None
   if tc.progress and jax.process_index() == 0:
     from tqdm import tqdm
+
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-  summary = {"start_step": start, "first_loss": None, "last_loss": None, "eval_loss": None, "compile_s": compile_s}
+  summary = {
+    "start_step": start,
+    "first_loss": None,
+    "last_loss": None,
+    "eval_loss": None,
+    "compile_s": compile_s,
+  }
   tokens_per_step = tc.global_batch * seq_len
 
   def record(i, m, wait, since):
@@ -249,13 +313,25 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
     done = time.perf_counter()
     dt = done - since
     if int(m["bad_steps"]) >= tc.max_bad_steps:
-      raise TrainingError(f"{int(m['bad_steps'])} consecutive non-finite steps (loss {float(m['loss'])}, "
-                          f"grad norm {float(m['grad_norm'])}) at step {i}; stopping. The last checkpoint in "
-                          f"{ckpt_dir} is intact: lower the learning rates or check the data, then resume.")
+      raise TrainingError(
+        f"{int(m['bad_steps'])} consecutive non-finite steps (loss {float(m['loss'])}, "
+        f"grad norm {float(m['grad_norm'])}) at step {i}; stopping. The last checkpoint in "
+        f"{ckpt_dir} is intact: lower the learning rates or check the data, then resume."
+      )
     tps = tokens_per_step / dt
-    row = {"step": i, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-           "z_loss": float(m["z_loss"]), "skipped": bool(m["skipped"]), "tokens_per_s": tps,
-           "mfu": tps * fpt / peak, "input_wait_s": wait, "step_s": dt, "time": time.time()}
+    row = {
+      "step": i,
+      "loss": float(m["loss"]),
+      "grad_norm": float(m["grad_norm"]),
+      "lr": float(m["lr"]),
+      "z_loss": float(m["z_loss"]),
+      "skipped": bool(m["skipped"]),
+      "tokens_per_s": tps,
+      "mfu": tps * fpt / peak,
+      "input_wait_s": wait,
+      "step_s": dt,
+      "time": time.time(),
+    }
     summary["first_loss"] = summary["first_loss"] or row["loss"]
     summary["last_loss"] = row["loss"]
     summary["tokens_per_s"] = tps
@@ -290,8 +366,10 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
         tracing = False
-        say(f"profile of steps {prof_first}-{prof_last}: {out / 'profile'} (tensorboard --logdir, or "
-            "ui.perfetto.dev with the .trace.json.gz)")
+        say(
+          f"profile of steps {prof_first}-{prof_last}: {out / 'profile'} (tensorboard --logdir, or "
+          "ui.perfetto.dev with the .trace.json.gz)"
+        )
       if pending:  # read the previous step's metrics while this one runs (one step of lag, no stall)
         since = record(*pending, since)
       pending = (i, m, wait)
@@ -329,10 +407,17 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
     log0(f"loss curve: {out / 'loss.png'}; params for serving: {export}")
   if tc.sample_tokens:
     from laplace_jax import generate, tokenizer
+
     params = checkpoint.load_params(export, config=cfg_dict)  # the checkpoint, as host arrays
     if jax.process_index() == 0:
-      ids = generate.generate(params, tokenizer.encode(tc.sample_prompt), tc.sample_tokens, cfg=cfg,
-                              valid_vocab=tokenizer.VOCAB_SIZE, seed=tc.seed)
+      ids = generate.generate(
+        params,
+        tokenizer.encode(tc.sample_prompt),
+        tc.sample_tokens,
+        cfg=cfg,
+        valid_vocab=tokenizer.VOCAB_SIZE,
+        seed=tc.seed,
+      )
       summary["sample"] = tc.sample_prompt + tokenizer.decode(ids)
       log0("sample (explicit-state decode):\n" + summary["sample"])
   return summary

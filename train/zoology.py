@@ -22,6 +22,7 @@ only) and is scored by laplace_jax.generate.greedy_next. Where this differs from
 learned absolute positions, the LM head is untied, there is no dropout, and an epoch drops the last partial
 batch. `S` windows are a quarter of the sequence (window_div = 4).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,22 +43,42 @@ LRS = tuple(10.0 ** (-4 + 2 * i / 3) for i in range(4))  # numpy.logspace(-4, -2
 ANNEALS = ("epoch", "step")  # the cosine stepped once per epoch (Zoology's) or once per optimizer step
 
 GRIDS = {
-    # Zoology's figure-2 protocol at its own sizes: an accelerator's job (48 cells per width, ≤ 64 epochs).
-    "zoology": dict(
-        tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(512, 512, 256),
-        widths=(64, 128, 256, 512), lrs=LRS, epochs=64, train_examples=100_000, test_examples=3_000,
-        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="epoch", evals_per_epoch=1),
-    # The same protocol cut to fit a shared 2-core CPU (docs/EVAL.md): one width (64), two of Zoology's four
-    # learning rates, the best read as Zoology does (2.15e-3 suits attention: 99.2% at (256, 16), 98.7% at 1e-2
-    # at (64, 4); 1e-2 is the one at which the window layers leave chance in one pass: S 0.11% -> 60.3%, GS
-    # 2.7% -> 58.8% at (256, 16)), Zoology's 100,000 training sequences seen once (Zoology:
-    # up to 64 times), the cosine per step, 512 test sequences. Batch 64 at (256, 16) (1,562 steps); 32 at
-    # the two shorter settings (3,125 steps), whose 4 and 8 queries per sequence give a quarter and a half
-    # of the answers to learn from: at batch 64 attention ended at 98.9% and 98.1% there.
-    "zoology-cpu": dict(
-        tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"), batches=(32, 32, 64),
-        widths=(64,), lrs=LRS[2:], epochs=1, train_examples=100_000, test_examples=512,
-        early_stop=0.99, weight_decay=0.1, window_div=4, anneal="step", evals_per_epoch=8),
+  # Zoology's figure-2 protocol at its own sizes: an accelerator's job (48 cells per width, ≤ 64 epochs).
+  "zoology": dict(
+    tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"),
+    batches=(512, 512, 256),
+    widths=(64, 128, 256, 512),
+    lrs=LRS,
+    epochs=64,
+    train_examples=100_000,
+    test_examples=3_000,
+    early_stop=0.99,
+    weight_decay=0.1,
+    window_div=4,
+    anneal="epoch",
+    evals_per_epoch=1,
+  ),
+  # The same protocol cut to fit a shared 2-core CPU (docs/EVAL.md): one width (64), two of Zoology's four
+  # learning rates, the best read as Zoology does (2.15e-3 suits attention: 99.2% at (256, 16), 98.7% at 1e-2
+  # at (64, 4); 1e-2 is the one at which the window layers leave chance in one pass: S 0.11% -> 60.3%, GS
+  # 2.7% -> 58.8% at (256, 16)), Zoology's 100,000 training sequences seen once (Zoology:
+  # up to 64 times), the cosine per step, 512 test sequences. Batch 64 at (256, 16) (1,562 steps); 32 at
+  # the two shorter settings (3,125 steps), whose 4 and 8 queries per sequence give a quarter and a half
+  # of the answers to learn from: at batch 64 attention ended at 98.9% and 98.1% there.
+  "zoology-cpu": dict(
+    tasks=("zoology:64,4", "zoology:128,8", "zoology:256,16"),
+    batches=(32, 32, 64),
+    widths=(64,),
+    lrs=LRS[2:],
+    epochs=1,
+    train_examples=100_000,
+    test_examples=512,
+    early_stop=0.99,
+    weight_decay=0.1,
+    window_div=4,
+    anneal="step",
+    evals_per_epoch=8,
+  ),
 }
 # Settings a grid may leave out (`--set` adds them); a results file records one only when it is not its default.
 # labels=within_window is a control, not Zoology's protocol: the training queries whose value lies beyond the
@@ -87,8 +108,9 @@ class ZCell:
 def model_config(pattern: str, width: int, task: str, window_div: int):
   """Zoology's MQAR model in our layers: 2 mixer-only layers (no FFN), attention with one head over d_model,
   GLA with 4 heads at the published ratios, sliding windows of seq_len / window_div."""
-  from train.recall import model_config as recall_model
   from laplace_jax import recall
+  from train.recall import model_config as recall_model
+
   seq = recall.parse_task(task)[1][0]
   if seq % window_div:
     raise ValueError(f"window_div={window_div}: expected a divisor of the sequence length {seq}.")
@@ -97,24 +119,36 @@ def model_config(pattern: str, width: int, task: str, window_div: int):
 
 def cells_of(grid: dict, patterns, seeds=(0,)) -> list[ZCell]:
   from laplace_jax import recall
+
   if len(grid["batches"]) != len(grid["tasks"]):
-    raise ValueError(f"batches {grid['batches']} and tasks {grid['tasks']}: expected one batch size per task.")
+    raise ValueError(
+      f"batches {grid['batches']} and tasks {grid['tasks']}: expected one batch size per task."
+    )
   for t in grid["tasks"]:
     if recall.parse_task(t)[0] != "zoology":
       raise ValueError(f"task {t!r}: the zoology grids take zoology:SEQ,PAIRS[,VOCAB] tasks.")
   cosine(1.0, 1, 1, grid["anneal"])  # names a bad anneal before anything trains
   if grid.get("labels", "all") not in LABELS:
-    raise ValueError(f"labels={grid['labels']!r}: expected one of {LABELS} (every query trains, as in Zoology, or "
-                     "only those whose value lies within the window: a control).")
+    raise ValueError(
+      f"labels={grid['labels']!r}: expected one of {LABELS} (every query trains, as in Zoology, or "
+      "only those whose value lies within the window: a control)."
+    )
   curve_marks(1, grid.get("evals_per_epoch", 1))
-  return [ZCell(t, p, w, lr, b, s) for s in seeds for t, b in zip(grid["tasks"], grid["batches"])
-          for p in patterns for w in grid["widths"] for lr in grid["lrs"]]
+  return [
+    ZCell(t, p, w, lr, b, s)
+    for s in seeds
+    for t, b in zip(grid["tasks"], grid["batches"])
+    for p in patterns
+    for w in grid["widths"]
+    for lr in grid["lrs"]
+  ]
 
 
 @functools.lru_cache(maxsize=2)
 def data(task: str, n_train: int, n_test: int):
   """The fixed training and test sets of a task (Zoology draws them once, from seeds apart)."""
   from laplace_jax import recall
+
   nums = recall.parse_task(task)[1]
   return recall.zoology_batch(0, n_train, *nums), recall.zoology_batch(10**9, n_test, *nums)
 
@@ -123,28 +157,33 @@ def cosine(peak: float, epochs: int, steps_per_epoch: int, anneal: str):
   """The learning rate at each optimizer step: cosine from `peak` to 0 over the epochs, stepped once per epoch
   (anneal="epoch": Zoology's CosineAnnealingLR(T_max=epochs, eta_min=0)) or once per step ("step")."""
   import jax.numpy as jnp
+
   if anneal not in ANNEALS:
-    raise ValueError(f"anneal={anneal!r}: expected one of {ANNEALS} (the cosine stepped per epoch, as "
-                     "Zoology does, or per optimizer step).")
+    raise ValueError(
+      f"anneal={anneal!r}: expected one of {ANNEALS} (the cosine stepped per epoch, as "
+      "Zoology does, or per optimizer step)."
+    )
   total = epochs * steps_per_epoch if anneal == "step" else epochs
   per = 1 if anneal == "step" else steps_per_epoch
 
   def schedule(step):
     t = jnp.floor(jnp.asarray(step, jnp.float32) / per)
     return peak * 0.5 * (1 + jnp.cos(jnp.pi * t / total))
+
   return schedule
 
 
 def _batches(d: dict, size: int, drop_last: bool):
   n = d["inputs"].shape[0]
   stop = n - n % size if drop_last else n
-  return [{k: v[i:i + size] for k, v in d.items()} for i in range(0, stop, size)]
+  return [{k: v[i : i + size] for k, v in d.items()} for i in range(0, stop, size)]
 
 
 def train_batches(train: dict, size: int, labels: str, window: int) -> list[dict]:
   """An epoch's full batches, each with its scored positions; labels="within_window" unscores (weight 0) the
   queries whose value lies `window` or more tokens back."""
   from laplace_jax import recall
+
   batches = _batches(train, size, drop_last=True)
   if not batches:
     raise ValueError(f"train_examples={train['inputs'].shape[0]} < batch {size}: no full batch to train on.")
@@ -161,17 +200,25 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   from laplace_jax.adamw import adamw
   from laplace_jax.config import param_counts, state_bytes_per_sequence
   from train.recall import _jit_step, _progress_bar, answers_right
+
   cfg = model_config(cell.pattern, cell.width, cell.task, grid["window_div"])
   train, test = data(cell.task, grid["train_examples"], grid["test_examples"])
   batches = train_batches(train, cell.batch, grid.get("labels", "all"), cfg.window)
   test_batches = _batches(test, min(512, grid["test_examples"]), drop_last=False)
-  opt = adamw(cosine(cell.lr, grid["epochs"], len(batches), grid["anneal"]), b1=0.9, b2=0.999, eps=1e-8,
-              weight_decay=grid["weight_decay"])  # every parameter decayed, as torch's AdamW(model.parameters())
+  opt = adamw(
+    cosine(cell.lr, grid["epochs"], len(batches), grid["anneal"]),
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    weight_decay=grid["weight_decay"],
+  )  # every parameter decayed, as torch's AdamW(model.parameters())
   state = train_step.init_train_state(cfg, opt, cell.seed)
   step = _jit_step(cfg, opt)
   history, losses, curve, t0 = [], [], [], time.perf_counter()
   marks = curve_marks(len(batches), grid.get("evals_per_epoch", 1))
-  bar = _progress_bar(progress, grid["epochs"] * len(batches), f"{cell.pattern:>3} {cell.task} lr {cell.lr:.2g}")
+  bar = _progress_bar(
+    progress, grid["epochs"] * len(batches), f"{cell.pattern:>3} {cell.task} lr {cell.lr:.2g}"
+  )
   for epoch in range(grid["epochs"]):
     since = []  # the training losses since the last point of the curve
     for i, b in enumerate(batches):
@@ -192,21 +239,38 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   if bar:
     bar.close()
   seq, pairs = recall.parse_task(cell.task)[1][:2]
-  return {"key": cell.key, "pattern": cell.pattern, "window": cfg.window if "S" in cell.pattern else None,
-          "d_model": cell.width, "seq_len": seq, "pairs": pairs, "vocab": cfg.vocab_size, "lr": cell.lr,
-          "epochs": len(history), "accuracy": history[-1],
-          "state_bytes_per_seq": state_bytes_per_sequence(cfg, context=seq), "batch": cell.batch,
-          "train_examples": len(batches) * cell.batch, "steps": len(history) * len(batches),
-          "params": param_counts(cfg)["total"], "accuracy_by_epoch": history, "loss_by_epoch": losses,
-          "curve": curve, "train_s": time.perf_counter() - t0,
-          **reach(right, value_distance(test) < cfg.window)}
+  return {
+    "key": cell.key,
+    "pattern": cell.pattern,
+    "window": cfg.window if "S" in cell.pattern else None,
+    "d_model": cell.width,
+    "seq_len": seq,
+    "pairs": pairs,
+    "vocab": cfg.vocab_size,
+    "lr": cell.lr,
+    "epochs": len(history),
+    "accuracy": history[-1],
+    "state_bytes_per_seq": state_bytes_per_sequence(cfg, context=seq),
+    "batch": cell.batch,
+    "train_examples": len(batches) * cell.batch,
+    "steps": len(history) * len(batches),
+    "params": param_counts(cfg)["total"],
+    "accuracy_by_epoch": history,
+    "loss_by_epoch": losses,
+    "curve": curve,
+    "train_s": time.perf_counter() - t0,
+    **reach(right, value_distance(test) < cfg.window),
+  }
 
 
 def reach(right_BxK, near_BxK) -> dict:
   """The final test accuracy split by where each query's value lies: within the window of seq_len / window_div
   tokens (what an S layer can see), or beyond it; and the share within."""
-  return {"within_window": float(near_BxK.mean()), "accuracy_within_window": float(right_BxK[near_BxK].mean()),
-          "accuracy_beyond_window": float(right_BxK[~near_BxK].mean())}
+  return {
+    "within_window": float(near_BxK.mean()),
+    "accuracy_within_window": float(right_BxK[near_BxK].mean()),
+    "accuracy_beyond_window": float(right_BxK[~near_BxK].mean()),
+  }
 
 
 def value_distance(d: dict) -> np.ndarray:
@@ -214,10 +278,11 @@ def value_distance(d: dict) -> np.ndarray:
   to the query, t_query − (t_key + 1). A window of W tokens (the query's own position included) sees the value
   iff this is < W."""
   from laplace_jax import recall
+
   x = d["inputs"]
   pos_BxK = recall.scored_positions(d["weights"]) if "positions" not in d else d["positions"]
   n = pos_BxK.shape[1]
-  keys_BxN = x[:, 0:2 * n:2]
+  keys_BxN = x[:, 0 : 2 * n : 2]
   asked_BxK = np.take_along_axis(x, pos_BxK, axis=1)
   pair_BxK = np.argmax(asked_BxK[:, :, None] == keys_BxN[:, None, :], axis=2)  # keys are distinct in a row
   return pos_BxK - (2 * pair_BxK + 1)
@@ -227,14 +292,19 @@ def curve_marks(steps_per_epoch: int, evals_per_epoch: int) -> set[int]:
   """The steps of an epoch (1-based) after which the test set is scored: evals_per_epoch of them, evenly spaced,
   the last at the epoch's end."""
   if not isinstance(evals_per_epoch, int) or evals_per_epoch < 1:
-    raise ValueError(f"evals_per_epoch={evals_per_epoch!r}: expected a positive integer (1: at each epoch's end).")
+    raise ValueError(
+      f"evals_per_epoch={evals_per_epoch!r}: expected a positive integer (1: at each epoch's end)."
+    )
   return {round(steps_per_epoch * (k + 1) / evals_per_epoch) for k in range(evals_per_epoch)} - {0}
 
 
 def machine() -> str:
   import jax
-  return (f"{os.cpu_count()}-core {host_platform.machine()} {jax.default_backend().upper()}"
-          f" ({host_platform.processor() or host_platform.system()}), jax {jax.__version__}")
+
+  return (
+    f"{os.cpu_count()}-core {host_platform.machine()} {jax.default_backend().upper()}"
+    f" ({host_platform.processor() or host_platform.system()}), jax {jax.__version__}"
+  )
 
 
 def best_per_cell(cells: list[dict]) -> list[dict]:
@@ -249,6 +319,7 @@ def best_per_cell(cells: list[dict]) -> list[dict]:
 
 def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool, argv) -> int:
   import jax
+
   patterns = patterns or PATTERNS
   try:
     cells = cells_of(grid, patterns, seeds)
@@ -261,28 +332,43 @@ def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool,
   command = "python -m train.recall " + " ".join(argv)
   # A cell's key names its task, pattern, width, lr and batch; the file keeps the rest of the settings one, so
   # several invocations (e.g. the most wanted cells first) can fill one file.
-  settings = {k: v for k, v in json.loads(json.dumps(grid)).items()
-              if k not in CELL_KEYED + OBSERVING and not (k in OPTIONAL and v == OPTIONAL[k])}
-  saved = json.loads(path.read_text()) if path.exists() else {"command": command, "machine": machine(),
-                                                              "grid": grid_name, "settings": settings, "cells": []}
+  settings = {
+    k: v
+    for k, v in json.loads(json.dumps(grid)).items()
+    if k not in CELL_KEYED + OBSERVING and not (k in OPTIONAL and v == OPTIONAL[k])
+  }
+  saved = (
+    json.loads(path.read_text())
+    if path.exists()
+    else {"command": command, "machine": machine(), "grid": grid_name, "settings": settings, "cells": []}
+  )
   if saved.get("grid") != grid_name or saved.get("settings") != settings:
-    print(f"error: {path} holds the {saved.get('grid')!r} grid with settings {saved.get('settings')}, not "
-          f"{grid_name!r} with {settings}; use another --out.", file=sys.stderr)
+    print(
+      f"error: {path} holds the {saved.get('grid')!r} grid with settings {saved.get('settings')}, not "
+      f"{grid_name!r} with {settings}; use another --out.",
+      file=sys.stderr,
+    )
     return 2
   if command not in saved["command"].split(" && "):
     saved["command"] += " && " + command
   out.mkdir(parents=True, exist_ok=True)
   done = {c["key"] for c in saved["cells"]}
   todo = [c for c in cells if c.key not in done]
-  print(f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True)
+  print(
+    f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True
+  )
   for cell in todo:
     row = run_cell(cell, grid, progress)
     saved["cells"].append(row)
     path.write_text(json.dumps(saved, indent=1))
-    print(f"{cell.key}: accuracy {row['accuracy']:.3f} after {row['epochs']} epochs "
-          f"({row['train_s']:.0f} s)", flush=True)
+    print(
+      f"{cell.key}: accuracy {row['accuracy']:.3f} after {row['epochs']} epochs ({row['train_s']:.0f} s)",
+      flush=True,
+    )
   for c in sorted(best_per_cell(saved["cells"]), key=lambda c: (c["seq_len"], c["pattern"])):
-    print(f"best  {c['pattern']:>2} d{c['d_model']} ({c['seq_len']}, {c['pairs']}): {c['accuracy']:.3f} "
-          f"at lr {c['lr']:.3g}")
+    print(
+      f"best  {c['pattern']:>2} d{c['d_model']} ({c['seq_len']}, {c['pairs']}): {c['accuracy']:.3f} "
+      f"at lr {c['lr']:.3g}"
+    )
   print(f"results: {path}")
   return 0
