@@ -99,10 +99,11 @@ def write_rows(table, layer, index_B, x_BxHxd, seq_axis: int):
   if sharding.traced_under_auto_mesh():
     # Rows split over devices: a scatter batched over the rows stays per device (an explicit row index
     # all-gathers every row's indices and updates), as in short_conv.conv_decode.
-    row = lambda t, x_Hxd, i: t.at[(layer, *at(i))].set(x_Hxd.astype(t.dtype), mode="promise_in_bounds")
+    # The index tuple is built before subscripting: a starred item in a subscript needs Python 3.11.
+    row = lambda t, x_Hxd, i: t.at[(layer,) + at(i)].set(x_Hxd.astype(t.dtype), mode="promise_in_bounds")
     return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(table, x_BxHxd, index_B)
   rows = jnp.arange(table.shape[1])
-  return table.at[(layer, rows, *at(index_B))].set(x_BxHxd.astype(table.dtype), mode="promise_in_bounds")
+  return table.at[(layer, rows) + at(index_B)].set(x_BxHxd.astype(table.dtype), mode="promise_in_bounds")
 
 
 def _sum_pairs(a, b):

@@ -51,7 +51,7 @@ class FlagParser(argparse.ArgumentParser):
   def respell(self, args: list[str]) -> list[str]:
     """`args` with each long flag (before a bare `--`) in the spelling it was added with."""
     known = {_key(s): s for s in self._option_string_actions if s.startswith("--")}
-    out = []
+    out: list[str] = []
     for i, a in enumerate(args):
       if a == "--":
         return out + args[i:]
@@ -89,7 +89,10 @@ class Toggle(argparse.Action):
 def field_docs(cls) -> dict[str, str]:
   """{field name: its docstring, whitespace collapsed} for each field of `cls` that has one."""
   tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-  body = tree.body[0].body
+  cls_def = tree.body[0]
+  if not isinstance(cls_def, ast.ClassDef):
+    raise TypeError(f"field_docs({cls!r}): expected a class, got a {type(cls_def).__name__}")
+  body = cls_def.body
   docs = {}
   for node, after in zip(body, body[1:]):
     if (

@@ -168,7 +168,7 @@ class _PackedRows(grain.DatasetIterator):
     cached = self._cache[r]
     if cached is None or cached[0] != k:
       tokens = self._rows[r][k]
-      cached = (k, np.concatenate([tokens.astype(np.int32), np.int32([self._eos])]))
+      cached = (k, np.concatenate([tokens.astype(np.int32), np.array([self._eos], np.int32)]))
       self._cache[r] = cached
     return cached[1]
 
@@ -325,7 +325,7 @@ def make_eval_batches(
   if vocab_size is not None:
     check_vocab(manifest, vocab_size)
   docs = _documents(data_dir, manifest, split)
-  width, eos = seq_len + 1, np.int32([manifest["eos_id"]])
+  width, eos = seq_len + 1, np.array([manifest["eos_id"]], np.int32)
   want = None if max_batches is None else max_batches * global_batch_size * width
   pieces, have = [], 0
   for i in range(len(docs)):

@@ -142,7 +142,10 @@ def _fusion_traffic(fused: list[Instr], operand_bytes: list[int], result_bytes: 
   for ins in fused:
     if ins.opcode != "parameter":
       continue
-    idx = int(_PARAM_INDEX.match(ins.attrs).group(1))
+    pm = _PARAM_INDEX.match(ins.attrs)
+    if pm is None:
+      raise ValueError(f"fused parameter %{ins.name} has no index in `{ins.attrs}`")
+    idx = int(pm.group(1))
     uses = final_uses(ins.name)
     full = operand_bytes[idx] if idx < len(operand_bytes) else _bytes(ins.type_text)
     sliced = [u for u, pos in uses if u.opcode in SLICING and pos == 0]
@@ -186,7 +189,10 @@ def memory_traffic(hlo_text: str) -> list[OpTraffic]:
       op_bytes = [_bytes(types.get(o, "")) for o in ins.operands]
       result = _bytes(ins.type_text)
       if ins.opcode == "fusion":
-        callee = _CALLS.search(ins.attrs).group(1)
+        cm = _CALLS.search(ins.attrs)
+        if cm is None:
+          raise ValueError(f"fusion %{ins.name} in {comp} names no fused computation (`calls=`)")
+        callee = cm.group(1)
         read, written = _fusion_traffic(comps[callee], op_bytes, result)
       elif ins.opcode in SLICING:
         read, written = result + sum(op_bytes[1:]), result

@@ -124,8 +124,11 @@ def _buffer_bytes(kind: str, start: bool, type_text: str, group: int) -> int:
   return arrays[0] if start else sum(arrays)
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-  comps, entry, current = {}, None, None
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """Each computation's body lines by name, and the ENTRY computation's name (None when there is none)."""
+  comps: dict[str, list[str]] = {}
+  entry: str | None = None
+  current: str | None = None
   for line in hlo_text.splitlines():
     if current is None:
       m = _HEADER.match(line)

@@ -44,7 +44,9 @@ ADAMW_RMS = 0.2  # Moonlight: 0.2·√max(fan_in, fan_out) matches AdamW's typic
 
 
 class MuonState(NamedTuple):
-  count: jax.Array  # int32 [], steps taken
+  # Named like optax's states' step counter (key paths and optax.tree_utils.tree_get(state, "count") rely
+  # on the name); the field shadows tuple.count, which nothing calls.
+  count: jax.Array  # type: ignore[assignment]  # int32 [], steps taken
   mu: optax.Updates  # first moment, same tree and shapes as the params
 
 
@@ -281,7 +283,7 @@ def _run_slots(recv_NxC: jax.Array, plan: Plan, ns: Callable) -> jax.Array:
 def _unpack_from_owners(back_NxC: jax.Array, locals_: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
   """Row p of the returned buffer holds this device's padded pieces of p's orthogonalised slots."""
   N = plan.n_devices
-  pieces = [[None] * (x.size // (x.shape[-2] * x.shape[-1])) for x in locals_]
+  pieces: list[list[jax.Array | None]] = [[None] * (x.size // (x.shape[-2] * x.shape[-1])) for x in locals_]
   for p in range(N):
     off = 0
     for k, slot in enumerate(plan.slots):
@@ -290,7 +292,13 @@ def _unpack_from_owners(back_NxC: jax.Array, locals_: Sequence[jax.Array], plan:
         mat = plan.mats[i]
         pieces[mat.leaf][mat.index] = _from_slot_piece(back_NxC[p, off : off + size], mat, slot, N)
       off += size
-  return [jnp.stack(ps).reshape(x.shape) for ps, x in zip(pieces, locals_)]
+  out = []
+  for leaf, (ps, x) in enumerate(zip(pieces, locals_)):
+    got = [piece for piece in ps if piece is not None]
+    if len(got) != len(ps):  # make_plan places every matrix in exactly one slot
+      raise RuntimeError(f"Muon plan: leaf {leaf} has {len(ps) - len(got)} matrices without an owner")
+    out.append(jnp.stack(got).reshape(x.shape))
+  return out
 
 
 # ---- orthogonalisation of a list of leaves ------------------------------------------------------------

@@ -237,8 +237,9 @@ def check(text: str) -> Report:
     fm = _FUNC.search(line)
     if fm:
       func = fm.group(1)
-    if re.search(r'"?stablehlo\.(case|if)"?[(\s]', line):
-      flag("cond", i, f"stablehlo.{re.search(r'stablehlo[.](case|if)', line).group(1)}")
+    cond = re.search(r'"?stablehlo\.(case|if)"?[(\s]', line)
+    if cond:
+      flag("cond", i, f"stablehlo.{cond.group(1)}")
     if "stablehlo.while(" in line:
       why = _while_not_static(prog, i)
       if why:
@@ -333,7 +334,10 @@ def _while_not_static(prog: _Program, i: int) -> str | None:
   pairs = re.findall(r"%([\w$.\-]+)\s*=\s*(%[\w$.\-#]+)", header.split(")", 1)[0])
   names = [p[0] for p in pairs]
   # Regions: `cond {` ... `} do {` ... `}`.
-  j, depth, cond_lines, body_lines, part = i + 1, 0, [], [], None
+  cond_lines: list[int] = []
+  body_lines: list[int] = []
+  part: list[int] | None = None
+  j, depth = i + 1, 0
   while j < len(lines):
     s = lines[j].strip()
     if depth == 0 and s.startswith("cond {"):
@@ -344,6 +348,8 @@ def _while_not_static(prog: _Program, i: int) -> str | None:
       depth += _brace_delta(lines[j])
       if depth == 0:
         break
+      if part is None:
+        raise ValueError(f"while loop on line {i + 1}: a region opens before its `cond {{` block")
       part.append(j)
     j += 1
   ret = next((k for k in reversed(cond_lines) if "stablehlo.return" in lines[k]), None)
@@ -351,10 +357,12 @@ def _while_not_static(prog: _Program, i: int) -> str | None:
     return "its condition could not be read"
   cond_val = _NAME.findall(lines[ret].split("stablehlo.return", 1)[1])[0]
   d = prog.definition(cond_val, ret)
-  m = re.search(
-    r"stablehlo\.compare\s+(\w+),\s*(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[d] if d is not None else ""
+  m = (
+    re.search(r"stablehlo\.compare\s+(\w+),\s*(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[d])
+    if d is not None
+    else None
   )
-  if not m:
+  if d is None or not m:
     return "its condition is not a comparison of a counter with a bound"
   _, a, b = m.groups()
   a, b = a.lstrip("%"), b.lstrip("%")
@@ -374,10 +382,14 @@ def _while_not_static(prog: _Program, i: int) -> str | None:
         return f"the counter %{counter} starts at a runtime value"
       nxt = _returned(prog, body_lines, k)
       dn = prog.definition(nxt, body_lines[-1] + 1) if nxt else None
-      step = re.search(
-        r"stablehlo\.(?:add|subtract)\s+(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[dn] if dn is not None else ""
+      step = (
+        re.search(r"stablehlo\.(?:add|subtract)\s+(%[\w$.\-#]+),\s*(%[\w$.\-#]+)", lines[dn])
+        if dn is not None
+        else None
       )
-      ops = [o.lstrip("%").split("#")[0] for o in step.groups()] if step else []
+      if dn is None or step is None:
+        return f"the counter %{counter} does not step by a constant"
+      ops = [o.lstrip("%").split("#")[0] for o in step.groups()]
       if counter not in ops or not any(prog.is_constant(o, dn) for o in ops if o != counter):
         return f"the counter %{counter} does not step by a constant"
       return None

@@ -31,6 +31,7 @@ pass key ? the pass key is" and the five digits as the answer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -163,7 +164,11 @@ def passkey_example(
       f"passkey distance={distance}: a {context}-token prompt holds 0 to "
       f"{max_passkey_distance(context)} filler tokens after the key; use a longer context."
     )
-  place = int(round(depth * 1000)) if depth is not None else 10**6 + distance
+  if depth is not None:
+    place = int(round(depth * 1000))
+  else:
+    assert distance is not None  # exactly one of depth and distance (checked above)
+    place = 10**6 + distance
   rng = np.random.default_rng([seed, context, place])
   digits = _digits(rng)
   i = key.index("{}")
@@ -172,7 +177,11 @@ def passkey_example(
   key[j : j + 1] = digits
   n_fill = context - len(key) - len(_QUESTION)
   fill = [_FILLER[t % len(_FILLER)] for t in range(n_fill)]
-  at = int(round(depth * n_fill)) if depth is not None else n_fill - distance
+  if depth is not None:
+    at = int(round(depth * n_fill))
+  else:
+    assert distance is not None
+    at = n_fill - distance
   words = fill[:at] + key + fill[at:] + _QUESTION
   return (
     np.array([PASSKEY_ID[w] for w in words], np.int32),
@@ -206,7 +215,7 @@ def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
   except ValueError:
     nums = None
   if kind in ("mqar", "zoology") and nums and len(nums) in (2, 3):
-    _check_mqar(*nums[:2], nums[2] if len(nums) == 3 else MQAR_VOCAB)
+    _check_mqar(nums[0], nums[1], nums[2] if len(nums) == 3 else MQAR_VOCAB)
     return kind, nums
   if kind == "passkey" and nums and len(nums) == 1 and nums[0] >= MIN_PASSKEY_CONTEXT + PASSKEY_DIGITS:
     return kind, nums
@@ -219,8 +228,12 @@ def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
 
 def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
   kind, nums = parse_task(spec)
-  make = {"mqar": mqar_batch, "zoology": zoology_batch, "passkey": passkey_batch}[kind]
-  return make(seed, batch, *nums)
+  makers: dict[str, Callable[..., dict[str, np.ndarray]]] = {
+    "mqar": mqar_batch,
+    "zoology": zoology_batch,
+    "passkey": passkey_batch,
+  }
+  return makers[kind](seed, batch, *nums)
 
 
 def task_vocab(spec: str) -> int:

@@ -35,7 +35,7 @@ _SIMULATE_HINT = (
 
 
 def _is_pos_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+  return bool(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1)
 
 
 def make_mesh(data: int = 1, fsdp: int | None = None, devices: Sequence[Any] | None = None) -> Mesh:
@@ -112,7 +112,7 @@ def _pick_dim(shape, dims, n: int) -> int | None:
 
 
 def _spec_with(ndim: int, dim: int | None) -> P:
-  parts = [None] * ndim
+  parts: list[str | None] = [None] * ndim
   if dim is not None:
     parts[dim] = FSDP
   return P(*parts)
@@ -190,7 +190,7 @@ def _batch_axis_spec(shape, mesh: Mesh, dim: int, what: str) -> P:
       f"over the {n} devices of the mesh (data={mesh.shape[DATA]} × fsdp={mesh.shape[FSDP]}). "
       f"Use a batch size that is a multiple of {n}."
     )
-  parts = [None] * len(shape)
+  parts: list[tuple[str, ...] | None] = [None] * len(shape)
   parts[dim] = BATCH_AXES
   return P(*parts)
 

@@ -68,7 +68,7 @@ def load_model(
   given, must match it), else `preset`'s model with random weights from `seed`; replicated over `mesh` if
   given; cast as `cast_params` says."""
   if mesh is None:
-    target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   else:
     target = sharding.replicated(mesh)
   if checkpoint:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from typing import TypeGuard
 
 
 class ApiError(Exception):
@@ -69,7 +70,7 @@ class Completion:
     return self.prompts[0]
 
 
-def _is_int(x):
+def _is_int(x: object) -> TypeGuard[int]:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -233,7 +234,7 @@ def with_prompts(c: Completion, prompts: list, texts: list, limits: Limits) -> C
 
 
 # Fields accepted only at the values that mean "off": anything else would be silently ignored otherwise.
-_OFF = {
+_OFF: dict[str, object] = {
   "suffix": None,
   "presence_penalty": 0,
   "frequency_penalty": 0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Iterable
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -23,10 +24,10 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 class Tenants:
   """The server's keys: `authenticate(header)` gives the tenant of an Authorization header."""
 
-  def __init__(self, keys: list[tuple[str, str]] = ()):
+  def __init__(self, keys: Iterable[tuple[str, str]] = ()):
     """keys: (tenant, key) pairs. ValueError on an empty key, a bad tenant name or a key given twice."""
     self._digests: list[tuple[bytes, str]] = []
-    seen = {}
+    seen: dict[bytes, str] = {}
     for tenant, key in keys:
       if not key:
         raise ValueError(f"tenant {tenant!r} has an empty API key.")

