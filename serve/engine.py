@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from serve.engine_cache import EngineCacheMixin
-from serve.slots import SlotFunctions, host_settings, unpack_logprobs
+from serve.slots import PrefillRows, PromptScores, SlotFunctions, SlotSettings, StepOutput, host_settings
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -109,30 +110,18 @@ class PrefillBatch:
   reqs: list  # leader requests, one prefill row each
   slots: list  # slots reserved for their decoding choices
   n_chunks: int  # 128-token chunks the longest uncached rest needs
-  state: dict  # the prefill rows' state (serve.slots' prefill batch pytree)
+  state: PrefillRows | None  # the prefill rows' state (None until the batch has started)
   scored: bool  # some prompt is echoed: run the scoring prefill
   next_chunk: int = 0
-  scores: list = dataclasses.field(default_factory=list)  # per chunk, the scoring prefill's arrays
+  scores: list[PromptScores] = dataclasses.field(default_factory=list)  # per chunk, the scoring prefill's
 
 
 class Pending(NamedTuple):
-  """A dispatched insert or generate whose output array is not read back yet."""
+  """A dispatched insert or generate whose output is not read back yet."""
 
   kind: str  # "insert" or "gen"
-  out: object  # device array [3 + 2N, n] (serve.slots)
-  owners: tuple  # column i's request, or None
-
-
-class StepRow(NamedTuple):
-  """One column of a step's output array, read on the host."""
-
-  token: int
-  done: bool
-  logprobs: tuple | None  # (chosen logprob, [(id, logprob)] top N) when the request asked for them
-
-
-def step_row(out: np.ndarray, i: int, logprobs: bool) -> StepRow:
-  return StepRow(int(out[0, i]), bool(out[1, i]), unpack_logprobs(out, i) if logprobs else None)
+  out: object  # the step's StepOutput, packed (a device array: one host copy reads it all)
+  owners: tuple  # entry i's request, or None
 
 
 class Engine(EngineCacheMixin):
@@ -340,7 +329,7 @@ class Engine(EngineCacheMixin):
           "siblings themselves."
         )
       self._validate(sib)
-    # Every setting must fit the slot table's dtypes (serve.slots.SAMPLING_DTYPES): a value that does not
+    # Every setting must fit the slot table's dtypes (serve.slots.SlotSettings): a value that does not
     # would fail inside the engine's step.
     if not (
       0 <= req.temperature < float("inf")
@@ -537,16 +526,16 @@ class Engine(EngineCacheMixin):
     for g in range(0, len(entries), E):
       part = entries[g : g + E]
       rows = [
-        {
-          "temperature": m.temperature,
-          "top_k": m.top_k,
-          "top_p": m.top_p,
-          "seed": m.seed & 0xFFFFFFFF,
-          "seed_hi": m.seed >> 32,
-          "max_tokens": self._token_budget(m),
-          "stop_ids": list(m.stop_ids),
-          "logprobs": -1 if m.logprobs is None else m.logprobs,
-        }
+        SlotSettings(
+          temperature=m.temperature,
+          top_k=m.top_k,
+          top_p=m.top_p,
+          seed=m.seed & 0xFFFFFFFF,
+          seed_hi=m.seed >> 32,
+          max_tokens=self._token_budget(m),
+          stop_ids=list(m.stop_ids),
+          logprobs=-1 if m.logprobs is None else m.logprobs,
+        )
         for _, _, m in part
       ]
       settings = host_settings(rows, E, self.fns.n_stop)
@@ -582,29 +571,29 @@ class Engine(EngineCacheMixin):
   def _score_prompts(self, pf):
     """Echo: each prompt token's logprob given the tokens before it, and the top-n there."""
     C = self.cfg.chunk_size
-    chunks = [tuple(np.asarray(a) for a in sc) for sc in pf.scores]  # per chunk: [P, C], [P, C, N] x 2
+    chunks = [jax.tree.map(np.asarray, sc) for sc in pf.scores]  # PromptScores per chunk
     for i, r in enumerate(pf.reqs):
       if not r.echo:
         continue
       out = [None]
       for p in range(1, len(r.prompt_ids)):
-        chosen, vals, ids = (a[i] for a in chunks[p // C])
-        j = p % C
-        out.append((float(chosen[j]), [(int(t), float(v)) for t, v in zip(ids[j], vals[j])]))
+        sc, j = chunks[p // C], p % C
+        top = [(int(t), float(v)) for t, v in zip(sc.top_ids[i, j], sc.top_logprobs[i, j])]
+        out.append((float(sc.logprob[i, j]), top))
       for m in self._members(r):
         m.prompt_logprobs = out
 
   def _read_back(self, item: Pending):
-    out = np.asarray(item.out)  # the one device-to-host copy of this step: [3 + 2N, n] (serve.slots)
+    out = StepOutput.unpack(np.asarray(item.out))  # the one device-to-host copy of this step
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(item.owners):
       if r is None or r.finish_reason is not None:
         continue
-      tok, done, logprobs = step_row(out, i, r.logprobs is not None)
+      tok, done = int(out.token[i]), bool(out.done[i])
       r.output_ids.append(tok)
-      if logprobs is not None:
-        r.token_logprobs.append(logprobs)
+      if r.logprobs is not None:
+        r.token_logprobs.append(out.logprobs_of(i))
       if r.first_token_at is None:
         r.first_token_at = now
       n_tokens += 1

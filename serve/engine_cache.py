@@ -46,7 +46,7 @@ class EngineCacheMixin:
       return None
     # Rows without a cached prefix start from a fresh state, as an uncached prefill batch does.
     if self._fresh_rows is None:
-      self._fresh_rows = jax.tree.map(np.asarray, self.fns.empty_prefill()["model"])
+      self._fresh_rows = jax.tree.map(np.asarray, self.fns.empty_prefill().model)
     host = {k: a.copy() for k, a in self._fresh_rows.items()}
     axes = self.fns.axes
     for i, f in enumerate(found):
@@ -76,7 +76,7 @@ class EngineCacheMixin:
         continue
       rows.append(r.slot)
       ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.output_ids[:fed]))
-    self._gather_async(self.table["model"], rows, ids)
+    self._gather_async(self.table.model, rows, ids)
 
   def _snapshot(self, pf):
     """Mid-prompt snapshots of a long prefill, so later prompts sharing the prefix skip it."""
@@ -87,7 +87,7 @@ class EngineCacheMixin:
       if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
         rows.append(i)
         ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids[:done])))
-    self._gather_async(pf.state["model"], rows, ids)
+    self._gather_async(pf.state.model, rows, ids)
 
   def _gather_async(self, state, rows, ids):
     """ids: per row, ((tenant, cache_salt), token ids): the scope the state is cached in."""
@@ -126,9 +126,9 @@ class EngineCacheMixin:
     if self.cache is None:
       return
     idx = np.zeros((self.prefill_batch,), np.int32)
-    rows = self.fns.gather(self.fns.empty_prefill()["model"], idx)
+    rows = self.fns.gather(self.fns.empty_prefill().model, idx)
     jax.block_until_ready(
-      (self.fns.gather(self.table["model"], idx), self.fns.load_prefill(jax.tree.map(np.asarray, rows)))
+      (self.fns.gather(self.table.model, idx), self.fns.load_prefill(jax.tree.map(np.asarray, rows)))
     )
 
 
