@@ -332,14 +332,16 @@ class SlotFunctions:
 
   def _decode_logits(self, params, table: SlotTable):
     logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg)
-    return table.replace(model=state), logits
+    return dataclasses.replace(table, model=state), logits
 
   def _sample_next(self, logits, table: SlotTable):
     index = table.last_output_index + 1  # also the draw's position in the slot's random stream
     s = table.settings
     tok = self.sample(logits, s.temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
     done = _done(tok, index, s.max_tokens, s.stop_ids)
-    return table.replace(tokens=tok, last_output_index=index), self._output(logits, tok, done, s.logprobs)
+    return dataclasses.replace(table, tokens=tok, last_output_index=index), self._output(
+      logits, tok, done, s.logprobs
+    )
 
 
 def entry_writes(slot_E, n_slots: int):
@@ -365,8 +367,8 @@ def _jit(f, donate=(), out=None):
 
 def slot_table_shardings(table_shape: SlotTable, mesh) -> SlotTable:
   """Split the slot axis over every device: the model state's axis 1, axis 0 of the per-slot arrays."""
-  per_slot = sharding.batch_shardings(table_shape.replace(model=None), mesh)
-  return per_slot.replace(model=sharding.decode_state_shardings(table_shape.model, mesh))
+  per_slot = sharding.batch_shardings(dataclasses.replace(table_shape, model=None), mesh)
+  return dataclasses.replace(per_slot, model=sharding.decode_state_shardings(table_shape.model, mesh))
 
 
 def host_settings(rows: list[SlotSettings], prefill_batch: int, n_stop: int) -> SlotSettings:
