@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from serve.engine_cache import EngineCacheMixin
+from serve.engine_config import DEFAULTS, slots_for
 from serve.slots import PrefillRows, PromptScores, SlotFunctions, SlotSettings, StepOutput, host_settings
 
 log = logging.getLogger(__name__)
@@ -137,22 +138,25 @@ class Engine(EngineCacheMixin):
     cfg,
     *,
     model=None,
-    n_slots: int = 8,
-    prefill_batch: int = 1,
-    max_queue: int = 256,
+    n_slots: int | None = DEFAULTS.n_slots,
+    prefill_batch: int = DEFAULTS.prefill_batch,
+    max_queue: int = DEFAULTS.max_queue,
     max_queue_per_tenant: int | None = None,
-    max_stop_ids: int = 8,
+    max_stop_ids: int = DEFAULTS.max_stop_ids,
     valid_vocab: int | None = None,
-    prefill_chunks_per_step: int = 4,
+    prefill_chunks_per_step: int = DEFAULTS.prefill_chunks_per_step,
     mesh=None,
     on_deliver: Callable[[list[Delivery]], None] | None = None,
     state_cache=None,
-    snapshot_every: int = 8,
-    cache_min_tokens: int = 128,
+    snapshot_every: int = DEFAULTS.snapshot_every,
+    cache_min_tokens: int = DEFAULTS.cache_min_tokens,
     max_context: int | None = None,
   ):
+    """Keyword arguments named as `serve.engine_config.EngineConfig`'s fields are described there."""
     if model is None:
       from laplace_jax import model
+    if n_slots is None:
+      n_slots = slots_for(cfg)
     check_max_context(cfg, max_context)
     if state_cache is not None and "A" in cfg.mixers:
       raise ValueError(
