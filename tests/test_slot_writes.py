@@ -113,3 +113,27 @@ def test_insert_writes_the_real_entries_and_nothing_else():
       for column, values in zip(jax.tree.leaves(want.settings), jax.tree.leaves(settings)):
         column[s] = values[e]
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, table), want)
+
+
+def test_a_step_output_comes_back_from_its_one_packed_array():
+  """StepOutput.pack (on the device) and unpack (on the host) are inverses, field by field, bit for bit."""
+  rng = np.random.default_rng(0)
+  E = 3
+  step = StepOutput(
+    token=jnp.asarray([5, 0, 50_256], jnp.int32),
+    done=jnp.asarray([True, False, True]),
+    logprob=jnp.asarray(-rng.exponential(size=E), jnp.float32),
+    top_ids=jnp.asarray(rng.integers(0, 1000, (E, N_TOP)), jnp.int32),
+    top_logprobs=jnp.asarray(-rng.exponential(size=(E, N_TOP)), jnp.float32).at[1, 2].set(-jnp.inf),
+  )
+  packed = np.asarray(jax.jit(StepOutput.pack)(step))
+  assert packed.dtype == np.int32 and packed.ndim == 2 and packed.shape[1] == E  # one array, one copy
+  back = StepOutput.unpack(packed)
+  for name in ("token", "done", "logprob", "top_ids", "top_logprobs"):
+    got, want = getattr(back, name), np.asarray(getattr(step, name))
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    np.testing.assert_array_equal(got, want, err_msg=name)
+  assert back.logprobs_of(1) == (
+    float(step.logprob[1]),
+    [(int(t), float(v)) for t, v in zip(step.top_ids[1], step.top_logprobs[1])],
+  )
