@@ -125,7 +125,7 @@ class Pending(NamedTuple):
   """A dispatched insert or generate whose output is not read back yet."""
 
   kind: str  # "insert" or "gen"
-  out: object  # the step's StepOutput, packed (a device array: one host copy reads it all)
+  out: jax.Array  # the step's StepOutput, packed (one device array: one host copy reads it all)
   owners: tuple  # entry i's request, or None
 
 

@@ -26,8 +26,8 @@ Array = Any  # a jax.Array, a numpy array or a ShapeDtypeStruct (eval_shape)
 
 @struct.dataclass
 class SlotSettings:
-  """Each slot's sampling settings, arrays over E slots (or insert entries); a request's bounds on these
-  are checked before the engine sees it (every value must fit its dtype here)."""
+  """Each slot's sampling settings, arrays over E slots (or insert entries). Every value must fit its
+  dtype: `Engine` checks a request's settings when it is submitted."""
 
   temperature: Array  # f32 [E] (0: greedy)
   top_k: Array  # i32 [E] (0: off)
