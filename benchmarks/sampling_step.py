@@ -23,7 +23,7 @@ import numpy as np
 
 from laplace_jax import model
 from laplace_jax.config import get_config
-from serve.slots import SlotFunctions
+from serve.slots import SlotFunctions, SlotSettings, SlotTable
 
 VALID_VOCAB = 50257
 
@@ -51,18 +51,21 @@ def table(S, kind):
     lp[1] = 5
     if kind == "mixed+bisection":
       k[2] = 100
-  return {
-    "tokens": jnp.zeros(S, jnp.int32),
-    "pos": jnp.arange(S, dtype=jnp.int32),
-    "temperature": jnp.asarray(t),
-    "top_k": jnp.asarray(k),
-    "top_p": jnp.asarray(p),
-    "seed": jnp.arange(S, dtype=jnp.uint32),
-    "seed_hi": jnp.zeros(S, jnp.uint32),
-    "max_tokens": jnp.full(S, 1 << 20, jnp.int32),
-    "logprobs": jnp.asarray(lp),
-    "stop_ids": jnp.full((S, 4), -1, jnp.int32),
-  }
+  return SlotTable(
+    model=None,  # the sampling call never reads the model state
+    tokens=jnp.zeros(S, jnp.int32),
+    last_output_index=jnp.arange(S, dtype=jnp.int32),
+    settings=SlotSettings(
+      temperature=jnp.asarray(t),
+      top_k=jnp.asarray(k),
+      top_p=jnp.asarray(p),
+      seed=jnp.arange(S, dtype=jnp.uint32),
+      seed_hi=jnp.zeros(S, jnp.uint32),
+      max_tokens=jnp.full(S, 1 << 20, jnp.int32),
+      logprobs=jnp.asarray(lp),
+      stop_ids=jnp.full((S, 4), -1, jnp.int32),
+    ),
+  )
 
 
 def main():

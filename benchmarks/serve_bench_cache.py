@@ -86,7 +86,7 @@ def run_agent(args, out):
       eng.submit_all(reqs)
       eng.run_until_idle()
       wall = time.perf_counter() - t0
-      ttft = float(np.mean([r.first_token_at - r.submitted_at for r in reqs]))
+      ttft = float(np.mean([r.progress.first_token_at - r.progress.submitted_at for r in reqs]))
       turns.append(
         {
           "turn": t + 1,
@@ -97,7 +97,7 @@ def run_agent(args, out):
         }
       )
       for i, r in enumerate(reqs):
-        convs[i] += r.output_ids
+        convs[i] += r.progress.output_ids
     res["on" if on else "off"] = turns
   rows = []
   for a, b in zip(res["off"], res["on"]):
@@ -138,7 +138,7 @@ def run_prefix(args, out):
     res["on" if on else "off"] = {
       "prefill_tokens": eng.stats["prefill_tokens"],
       "wall_s": time.perf_counter() - t0,
-      "mean_ttft_s": float(np.mean([r.first_token_at - r.submitted_at for r in reqs])),
+      "mean_ttft_s": float(np.mean([r.progress.first_token_at - r.progress.submitted_at for r in reqs])),
     }
   a, b = res["off"], res["on"]
   _table(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -11,6 +12,8 @@ import time
 
 from laplace_jax import cli
 from laplace_jax.config import PRESETS, get_config
+from serve.engine_config import DEFAULTS, EngineConfig, slots_for
+from serve.protocol import Limits
 
 _FLAGS = (
   "\n\nFlags are spelled with underscores, as in python -m train; the dashed spelling (--n-slots) is "
@@ -20,6 +23,17 @@ _FLAGS = (
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
   pass
+
+
+def _engine_flag(group, name: str, flag: str | None = None):
+  """A flag for EngineConfig's field `name`: its default and its help."""
+  group.add_argument(
+    f"--{flag or name}", type=int, default=getattr(DEFAULTS, name), help=cli.field_help(EngineConfig, name)
+  )
+
+
+def _limits_default(name: str):
+  return next(f.default for f in dataclasses.fields(Limits) if f.name == name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,10 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
   w.add_argument(
     "--prng",
     default="auto",
-    choices=["auto", "threefry", "rbg", "unsafe_rbg"],
-    help="JAX's PRNG implementation (--random_init weights, seeded sampling): auto is rbg on Neuron "
-    "and with --target neuron, threefry elsewhere; a request's seed samples different tokens under "
-    "each",
+    help="JAX's PRNG implementation (--random_init weights, seeded sampling): auto (rbg on Neuron and "
+    "with --target neuron, threefry elsewhere) | threefry | rbg | unsafe_rbg, checked against "
+    "laplace_jax.platform.PRNG_CHOICES; a request's seed samples different tokens under each",
   )
   w.add_argument(
     "--params_dtype",
@@ -66,32 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     "'User: ...' / 'Assistant:' text (serve/chat.py)",
   )
   e = p.add_argument_group("engine")
-  e.add_argument(
-    "--n_slots",
-    type=int,
-    help="concurrent sequences decoded per step (default: 1280 for laplace-3b, 64 otherwise)",
-  )
-  e.add_argument("--prefill_batch", type=int, default=4, help="prompts prefilled together")
-  e.add_argument(
-    "--prefill_chunks_per_step",
-    type=int,
-    default=4,
-    help="128-token prefill chunks run between two decode steps",
-  )
-  e.add_argument("--max_queue", type=int, default=1024, help="requests that may wait for a slot; more: 429")
+  for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue"):
+    _engine_flag(e, name)
   e.add_argument("--max_tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
   e.add_argument("--max_prompt_tokens", type=int, default=32768, help="longest prompt accepted")
   e.add_argument(
     "--max_choices",
     type=int,
-    default=16,
+    default=_limits_default("max_choices"),
     help="most choices (prompts x n) one request may ask "
     "for, so that one request cannot hold every slot and the queue",
   )
   e.add_argument(
     "--max_reply_entries",
     type=int,
-    default=1 << 19,
+    default=_limits_default("max_reply_entries"),
     help="most token entries one reply may "
     "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
     "that could exceed it gets 400 before it runs",
@@ -120,12 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument(
     "--state_cache_dir", help="keep cached states in this directory across restarts (one directory per model)"
   )
-  c.add_argument(
-    "--state_snapshot_every",
-    type=int,
-    default=8,
-    help="long prompts leave a cached state every this many 128-token chunks",
-  )
+  _engine_flag(c, "snapshot_every", "state_snapshot_every")
   t = p.add_argument_group("lowering for another platform (no weights needed, nothing is served)")
   t.add_argument(
     "--target",
@@ -177,6 +174,10 @@ def parse_args(argv=None):
     v = getattr(args, name)
     if not lo <= v <= hi:
       p.error(f"--{name}={v}: expected an integer in [{lo}, {hi}]")
+  from laplace_jax.platform import PRNG_CHOICES
+
+  if args.prng not in PRNG_CHOICES:
+    p.error(f"argument --prng: invalid choice: {args.prng!r} (choose from {', '.join(PRNG_CHOICES)})")
   if args.state_cache_gb < 0:
     p.error(f"--state_cache_gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
   if args.state_cache_dir and args.state_cache_gb == 0:
@@ -206,8 +207,6 @@ def tenant_keys(args):
 
 def lower_target(args) -> int:
   """--target: lower and check the engine's programs on simulated CPU devices; 1 on any violation."""
-  import inspect
-
   import jax
 
   jax.config.update("jax_platforms", "cpu")
@@ -217,11 +216,11 @@ def lower_target(args) -> int:
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made
   from serve import lowering
-  from serve.engine import Engine, check_max_context
+  from serve.engine import check_max_context
 
   cfg = get_config(args.preset)
   check_max_context(cfg, args.max_context)
-  n_slots = args.n_slots or (1280 if args.preset == "laplace-3b" else 64)
+  n_slots = args.n_slots or slots_for(cfg)
   from serve import loading
 
   mesh = loading.make_serving_mesh(args.mesh_devices)
@@ -231,7 +230,7 @@ def lower_target(args) -> int:
     target=args.target,
     n_slots=n_slots,
     prefill_batch=args.prefill_batch,
-    n_stop=inspect.signature(Engine.__init__).parameters["max_stop_ids"].default,
+    n_stop=DEFAULTS.max_stop_ids,
     valid_vocab=tokenizer.VOCAB_SIZE,
     mesh=mesh,
     params_dtype=args.params_dtype,
@@ -276,7 +275,7 @@ def build(args):
   params, cfg = loading.load_model(
     checkpoint=args.checkpoint, preset=args.preset, seed=args.seed, mesh=mesh, dtype=args.params_dtype
   )
-  n_slots = args.n_slots or (1280 if cfg == get_config("laplace-3b") else 64)
+  n_slots = args.n_slots or slots_for(cfg)
   name = args.model_name or (
     f"laplace-{args.preset}"
     if args.random_init

@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from serve.engine_cache import EngineCacheMixin
-from serve.slots import SlotFunctions, host_settings, unpack_logprobs
+from serve.engine_config import DEFAULTS, slots_for
+from serve.slots import PrefillRows, PromptScores, SlotFunctions, SlotSettings, StepOutput, host_settings
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -56,42 +58,46 @@ def check_max_context(cfg, max_context):
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Request:
-  """One completion. The engine fills `output_ids`, `finish_reason` ('stop', 'length', 'cancelled',
-  'error') and sets `done`; `on_deliver` sees each step's new tokens as they come."""
+  """One completion as the caller asks for it; nothing here changes once submitted. What the engine makes
+  of it (tokens, finish reason, timings) is in `progress`; `on_deliver` sees each step's new tokens as they
+  come. Requests compare and hash by identity."""
 
   prompt_ids: Sequence[int]
   max_tokens: int = 16
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  seed: int | None = None
+  seed: int | None = None  # None: the engine draws one at submit (progress.seed)
   stop_ids: Sequence[int] = ()
   logprobs: int | None = None  # None: off; 0..5: each output token's logprob and the top-n
   echo: bool = False  # score the prompt too (prompt_logprobs); never restored from the cache
   tenant: str = ""  # who sent it (API key): its cache scope and its share of the slots
   cache_salt: str | None = None  # a further cache scope within the tenant (the request's cache_salt)
-  siblings: list = dataclasses.field(default_factory=list)  # more choices of the same prompt (n > 1)
+  siblings: Sequence[Request] = ()  # more choices of the same prompt (n > 1)
+  context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
-  output_ids: list = dataclasses.field(default_factory=list)
+  progress: Progress = dataclasses.field(default_factory=lambda: Progress(), init=False, repr=False)
+
+
+@dataclasses.dataclass(eq=False)
+class Progress:
+  """What the engine has done with one request: written by the engine (`cancelled` by `Engine.cancel`),
+  read by the caller. `done` is set once `finish_reason` is final."""
+
+  seed: int = 0  # the seed it samples with: the request's, or one drawn at submit
+  output_ids: list[int] = dataclasses.field(default_factory=list)
   token_logprobs: list = dataclasses.field(default_factory=list)  # per output token: (logprob, [(id, lp)])
   prompt_logprobs: list | None = None  # echo: [None, (logprob, [(id, lp)]), ...] per prompt token
-  finish_reason: str | None = None
+  finish_reason: str | None = None  # 'stop', 'length', 'cancelled' or 'error'
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   submitted_at: float = 0.0
   first_token_at: float | None = None
   cancelled: bool = False
-  slot: int | None = None
+  slot: int | None = None  # the slot it decodes in, while it does
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
   gen_base: int = 0  # the engine's generate count when this request entered its slot
-  context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
-
-  def __hash__(self):
-    return self.id
-
-  def __eq__(self, other):
-    return self is other
 
 
 class Delivery(NamedTuple):
@@ -109,30 +115,18 @@ class PrefillBatch:
   reqs: list  # leader requests, one prefill row each
   slots: list  # slots reserved for their decoding choices
   n_chunks: int  # 128-token chunks the longest uncached rest needs
-  state: dict  # the prefill rows' state (serve.slots' prefill batch pytree)
+  state: PrefillRows | None  # the prefill rows' state (None until the batch has started)
   scored: bool  # some prompt is echoed: run the scoring prefill
   next_chunk: int = 0
-  scores: list = dataclasses.field(default_factory=list)  # per chunk, the scoring prefill's arrays
+  scores: list[PromptScores] = dataclasses.field(default_factory=list)  # per chunk, the scoring prefill's
 
 
 class Pending(NamedTuple):
-  """A dispatched insert or generate whose output array is not read back yet."""
+  """A dispatched insert or generate whose output is not read back yet."""
 
   kind: str  # "insert" or "gen"
-  out: object  # device array [3 + 2N, n] (serve.slots)
-  owners: tuple  # column i's request, or None
-
-
-class StepRow(NamedTuple):
-  """One column of a step's output array, read on the host."""
-
-  token: int
-  done: bool
-  logprobs: tuple | None  # (chosen logprob, [(id, logprob)] top N) when the request asked for them
-
-
-def step_row(out: np.ndarray, i: int, logprobs: bool) -> StepRow:
-  return StepRow(int(out[0, i]), bool(out[1, i]), unpack_logprobs(out, i) if logprobs else None)
+  out: jax.Array  # the step's StepOutput, packed (one device array: one host copy reads it all)
+  owners: tuple  # entry i's request, or None
 
 
 class Engine(EngineCacheMixin):
@@ -144,22 +138,25 @@ class Engine(EngineCacheMixin):
     cfg,
     *,
     model=None,
-    n_slots: int = 8,
-    prefill_batch: int = 1,
-    max_queue: int = 256,
+    n_slots: int | None = DEFAULTS.n_slots,
+    prefill_batch: int = DEFAULTS.prefill_batch,
+    max_queue: int = DEFAULTS.max_queue,
     max_queue_per_tenant: int | None = None,
-    max_stop_ids: int = 8,
+    max_stop_ids: int = DEFAULTS.max_stop_ids,
     valid_vocab: int | None = None,
-    prefill_chunks_per_step: int = 4,
+    prefill_chunks_per_step: int = DEFAULTS.prefill_chunks_per_step,
     mesh=None,
     on_deliver: Callable[[list[Delivery]], None] | None = None,
     state_cache=None,
-    snapshot_every: int = 8,
-    cache_min_tokens: int = 128,
+    snapshot_every: int = DEFAULTS.snapshot_every,
+    cache_min_tokens: int = DEFAULTS.cache_min_tokens,
     max_context: int | None = None,
   ):
+    """Keyword arguments named as `serve.engine_config.EngineConfig`'s fields are described there."""
     if model is None:
       from laplace_jax import model
+    if n_slots is None:
+      n_slots = slots_for(cfg)
     check_max_context(cfg, max_context)
     if state_cache is not None and "A" in cfg.mixers:
       raise ValueError(
@@ -201,7 +198,7 @@ class Engine(EngineCacheMixin):
     self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
     self.reserved: set[int] = set()  # held by the prefill in progress
     self.queue: collections.deque[Request] = collections.deque()
-    self._waiting = collections.Counter()  # tenant -> choices in self.queue
+    self._waiting: collections.Counter[str] = collections.Counter()  # tenant -> choices in self.queue
     self.prefill: PrefillBatch | None = None  # the prefill batch in progress
     self.pending: collections.deque = collections.deque()  # dispatched, not yet read back
     self._lock = threading.Lock()
@@ -219,7 +216,7 @@ class Engine(EngineCacheMixin):
       "prefill_tokens": 0,
       "cached_prompt_tokens": 0,
     }
-    self._rate = collections.deque()  # (time, tokens) of recent steps, for tokens/s
+    self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
     # State cache (serve.state_cache.StateCache or None): states copied out of the device, in flight to the
     # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
     self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
@@ -254,9 +251,8 @@ class Engine(EngineCacheMixin):
       now = time.perf_counter()
       for r in reqs:
         for m in self._members(r):
-          if m.seed is None:
-            m.seed = secrets.randbits(32)
-          m.submitted_at = now
+          m.progress.seed = secrets.randbits(32) if m.seed is None else m.seed
+          m.progress.submitted_at = now
         self.queue.append(r)
         self._waiting[tenant] += 1 + len(r.siblings)
       self.stats["requests"] += size
@@ -293,7 +289,7 @@ class Engine(EngineCacheMixin):
   def cancel(self, req: Request):
     """Stop a request (client gone); its slot is freed on the engine's next step."""
     with self._lock:
-      req.cancelled = True
+      req.progress.cancelled = True
       self._cancels.append(req)
     self._wake.set()
 
@@ -340,7 +336,7 @@ class Engine(EngineCacheMixin):
           "siblings themselves."
         )
       self._validate(sib)
-    # Every setting must fit the slot table's dtypes (serve.slots.SAMPLING_DTYPES): a value that does not
+    # Every setting must fit the slot table's dtypes (serve.slots.SlotSettings): a value that does not
     # would fail inside the engine's step.
     if not (
       0 <= req.temperature < float("inf")
@@ -417,22 +413,26 @@ class Engine(EngineCacheMixin):
           self._dequeued(r)
     out = []
     live = [
-      r for r in cancels if r.finish_reason is None and r.slot is not None and self.slot_req[r.slot] is r
+      r
+      for r in cancels
+      if r.progress.finish_reason is None
+      and r.progress.slot is not None
+      and self.slot_req[r.progress.slot] is r
     ]
     self._copy_out(live)  # a stop string ends a request by cancelling it: its context is still worth keeping
     for r in cancels:
-      if r.finish_reason is None:
+      if r.progress.finish_reason is None:
         self._finish(r, "cancelled")
         out.append(Delivery(r, [], "cancelled"))
     if out:
       self.on_deliver(out)
 
   def _finish(self, r: Request, reason: str):
-    r.finish_reason = reason
-    if r.slot is not None and self.slot_req[r.slot] is r:
-      self.slot_req[r.slot] = None
+    r.progress.finish_reason = reason
+    if r.progress.slot is not None and self.slot_req[r.progress.slot] is r:
+      self.slot_req[r.progress.slot] = None
     self.stats["finished"] += 1
-    r.done.set()
+    r.progress.done.set()
 
   def _advance_prefill(self):
     """Prefill chunks within this step's budget. A failure here (a request's settings, a cached state)
@@ -457,7 +457,7 @@ class Engine(EngineCacheMixin):
       tokens = np.zeros((self.prefill_batch, C), np.int32)
       lengths = np.zeros((self.prefill_batch,), np.int32)
       for i, r in enumerate(pf.reqs):
-        at = r.cached_tokens + c * C
+        at = r.progress.cached_tokens + c * C
         piece = r.prompt_ids[at : at + C]
         tokens[i, : len(piece)] = piece
         lengths[i] = len(piece)
@@ -483,7 +483,8 @@ class Engine(EngineCacheMixin):
     need = lambda r: sum(m.max_tokens > 0 for m in self._members(r))  # max_tokens 0: scored, never decoded
     held = collections.Counter(r.tenant for r in self.slot_req if r is not None)
     with self._lock:
-      take, used = [], 0
+      take: list[Request] = []
+      used = 0
       while self.queue and len(take) < self.prefill_batch:
         i = self._fairest(held)
         r = self.queue[i]
@@ -504,7 +505,7 @@ class Engine(EngineCacheMixin):
     self.reserved.update(slots)
     C = self.cfg.chunk_size
     state = self._restore(take) if self.cache is not None else None
-    pf.n_chunks = max(-(-(len(r.prompt_ids) - r.cached_tokens) // C) for r in take)
+    pf.n_chunks = max(-(-(len(r.prompt_ids) - r.progress.cached_tokens) // C) for r in take)
     pf.state = self.fns.empty_prefill() if state is None else state
     return True
 
@@ -537,16 +538,16 @@ class Engine(EngineCacheMixin):
     for g in range(0, len(entries), E):
       part = entries[g : g + E]
       rows = [
-        {
-          "temperature": m.temperature,
-          "top_k": m.top_k,
-          "top_p": m.top_p,
-          "seed": m.seed & 0xFFFFFFFF,
-          "seed_hi": m.seed >> 32,
-          "max_tokens": self._token_budget(m),
-          "stop_ids": list(m.stop_ids),
-          "logprobs": -1 if m.logprobs is None else m.logprobs,
-        }
+        SlotSettings(
+          temperature=m.temperature,
+          top_k=m.top_k,
+          top_p=m.top_p,
+          seed=m.progress.seed & 0xFFFFFFFF,
+          seed_hi=m.progress.seed >> 32,
+          max_tokens=self._token_budget(m),
+          stop_ids=list(m.stop_ids),
+          logprobs=-1 if m.logprobs is None else m.logprobs,
+        )
         for _, _, m in part
       ]
       settings = host_settings(rows, E, self.fns.n_stop)
@@ -558,12 +559,14 @@ class Engine(EngineCacheMixin):
         if slot is not None:
           slot_idx[j] = slot
           self.reserved.discard(slot)
-        if slot is not None and m.finish_reason is None:  # cancelled during prefill: leave the slot free
-          self.slot_req[slot], m.slot, m.gen_base = m, slot, self._gens
+        if (
+          slot is not None and m.progress.finish_reason is None
+        ):  # cancelled during prefill: leave the slot free
+          self.slot_req[slot], m.progress.slot, m.progress.gen_base = m, slot, self._gens
           owners.append(m)
         else:
           owners.append(None)
-          if m.finish_reason is None:
+          if m.progress.finish_reason is None:
             self._finish(m, "length")
             done.append(Delivery(m, [], "length"))
       self.table, out = self.fns.insert(self.params, self.table, pf.state, row_idx, slot_idx, settings)
@@ -582,31 +585,31 @@ class Engine(EngineCacheMixin):
   def _score_prompts(self, pf):
     """Echo: each prompt token's logprob given the tokens before it, and the top-n there."""
     C = self.cfg.chunk_size
-    chunks = [tuple(np.asarray(a) for a in sc) for sc in pf.scores]  # per chunk: [P, C], [P, C, N] x 2
+    chunks = [jax.tree.map(np.asarray, sc) for sc in pf.scores]  # PromptScores per chunk
     for i, r in enumerate(pf.reqs):
       if not r.echo:
         continue
       out = [None]
       for p in range(1, len(r.prompt_ids)):
-        chosen, vals, ids = (a[i] for a in chunks[p // C])
-        j = p % C
-        out.append((float(chosen[j]), [(int(t), float(v)) for t, v in zip(ids[j], vals[j])]))
+        sc, j = chunks[p // C], p % C
+        top = [(int(t), float(v)) for t, v in zip(sc.top_ids[i, j], sc.top_logprobs[i, j])]
+        out.append((float(sc.logprob[i, j]), top))
       for m in self._members(r):
-        m.prompt_logprobs = out
+        m.progress.prompt_logprobs = out
 
   def _read_back(self, item: Pending):
-    out = np.asarray(item.out)  # the one device-to-host copy of this step: [3 + 2N, n] (serve.slots)
+    out = StepOutput.unpack(np.asarray(item.out))  # the one device-to-host copy of this step
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(item.owners):
-      if r is None or r.finish_reason is not None:
+      if r is None or r.progress.finish_reason is not None:
         continue
-      tok, done, logprobs = step_row(out, i, r.logprobs is not None)
-      r.output_ids.append(tok)
-      if logprobs is not None:
-        r.token_logprobs.append(logprobs)
-      if r.first_token_at is None:
-        r.first_token_at = now
+      tok, done = int(out.token[i]), bool(out.done[i])
+      r.progress.output_ids.append(tok)
+      if r.logprobs is not None:
+        r.progress.token_logprobs.append(out.logprobs_of(i))
+      if r.progress.first_token_at is None:
+        r.progress.first_token_at = now
       n_tokens += 1
       if done:
         reason = "stop" if tok in r.stop_ids else "length"
@@ -638,7 +641,7 @@ class Engine(EngineCacheMixin):
     for r in requests:
       self.submit(r)
     self.run_until_idle()
-    return [r.output_ids for r in requests]
+    return [r.progress.output_ids for r in requests]
 
   def start(self):
     """Run the loop in a background thread until `stop()` (again after it gave up: a fresh start)."""
@@ -687,7 +690,7 @@ class Engine(EngineCacheMixin):
     """Finish these requests with 'error' and tell their callers."""
     out = []
     for r in reqs:
-      if r.finish_reason is None:
+      if r.progress.finish_reason is None:
         self._finish(r, "error")
         out.append(Delivery(r, [], "error"))
     if out:

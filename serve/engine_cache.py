@@ -10,14 +10,23 @@ step dispatched since the insert. Long prefills leave snapshots every `snapshot_
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import jax
 import numpy as np
+
+from serve.slots import SlotFunctions
 
 
 class EngineCacheMixin:
   """Methods of `serve.engine.Engine` that touch `self.cache` (None: every entry point is a no-op)."""
 
   _fresh_rows = None  # a fresh prefill batch's model state on the host, made at the first restore
+  # Set by Engine.__init__:
+  cache: Any  # serve.state_cache.StateCache, or None
+  fns: SlotFunctions
+  _copies: collections.deque  # (ids, gathered rows) on their way to the host
 
   def _restore(self, reqs):
     """Each request's longest cached prefix (at least one prompt token is left to prefill, for the first
@@ -40,13 +49,13 @@ class EngineCacheMixin:
         found.append(None)
         continue
       n, state = self.cache.lookup(r.prompt_ids, len(r.prompt_ids) - 1, tenant=r.tenant, salt=r.cache_salt)
-      r.cached_tokens = n
+      r.progress.cached_tokens = n
       found.append(state)
     if all(f is None for f in found):
       return None
     # Rows without a cached prefix start from a fresh state, as an uncached prefill batch does.
     if self._fresh_rows is None:
-      self._fresh_rows = jax.tree.map(np.asarray, self.fns.empty_prefill()["model"])
+      self._fresh_rows = jax.tree.map(np.asarray, self.fns.empty_prefill().model)
     host = {k: a.copy() for k, a in self._fresh_rows.items()}
     axes = self.fns.axes
     for i, f in enumerate(found):
@@ -55,8 +64,8 @@ class EngineCacheMixin:
           host[k][_row(axes[k], i)] = f[k]
     for r in reqs:
       for sib in r.siblings:
-        sib.cached_tokens = r.cached_tokens
-    self.stats["cached_prompt_tokens"] += sum(r.cached_tokens for r in reqs)
+        sib.progress.cached_tokens = r.progress.cached_tokens
+    self.stats["cached_prompt_tokens"] += sum(r.progress.cached_tokens for r in reqs)
     return self.fns.load_prefill(host)
 
   @staticmethod
@@ -71,23 +80,23 @@ class EngineCacheMixin:
       return
     rows, ids = [], []
     for r in reqs:
-      fed = self._gens - r.gen_base
-      if fed > len(r.output_ids) or len(r.prompt_ids) + fed < self.cache_min_tokens:
+      fed = self._gens - r.progress.gen_base
+      if fed > len(r.progress.output_ids) or len(r.prompt_ids) + fed < self.cache_min_tokens:
         continue
-      rows.append(r.slot)
-      ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.output_ids[:fed]))
-    self._gather_async(self.table["model"], rows, ids)
+      rows.append(r.progress.slot)
+      ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.progress.output_ids[:fed]))
+    self._gather_async(self.table.model, rows, ids)
 
   def _snapshot(self, pf):
     """Mid-prompt snapshots of a long prefill, so later prompts sharing the prefix skip it."""
     C = self.cfg.chunk_size
     rows, ids = [], []
     for i, r in enumerate(pf.reqs):
-      done = r.cached_tokens + pf.next_chunk * C
+      done = r.progress.cached_tokens + pf.next_chunk * C
       if done < len(r.prompt_ids) and done >= self.cache_min_tokens:
         rows.append(i)
         ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids[:done])))
-    self._gather_async(pf.state["model"], rows, ids)
+    self._gather_async(pf.state.model, rows, ids)
 
   def _gather_async(self, state, rows, ids):
     """ids: per row, ((tenant, cache_salt), token ids): the scope the state is cached in."""
@@ -126,9 +135,9 @@ class EngineCacheMixin:
     if self.cache is None:
       return
     idx = np.zeros((self.prefill_batch,), np.int32)
-    rows = self.fns.gather(self.fns.empty_prefill()["model"], idx)
+    rows = self.fns.gather(self.fns.empty_prefill().model, idx)
     jax.block_until_ready(
-      (self.fns.gather(self.table["model"], idx), self.fns.load_prefill(jax.tree.map(np.asarray, rows)))
+      (self.fns.gather(self.table.model, idx), self.fns.load_prefill(jax.tree.map(np.asarray, rows)))
     )
 
 

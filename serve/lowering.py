@@ -50,7 +50,7 @@ def lower_engine(fns: SlotFunctions, params) -> dict:
     if mesh is None
     else sharding.batch_shardings(jax.ShapeDtypeStruct((S, cfg.vocab_size), jnp.float32), mesh),
   )
-  rows = jax.eval_shape(fns._gather, pf["model"], i32(P))
+  rows = jax.eval_shape(fns._gather, pf.model, i32(P))
   under_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)  # as SlotFunctions.generate
   with under_mesh:
     decode = fns._decode.lower(params, table)
@@ -62,8 +62,8 @@ def lower_engine(fns: SlotFunctions, params) -> dict:
     "insert": fns.insert.lower(params, table, pf, i32(P), i32(P), settings),
     "decode": decode,
     "sample": fns._sample.lower(logits, table),
-    "gather_slots": fns.gather.lower(table["model"], i32(P)),
-    "gather_prefill": fns.gather.lower(pf["model"], i32(P)),
+    "gather_slots": fns.gather.lower(table.model, i32(P)),
+    "gather_prefill": fns.gather.lower(pf.model, i32(P)),
     "load_prefill": fns.load_prefill.lower(_sds(rows)),
   }
 

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from typing import cast
 
 from aiohttp import web
 
@@ -78,7 +79,7 @@ class Server:
     self.chat_template = chat_template or chat.ChatTemplate(None, tokenizer)
     self.loop: asyncio.AbstractEventLoop | None = None
     self.started = time.time()
-    self.responses = collections.Counter()  # HTTP status -> count
+    self.responses: collections.Counter[int] = collections.Counter()  # HTTP status -> count
     self.runner: web.AppRunner | None = None
 
   def app(self) -> web.Application:
@@ -103,7 +104,7 @@ class Server:
     await self.runner.setup()
     site = web.TCPSite(self.runner, host, port, backlog=4096)
     await site.start()
-    return site._server.sockets[0].getsockname()[1]
+    return cast(asyncio.Server, site._server).sockets[0].getsockname()[1]
 
   async def stop(self):
     if self.runner is not None:
@@ -359,30 +360,34 @@ class Server:
     events: asyncio.Queue = asyncio.Queue()
     choices, leaders = [], []
     tenant = request.get(TENANT, "")
+
+    def engine_request(ch: _Choice, ids, j: int, siblings=()) -> Request:
+      # Choice j follows seed + j: a prompt sent in a list, or with n, gets what it gets alone.
+      return Request(
+        prompt_ids=ids,
+        max_tokens=c.max_tokens,
+        temperature=c.temperature,
+        top_k=c.top_k,
+        top_p=c.top_p,
+        seed=None if c.seed is None else (c.seed + j) % 2**64,
+        stop_ids=c.stop_ids,
+        logprobs=c.logprobs,
+        echo=c.echo,
+        siblings=siblings,
+        context=ch,
+        tenant=tenant,
+        cache_salt=c.cache_salt,
+      )
+
     for p, ids in enumerate(c.prompts):
-      members = []
-      for j in range(c.n):
-        ch = _Choice(p * c.n + j, p, events)
-        # Choice j follows seed + j: a prompt sent in a list, or with n, gets what it gets alone.
-        ch.req = Request(
-          prompt_ids=ids,
-          max_tokens=c.max_tokens,
-          temperature=c.temperature,
-          top_k=c.top_k,
-          top_p=c.top_p,
-          seed=None if c.seed is None else (c.seed + j) % 2**64,
-          stop_ids=c.stop_ids,
-          logprobs=c.logprobs,
-          echo=c.echo,
-          context=ch,
-          tenant=tenant,
-          cache_salt=c.cache_salt,
-        )
+      members = [_Choice(p * c.n + j, p, events) for j in range(c.n)]
+      for j, ch in enumerate(members[1:], 1):
+        ch.req = engine_request(ch, ids, j)
+      members[0].req = engine_request(members[0], ids, 0, siblings=[ch.req for ch in members[1:]])
+      for ch in members:
         ch.text = TextStream(self.tok.token_bytes, c.stop)
-        members.append(ch.req)
-        choices.append(ch)
-      members[0].siblings = members[1:]
-      leaders.append(members[0])
+      choices += members
+      leaders.append(members[0].req)
     if not self.engine.serving:
       raise _engine_down()
     try:
@@ -404,7 +409,7 @@ class Server:
       return await whole(choices, c, meta)
     finally:
       for ch in choices:
-        if ch.req.finish_reason is None:
+        if ch.req is not None and ch.req.progress.finish_reason is None:
           self.engine.cancel(ch.req)
 
   async def _pieces(self, choices: list, c: protocol.Completion):
@@ -456,14 +461,15 @@ class Server:
     """OpenAI's logprobs object for output tokens [first:] (and the echoed prompt's tokens before them)."""
     if c.logprobs is None:
       return None
-    ids, pairs = [], []
+    ids: list[int] = []
+    pairs: list = []  # per token: None (the first prompt token) or (logprob, [(id, logprob)])
     if with_prompt and c.echo:
       ids += list(ch.req.prompt_ids)
-      pairs += ch.req.prompt_logprobs or [None] * len(ch.req.prompt_ids)
+      pairs += ch.req.progress.prompt_logprobs or [None] * len(ch.req.prompt_ids)
     ids += ch.out_ids[first:]
-    pairs += ch.req.token_logprobs[first : len(ch.out_ids)]
+    pairs += ch.req.progress.token_logprobs[first : len(ch.out_ids)]
     word = lambda t: self.tok.token_bytes([t]).decode("utf-8", "replace")
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, pair in zip(ids, pairs):
       w = word(t)
       out["tokens"].append(w)
@@ -479,7 +485,7 @@ class Server:
     prompt = sum(len(p) for p in c.prompts)
     done = sum(len(ch.out_ids) for ch in choices)
     cached = sum(
-      ch.req.cached_tokens for ch in choices if ch.index % c.n == 0
+      ch.req.progress.cached_tokens for ch in choices if ch.index % c.n == 0
     )  # the first choice of each prompt
     return {
       "prompt_tokens": prompt,

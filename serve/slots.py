@@ -1,54 +1,144 @@
 """The compiled pieces of the engine: prefill a small batch chunk by chunk, insert it into slots, and
 advance every slot by one sampled token. All shapes are fixed at construction; nothing here recompiles.
 
-Slot table (one pytree; the slot axis S of each model-state leaf where `model.state_batch_axes` puts it):
-  model: the model's decode state, layer-major leaves [L_x, S, ...] and, for some mixer patterns, its own
-  pos [S] (tokens consumed; an insert writes the prefilled row's, so a reused slot starts over);
-  tokens [S] (next input);  pos [S] (index of the last
-  generated token);  temperature, top_p f32 [S];  top_k, max_tokens i32 [S];  seed, seed_hi u32 [S] (a 64-bit
-  seed's two words);  logprobs i32 [S] (-1: off, else top-n wanted);  stop_ids i32 [S, N_STOP] (-1 pads).
-
-Each step's output is one int32 array [3 + 2·N, S] (N = TOP_LOGPROBS), so one host copy carries it all:
-rows token, finished, chosen-token logprob (f32 bits), N top ids, N top logprobs (f32 bits). The logprob
-rows are computed only when some slot asks for them (zeros otherwise).
+The slot table (`SlotTable`), a prefill batch (`PrefillRows`) and a step's output (`StepOutput`) are typed
+pytrees; each field says what it holds where it is declared.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from laplace_jax import sharding
 from serve import sampling
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "seed_hi", "max_tokens", "logprobs", "stop_ids")
-SAMPLING_DTYPES = {
-  "temperature": np.float32,
-  "top_k": np.int32,
-  "top_p": np.float32,
-  "seed": np.uint32,
-  "seed_hi": np.uint32,
-  "max_tokens": np.int32,
-  "logprobs": np.int32,
-  "stop_ids": np.int32,
-}
 N_TOP = sampling.TOP_LOGPROBS
+Array = Any  # a jax.Array, a numpy array or a ShapeDtypeStruct (eval_shape)
 
 
-def unpack_logprobs(out, i):
-  """(chosen logprob, [(id, logprob)] top N) of column i of a step's output array (host numpy)."""
-  f = lambda rows: rows.view(np.float32)
-  top = f(out[3 + N_TOP : 3 + 2 * N_TOP, i])
-  return float(f(out[2:3, i])[0]), [(int(t), float(v)) for t, v in zip(out[3 : 3 + N_TOP, i], top)]
+@struct.dataclass
+class SlotSettings:
+  """Each slot's sampling settings, arrays over E slots (or insert entries). Every value must fit its
+  dtype: `Engine` checks a request's settings when it is submitted."""
+
+  temperature: Array  # f32 [E] (0: greedy)
+  top_k: Array  # i32 [E] (0: off)
+  top_p: Array  # f32 [E] (1: off)
+  seed: Array  # u32 [E] low word of the 64-bit seed
+  seed_hi: Array  # u32 [E] its high word
+  max_tokens: Array  # i32 [E] tokens the slot may generate
+  logprobs: Array  # i32 [E] -1: off, else the top-n wanted
+  stop_ids: Array  # i32 [E, N_STOP] ids that end the sequence (-1 pads)
+
+  @classmethod
+  def inert(cls, n: int, n_stop: int, xp=np) -> SlotSettings:
+    """Settings of an empty slot or a padding entry (xp: numpy, or jax.numpy when traced)."""
+    return cls(
+      temperature=xp.zeros((n,), xp.float32),
+      top_k=xp.zeros((n,), xp.int32),
+      top_p=xp.ones((n,), xp.float32),
+      seed=xp.zeros((n,), xp.uint32),
+      seed_hi=xp.zeros((n,), xp.uint32),
+      max_tokens=xp.ones((n,), xp.int32),
+      logprobs=xp.full((n,), -1, xp.int32),
+      stop_ids=xp.full((n, n_stop), -1, xp.int32),
+    )
 
 
-def _done(tok_S, pos_S, max_tokens_S, stop_ids_SxN):
-  """A slot is finished when it produced a stop id or its (pos + 1)-th token reached max_tokens."""
-  return (tok_S[:, None] == stop_ids_SxN).any(-1) | (pos_S + 1 >= max_tokens_S)
+@struct.dataclass
+class SlotTable:
+  """Every slot's state between steps, S slots."""
+
+  # The model's decode state, its slot axis where `model.state_batch_axes` puts it (layer-major leaves
+  # [L_x, S, ...]); for some mixer patterns with its own position (tokens consumed: an insert writes the
+  # prefilled row's, so a reused slot starts over).
+  model: Any
+  tokens: Array  # i32 [S] the next input token (the last one sampled)
+  last_output_index: Array  # i32 [S] index within the output of the last generated token (0: the first)
+  settings: SlotSettings
+
+
+@struct.dataclass
+class PrefillRows:
+  """A prefill batch of P fresh sequences, fed chunk by chunk."""
+
+  model: Any  # the rows' decode state, as the slot table's model field
+  logits: Array  # f32 [P, V] each row's logits after its last prompt token so far
+
+
+class PromptScores(NamedTuple):
+  """The scoring prefill's output for one chunk: each token's logprob given all before it."""
+
+  logprob: Array  # f32 [P, C] the token's
+  top_logprobs: Array  # f32 [P, C, N] the N most likely tokens' there
+  top_ids: Array  # i32 [P, C, N] and their ids
+
+
+@struct.dataclass
+class StepOutput:
+  """What one insert or generate step produced per slot (or entry), E of them. The logprob fields are
+  computed only when some slot asks for them (zeros otherwise)."""
+
+  token: Array  # i32 [E] the sampled token
+  done: Array  # bool [E] the slot finished with it (a stop id, or max_tokens reached)
+  logprob: Array  # f32 [E] the sampled token's log-probability
+  top_ids: Array  # i32 [E, N] the N most likely tokens
+  top_logprobs: Array  # f32 [E, N] their log-probabilities
+
+  @staticmethod
+  def layout(n_top: int = N_TOP) -> tuple[tuple[str, int | None, type], ...]:
+    """(field, its trailing size (None: an [E] field), host dtype) in packing order: the one description
+    of the packed form, where each field takes as many rows as its trailing size."""
+    return (
+      ("token", None, np.int32),
+      ("done", None, np.bool_),
+      ("logprob", None, np.float32),
+      ("top_ids", n_top, np.int32),
+      ("top_logprobs", n_top, np.float32),
+    )
+
+  def pack(self) -> jax.Array:
+    """All fields as one int32 [R, E] array (traced), so one device-to-host copy carries the step."""
+    rows = []
+    for name, n, _ in self.layout(self.top_ids.shape[-1]):
+      x = getattr(self, name)
+      if x.dtype == jnp.bool_:
+        x = x.astype(jnp.int32)
+      elif x.dtype != jnp.int32:
+        x = jax.lax.bitcast_convert_type(x, jnp.int32)
+      rows.append(x.reshape(x.shape[0], n or 1).T)
+    return jnp.concatenate(rows)
+
+  @classmethod
+  def unpack(cls, packed: np.ndarray, n_top: int = N_TOP) -> StepOutput:
+    """The inverse of `pack` on the host: a StepOutput of numpy arrays."""
+    out, at = {}, 0
+    for name, n, dtype in cls.layout(n_top):
+      rows = packed[at : at + (n or 1)]
+      at += n or 1
+      rows = rows.astype(np.bool_) if dtype is np.bool_ else rows.view(dtype)
+      out[name] = rows[0] if n is None else rows.T
+    if at != packed.shape[0]:
+      raise ValueError(f"a packed step output has {packed.shape[0]} rows: expected {at} (N = {n_top}).")
+    return cls(**out)
+
+  def logprobs_of(self, i: int) -> tuple[float, list[tuple[int, float]]]:
+    """(the sampled token's logprob, [(id, logprob)] of the top N) of entry i (host arrays)."""
+    top = [(int(t), float(v)) for t, v in zip(self.top_ids[i], self.top_logprobs[i])]
+    return float(self.logprob[i]), top
+
+
+def _done(tok_S, index_S, max_tokens_S, stop_ids_SxN):
+  """A slot is finished when it produced a stop id or its (index + 1)-th output token reached max_tokens."""
+  return (tok_S[:, None] == stop_ids_SxN).any(-1) | (index_S + 1 >= max_tokens_S)
 
 
 class SlotFunctions:
@@ -125,58 +215,50 @@ class SlotFunctions:
     """Rows `rows` of a model state, each leaf along its own sequence axis."""
     return {k: jnp.take(x, rows, axis=self.axes[k]) for k, x in state.items()}
 
-  def _empty_table(self):
+  def _empty_table(self) -> SlotTable:
     S = self.n_slots
-    z = lambda dt, *shape: jnp.zeros((S, *shape), dt)
-    return {
-      "model": self._init_state(S),
-      "tokens": z(jnp.int32),
-      "pos": z(jnp.int32),
-      "temperature": z(jnp.float32),
-      "top_k": z(jnp.int32),
-      "top_p": jnp.ones((S,), jnp.float32),
-      "seed": z(jnp.uint32),
-      "seed_hi": z(jnp.uint32),
-      "max_tokens": jnp.ones((S,), jnp.int32),
-      "logprobs": jnp.full((S,), -1, jnp.int32),
-      "stop_ids": jnp.full((S, self.n_stop), -1, jnp.int32),
-    }
+    return SlotTable(
+      model=self._init_state(S),
+      tokens=jnp.zeros((S,), jnp.int32),
+      last_output_index=jnp.zeros((S,), jnp.int32),
+      settings=SlotSettings.inert(S, self.n_stop, jnp),
+    )
 
-  def _empty_prefill(self):
+  def _empty_prefill(self) -> PrefillRows:
     """Zero state and logits for one prefill batch (rows are fresh sequences)."""
     Pb = self.prefill_batch
-    return {"model": self._init_state(Pb), "logits": jnp.zeros((Pb, self.cfg.vocab_size), jnp.float32)}
+    return PrefillRows(model=self._init_state(Pb), logits=jnp.zeros((Pb, self.cfg.vocab_size), jnp.float32))
 
-  def _prefill_chunk(self, params, pf, tokens_PxC, lengths_P):
+  def _prefill_chunk(self, params, pf: PrefillRows, tokens_PxC, lengths_P) -> PrefillRows:
     """One 128-token chunk for the prefill batch; rows with length 0 keep state and last logits."""
-    logits, state = self.model.prefill_chunk(params, pf["model"], tokens_PxC, lengths_P, cfg=self.cfg)
-    logits = jnp.where((lengths_P > 0)[:, None], logits.astype(jnp.float32), pf["logits"])
-    return {"model": state, "logits": logits}
+    logits, state = self.model.prefill_chunk(params, pf.model, tokens_PxC, lengths_P, cfg=self.cfg)
+    logits = jnp.where((lengths_P > 0)[:, None], logits.astype(jnp.float32), pf.logits)
+    return PrefillRows(model=state, logits=logits)
 
-  def _prefill_chunk_scored(self, params, pf, tokens_PxC, lengths_P):
+  def _prefill_chunk_scored(self, params, pf: PrefillRows, tokens_PxC, lengths_P):
     """`_prefill_chunk` that also scores every token of the chunk (echo): the logprob of token j given
     all before it (the previous chunk's last logits predict token 0) and the top N there. Returns
-    (pf, (chosen [P, C], top logprobs [P, C, N], top ids [P, C, N]))."""
+    (pf, PromptScores)."""
     P, C = tokens_PxC.shape
     mask_PxC = jnp.arange(C)[None, :] < lengths_P[:, None]
     logits_PxCxV, state = self.model.LaplaceLM(self.cfg).apply(
-      {"params": params}, tokens_PxC, pf["model"], mask_PxC
+      {"params": params}, tokens_PxC, pf.model, mask_PxC
     )
     logits_PxCxV = logits_PxCxV.astype(jnp.float32)
     last = jnp.take_along_axis(logits_PxCxV, jnp.maximum(lengths_P - 1, 0)[:, None, None], 1)[:, 0]
-    last = jnp.where((lengths_P > 0)[:, None], last, pf["logits"])
-    before_PxCxV = jnp.concatenate([pf["logits"][:, None], logits_PxCxV[:, :-1]], 1)
+    last = jnp.where((lengths_P > 0)[:, None], last, pf.logits)
+    before_PxCxV = jnp.concatenate([pf.logits[:, None], logits_PxCxV[:, :-1]], 1)
     chosen, vals, ids = sampling.logprobs(
       before_PxCxV.reshape(P * C, -1), tokens_PxC.reshape(-1), valid_vocab=self.valid_vocab
     )
-    return {"model": state, "logits": last}, (
-      chosen.reshape(P, C),
-      vals.reshape(P, C, N_TOP),
-      ids.reshape(P, C, N_TOP),
+    return PrefillRows(model=state, logits=last), PromptScores(
+      logprob=chosen.reshape(P, C),
+      top_logprobs=vals.reshape(P, C, N_TOP),
+      top_ids=ids.reshape(P, C, N_TOP),
     )
 
-  def _pack(self, logits_SxV, tok_S, done_S, want_S):
-    """One int32 output array (see the module docstring)."""
+  def _output(self, logits_SxV, tok_S, done_S, want_S) -> jax.Array:
+    """The step's StepOutput, packed (its logprob fields only when some want_S >= 0)."""
     S = tok_S.shape[0]
     branch_free = sampling.branch_free_default() if self.branch_free is None else self.branch_free
     chosen, vals, ids = sampling.when_any(
@@ -189,28 +271,25 @@ class SlotFunctions:
       ),
       branch_free,
     )
-    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.concatenate(
-      [tok_S[None], done_S.astype(jnp.int32)[None], bits(chosen)[None], ids.T, bits(vals).T]
-    )
+    return StepOutput(token=tok_S, done=done_S, logprob=chosen, top_ids=ids, top_logprobs=vals).pack()
 
-  def _insert(self, params, table, pf, row_E, slot_E, settings):
+  def _insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
     """Sample a first token for each entry from prefill row row_E[i] and write that row into slot
     slot_E[i] (slot_E >= S: padding, not written). Several entries may share a row (n choices of one prompt).
-    Returns (table, out [3 + 2N, E] int32)."""
+    Returns (table, packed StepOutput of the E entries)."""
     del params
     zero = jnp.zeros_like(slot_E)
-    logits = pf["logits"][row_E]
+    logits = pf.logits[row_E]
     tok = self.sample(
       logits,
-      settings["temperature"],
-      settings["top_k"],
-      settings["top_p"],
-      settings["seed"],
+      settings.temperature,
+      settings.top_k,
+      settings.top_p,
+      settings.seed,
       zero,
-      seed_hi_S=settings["seed_hi"],
+      seed_hi_S=settings.seed_hi,
     )
-    done = _done(tok, zero, settings["max_tokens"], settings["stop_ids"])
+    done = _done(tok, zero, settings.max_tokens, settings.stop_ids)
     src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
 
     def put(big, small, axis):  # small: the values of the writes, already indexed by src
@@ -220,29 +299,28 @@ class SlotFunctions:
 
     # Every leaf of the prefilled row, its pos included, replaces the slot's: nothing of the slot's last
     # sequence (its rings, KV cache, position) survives into the next.
-    rows = self._take(pf["model"], row_E[src])
-    new = {
-      "model": {k: put(b, rows[k], self.axes[k]) for k, b in table["model"].items()},
-      "tokens": put(table["tokens"], tok[src], 0),
-      "pos": put(table["pos"], zero, 0),
-    }
-    for name in SAMPLING_FIELDS:
-      new[name] = put(table[name], settings[name][src].astype(table[name].dtype), 0)
-    return new, self._pack(logits, tok, done, settings["logprobs"])
+    rows = self._take(pf.model, row_E[src])
+    new = SlotTable(
+      model={k: put(b, rows[k], self.axes[k]) for k, b in table.model.items()},
+      tokens=put(table.tokens, tok[src], 0),
+      last_output_index=put(table.last_output_index, zero, 0),
+      settings=jax.tree.map(lambda b, s: put(b, s[src].astype(b.dtype), 0), table.settings, settings),
+    )
+    return new, self._output(logits, tok, done, settings.logprobs)
 
   def _gather(self, state, rows_E):
     """Rows rows_E of a model state (the slot table's or a prefill batch's: [L, S, ...] -> [L, E, ...])."""
     return self._take(state, rows_E)
 
-  def _load_prefill(self, state):
+  def _load_prefill(self, state) -> PrefillRows:
     """A prefill batch that starts from the given (host) state rows instead of zeros."""
-    return {
-      "model": jax.tree.map(jnp.asarray, state),
-      "logits": jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32),
-    }
+    return PrefillRows(
+      model=jax.tree.map(jnp.asarray, state),
+      logits=jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32),
+    )
 
-  def generate(self, params, table):
-    """Advance every slot by one token. Returns (table, out [2, S] int32: tokens and finished flags).
+  def generate(self, params, table: SlotTable):
+    """Advance every slot by one token. Returns (table, packed StepOutput of the S slots).
 
     Two compiled calls, decode then sampling: compiled into one program on the CPU, the (untaken)
     sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots."""
@@ -252,23 +330,18 @@ class SlotFunctions:
       table, logits = self._decode(params, table)
     return self._sample(logits, table)
 
-  def _decode_logits(self, params, table):
-    logits, state = self.model.decode_step(params, table["model"], table["tokens"], cfg=self.cfg)
-    return dict(table, model=state), logits
+  def _decode_logits(self, params, table: SlotTable):
+    logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg)
+    return dataclasses.replace(table, model=state), logits
 
-  def _sample_next(self, logits, table):
-    pos = table["pos"] + 1
-    tok = self.sample(
-      logits,
-      table["temperature"],
-      table["top_k"],
-      table["top_p"],
-      table["seed"],
-      pos,
-      seed_hi_S=table["seed_hi"],
+  def _sample_next(self, logits, table: SlotTable):
+    index = table.last_output_index + 1  # also the draw's position in the slot's random stream
+    s = table.settings
+    tok = self.sample(logits, s.temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
+    done = _done(tok, index, s.max_tokens, s.stop_ids)
+    return dataclasses.replace(table, tokens=tok, last_output_index=index), self._output(
+      logits, tok, done, s.logprobs
     )
-    done = _done(tok, pos, table["max_tokens"], table["stop_ids"])
-    return dict(table, tokens=tok, pos=pos), self._pack(logits, tok, done, table["logprobs"])
 
 
 def entry_writes(slot_E, n_slots: int):
@@ -292,26 +365,21 @@ def _jit(f, donate=(), out=None):
   )
 
 
-def slot_table_shardings(table_shape, mesh):
+def slot_table_shardings(table_shape: SlotTable, mesh) -> SlotTable:
   """Split the slot axis over every device: the model state's axis 1, axis 0 of the per-slot arrays."""
-  rest = {k: v for k, v in table_shape.items() if k != "model"}
-  return {
-    "model": sharding.decode_state_shardings(table_shape["model"], mesh),
-    **sharding.batch_shardings(rest, mesh),
-  }
+  per_slot = sharding.batch_shardings(dataclasses.replace(table_shape, model=None), mesh)
+  return dataclasses.replace(per_slot, model=sharding.decode_state_shardings(table_shape.model, mesh))
 
 
-def host_settings(rows: list[dict], prefill_batch: int, n_stop: int) -> dict:
-  """Per-row sampling arrays for one insert, padded to the prefill batch (padding rows are inert)."""
-  out = {n: np.zeros((prefill_batch,), SAMPLING_DTYPES[n]) for n in SAMPLING_FIELDS if n != "stop_ids"}
-  out["top_p"][:] = 1.0
-  out["max_tokens"][:] = 1
-  out["logprobs"][:] = -1
-  out["stop_ids"] = np.full((prefill_batch, n_stop), -1, np.int32)
+def host_settings(rows: list[SlotSettings], prefill_batch: int, n_stop: int) -> SlotSettings:
+  """Per-row sampling arrays for one insert, padded to the prefill batch (padding rows are inert). Each row
+  holds one entry's settings as Python scalars (stop_ids: a list of at most n_stop ids)."""
+  out = SlotSettings.inert(prefill_batch, n_stop)
   for i, r in enumerate(rows):
-    for n in SAMPLING_FIELDS:
-      if n == "stop_ids":
-        out[n][i, : len(r[n])] = r[n]
+    for f in dataclasses.fields(SlotSettings):
+      value, column = getattr(r, f.name), getattr(out, f.name)
+      if f.name == "stop_ids":
+        column[i, : len(value)] = value
       else:
-        out[n][i] = r[n]
+        column[i] = value
   return out

@@ -12,7 +12,7 @@ import pytest
 from laplace_jax import model, neuron_check
 from laplace_jax.config import get_config
 from serve import sampling
-from serve.slots import SlotFunctions
+from serve.slots import SlotFunctions, SlotSettings, SlotTable, StepOutput
 
 V, VALID, S = 300, 290, 8  # TOPK_CAP = 64 < VALID: top-k 100 and wide nuclei take the bisection path
 # (temperature, top_k, top_p) per batch of S rows
@@ -73,30 +73,34 @@ def _slot_fns(branch_free):
 
 def _table(batch, want_logprobs):
   t, k, p = (np.asarray(c, dt) for c, dt in zip(zip(*BATCHES[batch]), (np.float32, np.int32, np.float32)))
-  return {
-    "tokens": jnp.zeros(S, jnp.int32),
-    "pos": jnp.arange(S, dtype=jnp.int32),
-    "temperature": t,
-    "top_k": k,
-    "top_p": p,
-    "seed": jnp.arange(S, dtype=jnp.uint32) * 977,
-    "seed_hi": jnp.zeros(S, jnp.uint32),
-    "max_tokens": jnp.full(S, 100, jnp.int32),
-    "logprobs": jnp.asarray(want_logprobs, jnp.int32),
-    "stop_ids": jnp.full((S, 2), -1, jnp.int32),
-  }
+  return SlotTable(
+    model=None,  # the sampling call never reads the model state
+    tokens=jnp.zeros(S, jnp.int32),
+    last_output_index=jnp.arange(S, dtype=jnp.int32),
+    settings=SlotSettings(
+      temperature=t,
+      top_k=k,
+      top_p=p,
+      seed=jnp.arange(S, dtype=jnp.uint32) * 977,
+      seed_hi=jnp.zeros(S, jnp.uint32),
+      max_tokens=jnp.full(S, 100, jnp.int32),
+      logprobs=jnp.asarray(want_logprobs, jnp.int32),
+      stop_ids=jnp.full((S, 2), -1, jnp.int32),
+    ),
+  )
 
 
 @pytest.mark.parametrize("want", [[-1] * S, [-1, 2, -1, 5, 0, -1, -1, -1]], ids=["no_logprobs", "logprobs"])
 def test_the_sample_program_packs_the_same_output(want):
-  """The engine's sampling call (tokens, finished flags, logprob rows) is the same array in both forms."""
+  """The engine's sampling call (tokens, finished flags, logprobs) is the same output in both forms."""
   progs = {bf: jax.jit(_slot_fns(bf)._sample_next) for bf in (False, True)}
   for batch in ("greedy", "mixed"):
     outs = {bf: progs[bf](_logits(3), _table(batch, want)) for bf in progs}
     np.testing.assert_array_equal(np.asarray(outs[True][1]), np.asarray(outs[False][1]))
     jax.tree.map(np.testing.assert_array_equal, outs[True][0], outs[False][0])
-    if want[1] < 0:
-      assert not np.asarray(outs[True][1])[2:].any()  # no row asked: the logprob rows are zeros
+    if want[1] < 0:  # no row asked: the logprob fields are zeros
+      step = StepOutput.unpack(np.asarray(outs[True][1]))
+      assert not (step.logprob.any() or step.top_ids.any() or step.top_logprobs.any())
 
 
 def test_branch_free_lowers_without_case():

@@ -76,8 +76,8 @@ def test_concurrent_requests_match_each_decoded_alone_without_compiling(engine, 
     _COUNTER.on = False
   assert _COUNTER.n == 0, f"{_COUNTER.n} compiles after warm-up"
   for s, r, a in zip(specs, reqs, alone):
-    assert r.output_ids == a, s
-    assert len(a) <= s["max_tokens"] and r.finish_reason in ("stop", "length")
+    assert r.progress.output_ids == a, s
+    assert len(a) <= s["max_tokens"] and r.progress.finish_reason in ("stop", "length")
     assert all(0 <= t < GPT2_VOCAB for t in a)
   assert engine.active_slots == 0 and engine.queue_depth == 0
 
@@ -103,10 +103,10 @@ def test_stop_ids_and_max_tokens(engine):
   req = Request(prompt_ids=[5, 6, 7], max_tokens=6, temperature=0.0, stop_ids=[base[3]])
   engine.generate([req])
   first = base.index(base[3])
-  assert req.output_ids == base[: first + 1] and req.finish_reason == "stop"
+  assert req.progress.output_ids == base[: first + 1] and req.progress.finish_reason == "stop"
   one = Request(prompt_ids=[5, 6, 7], max_tokens=1, temperature=0.0)
   engine.generate([one])
-  assert one.output_ids == base[:1] and one.finish_reason == "length"
+  assert one.progress.output_ids == base[:1] and one.progress.finish_reason == "length"
 
 
 def test_seed_reproducible_and_matters(engine):
@@ -129,7 +129,7 @@ def test_queue_bound_and_cancel_free_slots(engine):
     engine.cancel(r)
   engine.run_until_idle()
   assert engine.active_slots == 0 and engine.queue_depth == 0
-  assert all(r.finish_reason == "cancelled" and r.done.is_set() for r in reqs)
+  assert all(r.progress.finish_reason == "cancelled" and r.progress.done.is_set() for r in reqs)
   assert not engine.reserved and not engine.pending and engine.prefill is None
 
 

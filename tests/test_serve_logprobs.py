@@ -52,9 +52,9 @@ def test_logprobs_equal_log_softmax_of_forward(engine, cfg, params, sampled):
   kw = dict(temperature=0.9, top_k=30, seed=3) if sampled else dict(temperature=0.0)
   r = Request(prompt_ids=prompt, max_tokens=7, logprobs=3, **kw)
   engine.generate([r])
-  ref = _reference(params, cfg, prompt + r.output_ids)
-  assert len(r.token_logprobs) == len(r.output_ids) == 7
-  for k, (tok, (lp, top)) in enumerate(zip(r.output_ids, r.token_logprobs)):
+  ref = _reference(params, cfg, prompt + r.progress.output_ids)
+  assert len(r.progress.token_logprobs) == len(r.progress.output_ids) == 7
+  for k, (tok, (lp, top)) in enumerate(zip(r.progress.output_ids, r.progress.token_logprobs)):
     row = ref[len(prompt) - 1 + k]
     assert abs(lp - row[tok]) < 1e-4
     _check_top(top, row, 3)
@@ -65,20 +65,26 @@ def test_echo_scores_every_prompt_token_even_with_max_tokens_0(engine, cfg, para
   plain = Request(prompt_ids=prompt[:50], max_tokens=3, temperature=0.0)  # shares the prefill batch
   scored = Request(prompt_ids=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0.0)
   engine.generate([plain, scored])
-  assert scored.output_ids == [] and scored.finish_reason == "length" and len(plain.output_ids) == 3
+  assert (
+    scored.progress.output_ids == []
+    and scored.progress.finish_reason == "length"
+    and len(plain.progress.output_ids) == 3
+  )
   ref = _reference(params, cfg, prompt)
-  assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
+  assert scored.progress.prompt_logprobs[0] is None and len(scored.progress.prompt_logprobs) == len(prompt)
   for t in range(1, len(prompt)):
-    lp, top = scored.prompt_logprobs[t]
+    lp, top = scored.progress.prompt_logprobs[t]
     assert abs(lp - ref[t - 1, prompt[t]]) < 1e-4, t
     _check_top(top, ref[t - 1], 1)
   one = Request(prompt_ids=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0.0)
   engine.generate([one])  # what lm-evaluation-harness sends: the generated token's logprob follows
-  assert one.prompt_logprobs[0] is None
+  assert one.progress.prompt_logprobs[0] is None
   np.testing.assert_allclose(
-    [x[0] for x in one.prompt_logprobs[1:]], [x[0] for x in scored.prompt_logprobs[1:]], atol=1e-5
+    [x[0] for x in one.progress.prompt_logprobs[1:]],
+    [x[0] for x in scored.progress.prompt_logprobs[1:]],
+    atol=1e-5,
   )
-  assert abs(one.token_logprobs[0][0] - ref[-1][one.output_ids[0]]) < 1e-4
+  assert abs(one.progress.token_logprobs[0][0] - ref[-1][one.progress.output_ids[0]]) < 1e-4
 
 
 def test_n_choices_share_a_prefill_and_follow_their_own_seeds(engine):
@@ -97,7 +103,7 @@ def test_n_choices_share_a_prefill_and_follow_their_own_seeds(engine):
   )
   engine.generate([lead])
   assert engine.stats["prefill_tokens"] - before == len(prompt)  # one prefill for three choices
-  assert [lead.output_ids] + [s.output_ids for s in lead.siblings] == alone
+  assert [lead.progress.output_ids] + [s.progress.output_ids for s in lead.siblings] == alone
   assert len({tuple(a) for a in alone}) > 1
 
 

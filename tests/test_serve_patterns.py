@@ -74,10 +74,10 @@ def test_greedy_tokens_equal_generate_with_slots_reused(engines, pattern):
     eng.step()
   eng.submit(reqs[4])  # arrives while the others decode
   eng.run_until_idle()
-  assert {r.slot for r in reqs} == {0, 1}
+  assert {r.progress.slot for r in reqs} == {0, 1}
   for p, r in zip(prompts, reqs):
-    assert r.finish_reason == "length"
-    assert r.output_ids == _reference(pattern, p, CONTEXT - len(p)), (pattern, len(p))
+    assert r.progress.finish_reason == "length"
+    assert r.progress.output_ids == _reference(pattern, p, CONTEXT - len(p)), (pattern, len(p))
 
 
 def test_attention_context_bound_refuses_long_prompts_and_ends_with_length(engines):
@@ -89,13 +89,15 @@ def test_attention_context_bound_refuses_long_prompts_and_ends_with_length(engin
     prompt_ids=rng.integers(0, GPT2_VOCAB, CONTEXT).tolist(), max_tokens=0, echo=True, logprobs=0
   )  # scoring only: the whole context fits
   eng.generate([scored])
-  assert len(scored.prompt_logprobs) == CONTEXT and np.isfinite(scored.prompt_logprobs[-1][0])
+  assert len(scored.progress.prompt_logprobs) == CONTEXT and np.isfinite(
+    scored.progress.prompt_logprobs[-1][0]
+  )
   prompt = rng.integers(0, GPT2_VOCAB, 60).tolist()
   r = Request(prompt_ids=prompt, max_tokens=1000, temperature=0.0, logprobs=1)
   eng.generate([r])
-  assert r.finish_reason == "length" and len(r.output_ids) == CONTEXT - 60
-  assert r.output_ids == _reference("GA", prompt, CONTEXT - 60)
-  assert all(np.isfinite(lp) for lp, _ in r.token_logprobs)  # never a logit past the KV cache
+  assert r.progress.finish_reason == "length" and len(r.progress.output_ids) == CONTEXT - 60
+  assert r.progress.output_ids == _reference("GA", prompt, CONTEXT - 60)
+  assert all(np.isfinite(lp) for lp, _ in r.progress.token_logprobs)  # never a logit past the KV cache
 
 
 def test_the_context_bound_is_a_400_naming_the_flag(engines):
@@ -148,11 +150,11 @@ def test_a_cached_sliding_window_state_gives_the_tokens_of_a_full_prefill(engine
   r1 = Request(prompt_ids=first, max_tokens=5, temperature=0.0)
   eng.generate([r1])
   eng._collect_copies(block=True)
-  second = first + r1.output_ids + rng.integers(0, GPT2_VOCAB, 30).tolist()
+  second = first + r1.progress.output_ids + rng.integers(0, GPT2_VOCAB, 30).tolist()
   r2 = Request(prompt_ids=second, max_tokens=12, temperature=0.0)
   eng.generate([r2])
-  assert r2.cached_tokens == 75  # restored: the first turn and its output (ring, pos and all)
-  assert r2.output_ids == _reference("GS", second, 12)
+  assert r2.progress.cached_tokens == 75  # restored: the first turn and its output (ring, pos and all)
+  assert r2.progress.output_ids == _reference("GS", second, 12)
   # The files hold every leaf of the layout (rings and pos too): a restart loads them, another layout not.
   cache = eng.cache
   assert cache.flush(30) and {"ring_k", "ring_v", "pos"} <= set(cache.layout)

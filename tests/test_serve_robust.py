@@ -93,7 +93,7 @@ def test_a_failure_inside_the_engine_fails_only_the_requests_it_touches(served, 
   real = engine_mod.host_settings
 
   def faulty(rows, *a, **kw):
-    if any(r["seed"] == 4242 for r in rows):
+    if any(r.seed == 4242 for r in rows):
       raise RuntimeError("planted fault")
     return real(rows, *a, **kw)
 

@@ -156,7 +156,7 @@ def test_finished_state_equals_a_full_prefill_of_prompt_and_output(engines, cfg,
   r = Request(prompt_ids=prompt, max_tokens=9, temperature=0.0)
   cached.generate([r])
   cached._collect_copies(block=True)
-  ids = prompt + r.output_ids
+  ids = prompt + r.progress.output_ids
   n, st = cached.cache.lookup(ids + [0], len(ids))
   assert n == len(ids)  # every output token, the last one included, was consumed before the copy
   ref = _full_state(params, cfg, ids)
@@ -196,12 +196,14 @@ def test_restored_then_prefilled_state_equals_a_full_prefill(engines, cfg, param
   first = list(rng.integers(0, GPT2_VOCAB, 150))
   r1 = Request(prompt_ids=first, max_tokens=3, temperature=0.0)
   cached.generate([r1])
-  second = first + r1.output_ids + list(rng.integers(0, GPT2_VOCAB, 200))  # restored at 153, not aligned
+  second = (
+    first + r1.progress.output_ids + list(rng.integers(0, GPT2_VOCAB, 200))
+  )  # restored at 153, not aligned
   r2 = Request(prompt_ids=second, max_tokens=4, temperature=0.0)
   cached.generate([r2])
-  assert r2.cached_tokens == 153
+  assert r2.progress.cached_tokens == 153
   cached._collect_copies(block=True)
-  ids = second + r2.output_ids
+  ids = second + r2.progress.output_ids
   n, st = cached.cache.lookup(ids + [0], len(ids))
   assert n == len(ids)
   ref = _full_state(params, cfg, ids)
@@ -237,7 +239,7 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
     reqs = batch()
     eng.submit_all(reqs)
     eng.run_until_idle()
-    outs.append([[m.output_ids for m in (r, *r.siblings)] for r in reqs])
+    outs.append([[m.progress.output_ids for m in (r, *r.siblings)] for r in reqs])
   assert outs[0] == outs[1]
   assert cached.cache.stats["hits"] - hits == 3  # one per prompt; the choices share its prefill
 
@@ -277,7 +279,7 @@ def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params)
       siblings=[Request(prompt_ids=prompt + out + [5, 6, 7], max_tokens=1)],
     )
     eng.generate([r])
-    assert r.cached_tokens == len(prompt) + len(out)
+    assert r.progress.cached_tokens == len(prompt) + len(out)
   finally:
     listening = False
   assert compiles == []

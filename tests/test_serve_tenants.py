@@ -205,7 +205,7 @@ def test_one_tenants_burst_does_not_hold_every_slot(eng):
     eng.step()
   assert {r.id for r in eng.slot_req} == {a[0].id, a[1].id, b[0].id, b[1].id}  # first come would be a[0:4]
   eng.run_until_idle()
-  assert all(r.finish_reason == "length" for r in a + b)
+  assert all(r.progress.finish_reason == "length" for r in a + b)
 
 
 def test_a_tenant_fills_only_its_share_of_the_queue(eng):

@@ -7,7 +7,7 @@ import numpy as np
 
 from laplace_jax import hlo_bytes, model
 from laplace_jax.config import get_config
-from serve.slots import N_TOP, SlotFunctions, entry_writes, host_settings
+from serve.slots import N_TOP, SlotFunctions, SlotSettings, StepOutput, entry_writes, host_settings
 
 
 def test_insert_moves_the_slot_rows_not_the_table():
@@ -26,7 +26,7 @@ def test_insert_moves_the_slot_rows_not_the_table():
     np.array([3, slots], np.int32),
     host_settings([], prefill_batch, 4),
   ).compile()
-  layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(table["model"])) // cfg.n_layers
+  layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(table.model)) // cfg.n_layers
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   biggest = max(ops, key=lambda o: max(o.read_bytes, o.written_bytes))
   assert max(biggest.read_bytes, biggest.written_bytes) < layer_bytes / 4, biggest
@@ -54,7 +54,9 @@ def test_decode_over_a_serving_mesh_leaves_the_kernel_to_xla(monkeypatch, caplog
   params = model.init_params(cfg, jax.random.key(0))
   with caplog.at_level(logging.WARNING, logger="laplace_jax.gla_decode"):
     table, out = fns.generate(params, fns.empty_table())
-  assert out.shape == (3 + 2 * N_TOP, 8)  # tokens, finished flags, logprob rows (serve.slots)
+  step = StepOutput.unpack(np.asarray(out))  # tokens, finished flags, logprobs, for the 8 slots
+  assert step.token.shape == step.done.shape == step.logprob.shape == (8,)
+  assert step.top_ids.shape == step.top_logprobs.shape == (8, N_TOP)
   assert [r.getMessage() for r in caplog.records if "8-device mesh" in r.getMessage()]
 
 
@@ -82,16 +84,16 @@ def test_insert_writes_the_real_entries_and_nothing_else():
   )
   pf = jax.tree.map(rand, fns.empty_prefill())
   rows = [
-    {
-      "temperature": 0.0,
-      "top_k": i,
-      "top_p": 0.5 + i / 10,
-      "seed": 10 + i,
-      "seed_hi": i,
-      "max_tokens": 5 + i,
-      "logprobs": -1,
-      "stop_ids": [i],
-    }
+    SlotSettings(
+      temperature=0.0,
+      top_k=i,
+      top_p=0.5 + i / 10,
+      seed=10 + i,
+      seed_hi=i,
+      max_tokens=5 + i,
+      logprobs=-1,
+      stop_ids=[i],
+    )
     for i in range(P)
   ]
   settings = host_settings(rows, P, 2)
@@ -101,13 +103,37 @@ def test_insert_writes_the_real_entries_and_nothing_else():
     table, out = fns.insert(
       None, table, pf, jnp.asarray(row_E, jnp.int32), jnp.asarray(slot_E, jnp.int32), settings
     )
-    out = np.asarray(out)
+    out = StepOutput.unpack(np.asarray(out))
     for e, (r, s) in enumerate(zip(row_E, slot_E)):
       if s >= S:
         continue
-      for k, a in model.state_batch_axes(pf["model"]).items():  # each leaf's sequence axis
-        np.moveaxis(want["model"][k], a, 0)[s] = np.moveaxis(np.asarray(pf["model"][k]), a, 0)[r]
-      want["tokens"][s], want["pos"][s] = out[0, e], 0
-      for name in settings:
-        want[name][s] = settings[name][e]
+      for k, a in model.state_batch_axes(pf.model).items():  # each leaf's sequence axis
+        np.moveaxis(want.model[k], a, 0)[s] = np.moveaxis(np.asarray(pf.model[k]), a, 0)[r]
+      want.tokens[s], want.last_output_index[s] = out.token[e], 0
+      for column, values in zip(jax.tree.leaves(want.settings), jax.tree.leaves(settings)):
+        column[s] = values[e]
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, table), want)
+
+
+def test_a_step_output_comes_back_from_its_one_packed_array():
+  """StepOutput.pack (on the device) and unpack (on the host) are inverses, field by field, bit for bit."""
+  rng = np.random.default_rng(0)
+  E = 3
+  step = StepOutput(
+    token=jnp.asarray([5, 0, 50_256], jnp.int32),
+    done=jnp.asarray([True, False, True]),
+    logprob=jnp.asarray(-rng.exponential(size=E), jnp.float32),
+    top_ids=jnp.asarray(rng.integers(0, 1000, (E, N_TOP)), jnp.int32),
+    top_logprobs=jnp.asarray(-rng.exponential(size=(E, N_TOP)), jnp.float32).at[1, 2].set(-jnp.inf),
+  )
+  packed = np.asarray(jax.jit(StepOutput.pack)(step))
+  assert packed.dtype == np.int32 and packed.ndim == 2 and packed.shape[1] == E  # one array, one copy
+  back = StepOutput.unpack(packed)
+  for name in ("token", "done", "logprob", "top_ids", "top_logprobs"):
+    got, want = getattr(back, name), np.asarray(getattr(step, name))
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    np.testing.assert_array_equal(got, want, err_msg=name)
+  assert back.logprobs_of(1) == (
+    float(step.logprob[1]),
+    [(int(t), float(v)) for t, v in zip(step.top_ids[1], step.top_logprobs[1])],
+  )

@@ -1,0 +1,37 @@
+"""The engine's sizes and policies with their production defaults, in one place: `serve.engine.Engine` takes
+its defaults from here and `python -m serve` its engine flags (values and help). Imports no JAX, so the
+command line's help stays quick."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from laplace_jax.config import get_config
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """`Engine`'s keyword arguments of these names (each described once, below it)."""
+
+  n_slots: int | None = None
+  """concurrent sequences decoded per step (default: 1280 for laplace-3b, 64 otherwise)"""
+  prefill_batch: int = 4
+  """prompts prefilled together"""
+  prefill_chunks_per_step: int = 4
+  """128-token prefill chunks run between two decode steps"""
+  max_queue: int = 1024
+  """requests that may wait for a slot; more: 429"""
+  max_stop_ids: int = 8
+  """device-side stop ids per request (EOS included)"""
+  snapshot_every: int = 8
+  """long prompts leave a cached state every this many 128-token chunks"""
+  cache_min_tokens: int = 128
+  """the shortest sequence whose state is worth caching"""
+
+
+DEFAULTS = EngineConfig()
+
+
+def slots_for(cfg) -> int:
+  """The default slot count for a model: 1280 for laplace-3b, 64 otherwise."""
+  return 1280 if cfg == get_config("laplace-3b") else 64
