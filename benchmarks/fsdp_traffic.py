@@ -40,7 +40,8 @@ from collections import defaultdict  # noqa: E402
 
 from laplace_jax import hlo_traffic, sharding  # noqa: E402
 from laplace_jax import train_step as ts  # noqa: E402
-from laplace_jax.config import get_config, param_counts  # noqa: E402
+from laplace_jax.config import get_config  # noqa: E402
+from laplace_jax.counts import param_counts  # noqa: E402
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 
 GiB, GB = 2**30, 1e9

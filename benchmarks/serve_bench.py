@@ -37,7 +37,8 @@ from serve_bench_common import laplace_params
 from serve_bench_common import table as _table
 
 from laplace_jax import model
-from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
+from laplace_jax.config import PRESETS, get_config
+from laplace_jax.counts import param_counts, state_bytes_per_sequence
 from laplace_jax.timing import matmul_peak_flops, median_seconds
 from serve.engine import Engine, Request
 from serve.loading import cast_params

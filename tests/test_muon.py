@@ -9,7 +9,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import muon as optax_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-from laplace_jax import config, hlo_traffic, sharding
+from laplace_jax import config, counts, hlo_traffic, sharding
 from laplace_jax.muon import (
   MuonState,
   make_plan,
@@ -241,7 +241,7 @@ def test_hlo_uses_two_all_to_alls_and_no_gather():
 
 
 def test_plan_owns_every_matrix_once_and_balances_laplace_3b():
-  shapes = config.param_shapes(config.get_config("laplace-3b"))["layer"]
+  shapes = counts.param_shapes(config.get_config("laplace-3b"))["layer"]
   stacks = [(24,) + shapes[n] for n in config.MUON_PARAM_NAMES]
   plan = make_plan(stacks, 64)
   owned = sorted(i for o in plan.owned for i in o)

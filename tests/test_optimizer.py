@@ -8,7 +8,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib import muon as optax_muon
 
-from laplace_jax import config, sharding
+from laplace_jax import config, counts, sharding
 from laplace_jax.adamw import adamw as own_adamw
 from laplace_jax.optimizer import (
   OptimizerConfig,
@@ -23,7 +23,7 @@ CFG = config.get_config("tiny", vocab_size=256)
 
 
 def _params(seed, scale=1.0):
-  shapes = config.param_shapes(CFG)
+  shapes = counts.param_shapes(CFG)
   rng = np.random.default_rng(seed)
   arr = lambda s: jnp.asarray(scale * rng.standard_normal(s), jnp.float32)
   tree = {n: arr(s) for n, s in shapes["model"].items()}

@@ -7,11 +7,11 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax import config, sharding
+from laplace_jax import config, counts, sharding
 
 
 def _abstract_params(cfg):
-  shapes = config.param_shapes(cfg)
+  shapes = counts.param_shapes(cfg)
   tree = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes["model"].items()}
   tree["layers"] = {
     n: jax.ShapeDtypeStruct((cfg.n_layers,) + s, jnp.float32) for n, s in shapes["layer"].items()

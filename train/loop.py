@@ -15,7 +15,7 @@ import numpy as np
 from laplace_jax import checkpoint, data, neuron_check, platform, recall, sharding, timing
 from laplace_jax import optimizer as optim
 from laplace_jax import train_step as ts
-from laplace_jax.config import flops_per_token, param_counts
+from laplace_jax.counts import flops_per_token, param_counts
 from train import resume
 from train.config import RunConfig, TrainConfig
 
