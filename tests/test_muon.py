@@ -101,6 +101,21 @@ def test_matches_optax_contrib_muon(nesterov, scale_mode, weight_decay, schedule
       np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_float64_run_matches_optax_contrib_muon_to_float64_rounding(nesterov):
+  """The bias corrections are computed in the leaves' dtype: in float64 the updates equal optax's to 1e-12."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(3)
+    tree = lambda: {"w": jnp.asarray(rng.standard_normal((3, 8, 16)))}
+    params, grads = tree(), [tree() for _ in range(3)]
+    u_ours, _ = _run(muon(0.02, nesterov=nesterov, eps=1e-7), params, grads)
+    theirs = optax_muon(0.02, eps=1e-7, nesterov=nesterov, muon_weight_dimension_numbers=_dims(params))
+    u_theirs, _ = _run(theirs, params, grads)
+    for a, b in zip(u_ours, u_theirs):
+      assert a["w"].dtype == jnp.float64
+      np.testing.assert_allclose(a["w"], b["w"], rtol=0, atol=1e-12 * float(jnp.abs(b["w"]).max()))
+
+
 def test_stacked_leaf_is_independent_matrices():
   """A [L, in, out] leaf updates like L separate 2-D leaves given to optax's muon with default dims."""
   params, grads = _tree(2, {"w": (3, 16, 40)}), [_tree(20 + i, {"w": (3, 16, 40)}) for i in range(2)]
