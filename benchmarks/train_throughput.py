@@ -26,6 +26,7 @@ from laplace_jax.config import MUON_PARAM_NAMES, get_config
 from laplace_jax.counts import flops_per_token, param_shapes
 from laplace_jax.muon import ns_flops
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+from laplace_jax.tokenizer import VOCAB_SIZE
 
 
 def main():
@@ -76,7 +77,7 @@ def main():
   if args.compile_only:
     return
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
-  toks = np.random.default_rng(0).integers(0, 50257, (args.batch, args.seq_len + 1)).astype(np.int32)
+  toks = np.random.default_rng(0).integers(0, VOCAB_SIZE, (args.batch, args.seq_len + 1)).astype(np.int32)
   batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
   state, m = compiled(state, batch)  # warm-up
   jax.block_until_ready(m)

@@ -11,13 +11,14 @@ import math
 
 import numpy as np
 
+from laplace_jax.tokenizer import VOCAB_SIZE
+
 MIXERS = {
   "G": "simple GLA (the Laplace layer)",
   "A": "causal softmax attention with RoPE",
   "S": "causal sliding-window softmax attention with RoPE over the last `window` tokens",
 }
-GPT2_VOCAB = 50_257
-PADDED_VOCAB = 50_304  # GPT-2's vocabulary padded to a multiple of 64
+PADDED_VOCAB = -(-VOCAB_SIZE // 64) * 64  # GPT-2's 50,257 ids padded to a multiple of 64: 50,304
 
 
 GLA_FORMS = ("auto", "parallel", "scan")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 TOKENIZER_NAME = "gpt2"
-VOCAB_SIZE = 50_257  # ids 0 … 50256
+VOCAB_SIZE = 50_257  # GPT-2's vocabulary, ids 0 … 50256: the one definition (config pads it)
 EOS_ID = 50_256  # <|endoftext|>
 EOS_TEXT = "<|endoftext|>"
 
