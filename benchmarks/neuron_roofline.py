@@ -166,8 +166,8 @@ def main():
 if __name__ == "__main__":
   ARGS = _args(sys.argv[1:])
   if ARGS.measure:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CHIPS * CORES_PER_CHIP}"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+    from laplace_jax.platform import simulate_cpu_devices
+
+    simulate_cpu_devices(CHIPS * CORES_PER_CHIP)
   main()

@@ -210,9 +210,10 @@ def lower_target(args) -> int:
 
   import jax
 
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", args.mesh_devices)
   from laplace_jax import neuron_check, platform, tokenizer
+
+  jax.config.update("jax_platforms", "cpu")
+  platform.simulate_cpu_devices(args.mesh_devices)
 
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made

@@ -298,7 +298,9 @@ def main(argv=None) -> int:
   if args.simulate_devices:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.simulate_devices)
+    from laplace_jax import platform
+
+    platform.simulate_cpu_devices(args.simulate_devices)
     jax.config.update("jax_platforms", "cpu")
   if args.json and Path(args.json).exists():
     print(
