@@ -163,7 +163,7 @@ def _open_run(rc: RunConfig, prng_impl: str):
       )
     if latest is not None:
       meta = ckpt.metadata(latest)
-      saved = meta.get("run_config") or {"model": meta.get("config") or {}}
+      saved = resume.saved_run_config(meta)
       resume.check_prng(prng_impl, meta, where=f"{ckpt_dir} at step {latest}")
       rc, notes = resume.reconcile(rc, saved, where=f"{ckpt_dir} at step {latest}")
       for n in notes:
@@ -192,7 +192,7 @@ def run(rc: RunConfig) -> dict:
 
 def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   tc, cfg = rc.train, rc.model
-  cfg_dict = dataclasses.asdict(cfg)  # saved with every checkpoint and export, and checked on restore
+  cfg_dict = dataclasses.asdict(cfg)  # saved with every export and checked on load (checkpoints: resume)
   seq_len = tc.seq_len or cfg.max_seq_len
   weighted = bool(tc.data_source)  # recall tasks score only their answers
   # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
@@ -269,7 +269,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
         log0(f"resume: dropped {dropped} metrics row(s) of steps after {start} (they are redone)")
   else:
     state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch), 0
-  run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc), "prng_impl": prng_impl}
+  run_meta = resume.checkpoint_metadata(rc, prng_impl)
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
   batch_sh = jax.tree.map(
