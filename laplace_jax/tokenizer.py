@@ -63,6 +63,7 @@ def _bpe_files() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def get_tokenizer():
   """The GPT-2 `tiktoken.Encoding`, built once per process from the local files."""
+  # Imported on first use: laplace_jax.config imports this module for VOCAB_SIZE alone.
   import tiktoken
   from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 

@@ -1,4 +1,8 @@
-"""`python -m serve`: the OpenAI-compatible completion server over the continuous-batching engine."""
+"""`python -m serve`: the OpenAI-compatible completion server over the continuous-batching engine.
+
+What loads JAX is imported inside the functions, once the flags are read: --target's device and platform
+settings must come before anything could start a JAX backend, and --help answers without loading JAX.
+"""
 
 from __future__ import annotations
 

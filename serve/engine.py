@@ -21,8 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from laplace_jax import model as laplace_model
 from serve.engine_cache import EngineCacheMixin
 from serve.slots import SlotFunctions, host_settings, unpack_logprobs
+from serve.state_cache import layout_for
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -159,7 +161,7 @@ class Engine(EngineCacheMixin):
     max_context: int | None = None,
   ):
     if model is None:
-      from laplace_jax import model
+      model = laplace_model
     check_max_context(cfg, max_context)
     if state_cache is not None and "A" in cfg.mixers:
       raise ValueError(
@@ -224,8 +226,6 @@ class Engine(EngineCacheMixin):
     # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
     self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
     if state_cache is not None:
-      from serve.state_cache import layout_for
-
       state_cache.check_layout(layout_for(cfg, model))
     self._copies: collections.deque = collections.deque()
     self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)

@@ -1,4 +1,8 @@
-"""`python -m train`: see `python -m train --help` (and train/config.py for the config system)."""
+"""`python -m train`: see `python -m train --help` (and train/config.py for the config system).
+
+The program's modules are imported inside the functions: the device settings (`_setup_jax`) must come before
+anything could start a JAX backend.
+"""
 
 from __future__ import annotations
 
