@@ -14,18 +14,19 @@ from serve_bench import LaplaceStep
 from serve_bench_common import laplace_params
 
 from laplace_jax.config import get_config
+from laplace_jax.tokenizer import VOCAB_SIZE
 from serve.engine import Engine, Request
 
 
 def busy_engine(params, cfg, slots, one_program, rng):
   """An engine with every slot decoding a greedy request that never ends."""
-  e = Engine(params, cfg, n_slots=slots, prefill_batch=min(slots, 64), max_queue=0, valid_vocab=50257)
+  e = Engine(params, cfg, n_slots=slots, prefill_batch=min(slots, 64), max_queue=0, valid_vocab=VOCAB_SIZE)
   if one_program:
     f = e.fns
     f.generate = jax.jit(lambda p, t: f._sample_next(*f._decode_logits(p, t)[::-1]), donate_argnums=1)
   e.warmup()
   for _ in range(slots):
-    e.submit(Request(prompt_ids=rng.integers(0, 50257, 16).tolist(), max_tokens=1 << 20))
+    e.submit(Request(prompt_ids=rng.integers(0, VOCAB_SIZE, 16).tolist(), max_tokens=1 << 20))
   while e.queue or e.prefill is not None:
     e.step()
   e.step()

@@ -30,17 +30,19 @@ def _args(argv):
 
 
 ARGS = _args(sys.argv[1:])
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+
+from laplace_jax.platform import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(ARGS.devices)
 
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 from laplace_jax import hlo_traffic, sharding  # noqa: E402
 from laplace_jax import train_step as ts  # noqa: E402
-from laplace_jax.config import get_config, param_counts  # noqa: E402
+from laplace_jax.config import get_config  # noqa: E402
+from laplace_jax.counts import param_counts  # noqa: E402
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 
 GiB, GB = 2**30, 1e9

@@ -20,6 +20,7 @@ from laplace_jax import sharding, timing
 from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+from laplace_jax.tokenizer import VOCAB_SIZE
 
 
 def main(argv=None):
@@ -53,7 +54,9 @@ def main(argv=None):
     step_s = float("nan")
     if args.steps:
       state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
-      toks = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 50257), (B, T + 1)).astype(np.int32)
+      toks = (
+        np.random.default_rng(0).integers(0, min(cfg.vocab_size, VOCAB_SIZE), (B, T + 1)).astype(np.int32)
+      )
       batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
       def step():

@@ -73,11 +73,13 @@ def _grid(saved: dict) -> dict:
 
 def run_config(export: Path) -> dict:
   """The training run's saved config: RUN/export/step_N -> RUN/checkpoints/<newest>/meta/metadata."""
+  from train import resume
+
   run = export.parent.parent
   steps = sorted((p for p in (run / "checkpoints").glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
   if not steps:
     raise ValueError(f"{export}: no checkpoint under {run / 'checkpoints'} to read the run's config from")
-  return json.loads((steps[-1] / "meta" / "metadata").read_text())["run_config"]
+  return resume.saved_run_config(json.loads((steps[-1] / "meta" / "metadata").read_text()))
 
 
 def prepare_command(data_dir: str) -> str:

@@ -19,7 +19,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from laplace_jax import timing  # noqa: E402
-from laplace_jax.config import MUON_PARAM_NAMES, get_config, param_shapes  # noqa: E402
+from laplace_jax.config import MUON_PARAM_NAMES, get_config  # noqa: E402
+from laplace_jax.counts import param_shapes  # noqa: E402
 from laplace_jax.muon import newton_schulz  # noqa: E402
 
 

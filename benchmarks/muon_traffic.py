@@ -20,11 +20,12 @@ def _args(argv):
 
 
 ARGS = _args(sys.argv[1:])
-# Before JAX starts: N simulated CPU devices.
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before JAX's first use of a device: N simulated CPU devices.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+
+from laplace_jax.platform import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(ARGS.devices)
 
 import platform  # noqa: E402
 import time  # noqa: E402
@@ -32,7 +33,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from laplace_jax import config, hlo_traffic, sharding  # noqa: E402
+from laplace_jax import config, counts, hlo_traffic, sharding  # noqa: E402
 from laplace_jax.muon import MuonState, make_plan, muon, ns_flops_per_device  # noqa: E402
 
 GB = 1e9
@@ -40,7 +41,7 @@ GB = 1e9
 
 def abstract_muon_params(cfg, mesh):
   """The Muon leaves {layers: {name: [L, fan_in, fan_out]}} as sharded ShapeDtypeStructs."""
-  shapes = config.param_shapes(cfg)["layer"]
+  shapes = counts.param_shapes(cfg)["layer"]
   tree = {
     "layers": {
       n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32) for n in config.MUON_PARAM_NAMES
@@ -81,7 +82,7 @@ def main():
   mesh = sharding.make_mesh(fsdp=ARGS.devices)
   n = ARGS.devices
   rows = [measure(cfg, mesh, d) for d in ("all_to_all", "gather")]
-  muon_bytes = config.param_counts(cfg)["muon"] * 4
+  muon_bytes = counts.param_counts(cfg)["muon"] * 4
   shapes = [x.shape for x in jax.tree.leaves(abstract_muon_params(cfg, mesh))]
   plan = make_plan(shapes, n)
 

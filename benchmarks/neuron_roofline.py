@@ -5,7 +5,7 @@
 Hardware (Neuron docs, Trainium2): 16 chips; per chip 667 dense BF16 TFLOP/s, 96 GiB HBM at 2.9 TB/s,
 NeuronLink-v3 1.28 TB/s; LNC=2 gives 4 logical cores per chip (64 devices), each assumed to get a quarter of
 its chip's HBM and link bandwidth. Counts (nothing runs):
-  training   FLOPs per token from laplace_jax.config.flops_per_token (6·N-style, plus the chunked GLA; remat
+  training   FLOPs per token from laplace_jax.counts.flops_per_token (6·N-style, plus the chunked GLA; remat
              re-runs the forward, so the hardware does 4/3 of it); collective bytes per device per step: the
              FSDP floor 16·P·(N−1)/N (bf16 gathers in forward and remat, fp32 reduce-scatter) plus Muon's two
              all_to_alls, or with --measure both counted in the compiled step (laplace_jax.hlo_traffic; ≈15 s).
@@ -41,7 +41,7 @@ def _args(argv):
 
 
 def training(cfg, n_dev: int, measured: dict | None) -> dict:
-  from laplace_jax.config import flops_per_token, param_counts
+  from laplace_jax.counts import flops_per_token, param_counts
 
   counts = param_counts(cfg)
   P, M = counts["total"], counts["muon"]
@@ -72,7 +72,7 @@ def decode(cfg, slots: int, n_dev: int) -> dict:
   import decode_bytes
   import jax
 
-  from laplace_jax.config import param_counts, state_bytes_per_sequence
+  from laplace_jax.counts import param_counts, state_bytes_per_sequence
 
   params, state, _ = decode_bytes.abstract_inputs(cfg, slots)
   least = decode_bytes.minimum_bytes(cfg, params, state, slots)
@@ -166,8 +166,8 @@ def main():
 if __name__ == "__main__":
   ARGS = _args(sys.argv[1:])
   if ARGS.measure:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CHIPS * CORES_PER_CHIP}"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+    from laplace_jax.platform import simulate_cpu_devices
+
+    simulate_cpu_devices(CHIPS * CORES_PER_CHIP)
   main()

@@ -23,9 +23,8 @@ import numpy as np
 
 from laplace_jax import model
 from laplace_jax.config import get_config
+from laplace_jax.tokenizer import VOCAB_SIZE as VALID_VOCAB
 from serve.slots import SlotFunctions, SlotSettings, SlotTable
-
-VALID_VOCAB = 50257
 
 
 def zipf_logits(S, V, rng):

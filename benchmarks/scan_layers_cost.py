@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from laplace_jax.platform import CPU_DEVICES_ENV
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = [
   "--preset",
@@ -53,7 +55,7 @@ def main() -> None:
   args = ap.parse_args()
   if args.one:
     return one(args.one, args.hlo_dir)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = {k: v for k, v in os.environ.items() if k not in (CPU_DEVICES_ENV, "JAX_PLATFORMS")}
   got = {"true": [], "false": []}
   size = {}
   for _ in range(args.runs):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax import model
-from laplace_jax.config import param_counts, state_bytes_per_sequence
+from laplace_jax.counts import param_counts, state_bytes_per_sequence
 
 
 def attention_config(cfg):

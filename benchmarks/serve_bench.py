@@ -37,8 +37,10 @@ from serve_bench_common import laplace_params
 from serve_bench_common import table as _table
 
 from laplace_jax import model
-from laplace_jax.config import PRESETS, get_config, param_counts, state_bytes_per_sequence
+from laplace_jax.config import PRESETS, get_config
+from laplace_jax.counts import param_counts, state_bytes_per_sequence
 from laplace_jax.timing import matmul_peak_flops, median_seconds
+from laplace_jax.tokenizer import VOCAB_SIZE
 from serve.engine import Engine, Request
 from serve.loading import cast_params
 
@@ -166,13 +168,15 @@ def run_throughput(args, out):
   rng = np.random.default_rng(0)
   rows, res = [], []
   for c in args.concurrency:
-    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=50257)
+    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=VOCAB_SIZE)
     t0 = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t0
     reqs = [
       Request(
-        prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(), max_tokens=1 << 20, temperature=0.0
+        prompt_ids=rng.integers(0, VOCAB_SIZE, args.prompt_tokens).tolist(),
+        max_tokens=1 << 20,
+        temperature=0.0,
       )
       for _ in range(c)
     ]
@@ -249,7 +253,7 @@ def run_context(args, out):
   params = laplace_params(cfg, args.params_dtype)
   bparams = baseline_params(cfg, args.params_dtype)
   prefill_tokens = min(max(args.contexts), args.max_real_prefill)
-  prompt = np.random.default_rng(0).integers(0, 50257, (1, prefill_tokens)).astype(np.int32)
+  prompt = np.random.default_rng(0).integers(0, VOCAB_SIZE, (1, prefill_tokens)).astype(np.int32)
   t0 = time.perf_counter()
   _, state = model.prefill(params, model.init_state(cfg, 1), prompt, cfg=cfg)
   prefill_s = time.perf_counter() - t0
@@ -359,10 +363,10 @@ def run_overhead(args, out):
   rng = np.random.default_rng(0)
   rows, res = [], []
   for c in args.concurrency:
-    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=50257)
+    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=VOCAB_SIZE)
     engine.warmup()
     reqs = [
-      Request(prompt_ids=rng.integers(0, 50257, args.prompt_tokens).tolist(), max_tokens=1 << 20)
+      Request(prompt_ids=rng.integers(0, VOCAB_SIZE, args.prompt_tokens).tolist(), max_tokens=1 << 20)
       for _ in range(c)
     ]
     for r in reqs:

@@ -23,11 +23,11 @@ from serve_bench_common import gb as _gb
 from serve_bench_common import laplace_params
 from serve_bench_common import table as _table
 
-from laplace_jax.config import get_config, state_bytes_per_sequence
+from laplace_jax.config import get_config
+from laplace_jax.counts import state_bytes_per_sequence
+from laplace_jax.tokenizer import VOCAB_SIZE as GPT2
 from serve.engine import Engine, Request
 from serve.state_cache import StateCache, model_identity
-
-GPT2 = 50257
 
 
 def add_args(p):

@@ -4,7 +4,7 @@
                                        [--contexts 2048,32768,131072] [--json out.json]
 
 Bytes are summed over the arrays of `model.init_state(cfg, 1, max_len=context)` as `jax.eval_shape` gives
-them (nothing is allocated), and checked against `config.state_bytes_per_sequence`. Sequences per chip:
+them (nothing is allocated), and checked against `counts.state_bytes_per_sequence`. Sequences per chip:
 floor(memory / bytes per sequence) with weights, activations and the server's own tables aside — a 141 GB
 H200 (141·10⁹ B, the spec sheet's figure) and a 96 GiB Trainium2 chip (96·2³⁰ B).
 """
@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from laplace_jax import model
-from laplace_jax.config import get_config, state_bytes_per_sequence
+from laplace_jax.config import get_config
+from laplace_jax.counts import state_bytes_per_sequence
 
 CHIPS = {"H200 (141 GB)": 141 * 10**9, "Trn2 chip (96 GiB)": 96 * 2**30}
 

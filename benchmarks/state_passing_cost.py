@@ -19,6 +19,7 @@ from laplace_jax import optimizer as optim
 from laplace_jax import sharding
 from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
+from laplace_jax.tokenizer import VOCAB_SIZE
 
 
 def main(argv=None):
@@ -40,7 +41,7 @@ def main(argv=None):
   rng = np.random.default_rng(0)
   times = {False: [], True: []}
   for r in range(a.rounds + 2):
-    tok = rng.integers(0, 50257, (a.batch, a.seq_len + 1)).astype(np.int32)
+    tok = rng.integers(0, VOCAB_SIZE, (a.batch, a.seq_len + 1)).astype(np.int32)
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
     for sp in (False, True) if r % 2 else (True, False):
       t0 = time.perf_counter()

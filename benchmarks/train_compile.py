@@ -30,10 +30,11 @@ def _args(argv):
 
 
 ARGS = _args(sys.argv[1:])
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+
+from laplace_jax.platform import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(ARGS.devices)
 
 import platform  # noqa: E402
 import time  # noqa: E402

@@ -5,7 +5,7 @@
         [--compile-only]
 
 Runs the real compiled step (model + Muon/AdamW, one device) on random tokens. Model FLOPs per token are
-laplace_jax.config.flops_per_token (6·matmul params + the chunked GLA); MFU is against a matmul peak of the
+laplace_jax.counts.flops_per_token (6·matmul params + the chunked GLA); MFU is against a matmul peak of the
 same dtype measured in the same run. Muon's time share is the compiled optimizer update timed alone over
 the step time; its FLOP share is the Newton–Schulz FLOPs over model + Newton–Schulz FLOPs.
 """
@@ -22,9 +22,11 @@ import numpy as np
 
 from laplace_jax import sharding, timing
 from laplace_jax import train_step as ts
-from laplace_jax.config import MUON_PARAM_NAMES, flops_per_token, get_config, param_shapes
+from laplace_jax.config import MUON_PARAM_NAMES, get_config
+from laplace_jax.counts import flops_per_token, param_shapes
 from laplace_jax.muon import ns_flops
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+from laplace_jax.tokenizer import VOCAB_SIZE
 
 
 def main():
@@ -75,7 +77,7 @@ def main():
   if args.compile_only:
     return
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
-  toks = np.random.default_rng(0).integers(0, 50257, (args.batch, args.seq_len + 1)).astype(np.int32)
+  toks = np.random.default_rng(0).integers(0, VOCAB_SIZE, (args.batch, args.seq_len + 1)).astype(np.int32)
   batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
   state, m = compiled(state, batch)  # warm-up
   jax.block_until_ready(m)

@@ -2,25 +2,36 @@
 
 optax.scale_by_adam computes 1 − βᵗ as `1 - b ** count`, which lowers to `stablehlo.power` with the step
 count as exponent; Neuron documents `power` only with constant exponents. Here 1 − βᵗ = 1 − exp(t·log β),
-with log β a Python constant. The state is optax's ScaleByAdamState, so checkpoints written with
+with log β a Python constant, computed in the dtype of the leaf it divides (float64 runs equal optax's; never
+narrower than float32). The state is optax's ScaleByAdamState, so checkpoints written with
 optax.adamw restore unchanged; updates equal optax.adamw's to float rounding (tests/test_optimizer.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
 
-def bias_correction(decay: float, count: jax.Array) -> jax.Array:
-  """1 − decay**count in float32 as 1 − exp(count·log(decay)): no power op (decay a Python constant)."""
+def bias_correction(decay: float, count: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """1 − decay**count as a `dtype` scalar, computed as 1 − exp(count·log(decay)) in `dtype` (float32 when
+  `dtype` is narrower): no power op (decay a Python constant)."""
+  dtype = jnp.dtype(dtype)
+  wide = jnp.promote_types(dtype, jnp.float32)
   decay = float(decay)
   if decay == 0.0:  # 0**t = 0 for the t >= 1 an optimizer uses
-    return jnp.ones([], jnp.float32)
-  return 1.0 - jnp.exp(jnp.asarray(count, jnp.float32) * math.log(decay))
+    return jnp.ones([], dtype)
+  return (1.0 - jnp.exp(jnp.asarray(count, wide) * math.log(decay))).astype(dtype)
+
+
+def bias_corrections(decay: float, count: jax.Array) -> Callable[[jnp.dtype], jax.Array]:
+  """dtype -> bias_correction(decay, count, dtype), made once per dtype of a tree's leaves."""
+  return functools.cache(lambda dtype: bias_correction(decay, count, dtype))
 
 
 def scale_by_adam(
@@ -39,10 +50,8 @@ def scale_by_adam(
     mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
     nu = jax.tree.map(lambda g, v: (1 - b2) * (g * g) + b2 * v, updates, state.nu)
     count = optax.safe_int32_increment(state.count)
-    c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
-    new = jax.tree.map(
-      lambda m, v: (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype) + eps_root) + eps), mu, nu
-    )
+    c1, c2 = bias_corrections(b1, count), bias_corrections(b2, count)
+    new = jax.tree.map(lambda m, v: (m / c1(m.dtype)) / (jnp.sqrt(v / c2(v.dtype) + eps_root) + eps), mu, nu)
     mu = jax.tree.map(lambda m, old: m.astype(mu_dtype or old.dtype), mu, state.mu)
     nu = jax.tree.map(lambda v, old: v.astype(old.dtype), nu, state.nu)
     return new, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)

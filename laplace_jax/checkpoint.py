@@ -32,7 +32,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from grain import checkpoint as grain_ckpt
 
-from laplace_jax.config import LAYOUT_NEUTRAL
+from laplace_jax import model
+from laplace_jax.config import LAYOUT_NEUTRAL, LaplaceConfig, get_config
 
 log = logging.getLogger(__name__)
 
@@ -402,8 +403,6 @@ def load_params(path, abstract_params=None, *, shardings=None, config=None):
 
 def export_config(path, *, preset: str | None = None):
   """The model config saved with an export of `python -m train` (checked against `preset` when given)."""
-  from laplace_jax.config import LaplaceConfig, get_config
-
   path = epath.Path(path).absolute()
   if not (path / "params").exists():
     raise FileNotFoundError(
@@ -432,8 +431,6 @@ def load_export(path, shardings=None, *, preset: str | None = None):
   built from the config saved beside the params, so any trained config loads, preset or not. `shardings`
   is one Sharding, or a function from the abstract params to a pytree of shardings (None: host numpy);
   `preset`, when given, refuses an export of another config. The loader of train.eval and python -m serve."""
-  from laplace_jax import model
-
   path = epath.Path(path).absolute()
   cfg = export_config(path, preset=preset)
   abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))

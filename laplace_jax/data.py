@@ -105,7 +105,7 @@ def check_vocab(manifest: dict[str, Any], vocab_size: int) -> None:
 def _resolve_processes(process_index, process_count, global_batch_size) -> tuple[int, int]:
   """(process_index, process_count), defaulting to JAX's, checked against the batch size."""
   if process_index is None or process_count is None:
-    import jax
+    import jax  # only here: the pipeline itself (and its grain worker processes) runs without JAX
 
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count

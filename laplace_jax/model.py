@@ -12,7 +12,7 @@ over the pattern's repeats, one compiled body holding one block per letter.
 A layer's pieces are modules (laplace_jax/mixers.py: ShortConv, GLAMixer, AttentionMixer, WindowAttentionMixer,
 GluFFN) that declare their parameters ({name: (initializer, shape)}) and their decode state per layer; Block
 composes them with its two norms, their parameters at the layer's own level (flat layers/{name}: the
-checkpoints' paths). The shape table (layer_param_specs, config.layer_shapes) and init_state / init_carry are
+checkpoints' paths). The shape table (layer_param_specs, counts.layer_shapes) and init_state / init_carry are
 assembled from those declarations, never written a second time.
 
 Public, all pure functions of pytrees (`cfg` is static):
@@ -66,7 +66,7 @@ def _mixer_module(mixer: str) -> type[mixers.LayerPart]:
 def layer_param_specs(cfg: LaplaceConfig, mixer: str = "G") -> dict:
   """One layer's parameters in creation order (which the init RNG's split follows: norms, conv, mixer, FFN):
   {name: (initializer, unstacked shape)}, each piece's own declaration. Block makes exactly these;
-  config.layer_shapes reads them."""
+  counts.layer_shapes reads them."""
   ffn = mixers.GluFFN.param_specs(cfg) if cfg.ffn else {}
   return {
     **_norm_param_specs(cfg),
@@ -77,7 +77,7 @@ def layer_param_specs(cfg: LaplaceConfig, mixer: str = "G") -> dict:
 
 
 def layer_param_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:
-  """One layer's parameter shapes (unstacked), keyed by leaf name: config.layer_shapes."""
+  """One layer's parameter shapes (unstacked), keyed by leaf name: counts.layer_shapes."""
   return {name: shape for name, (_, shape) in layer_param_specs(cfg, mixer).items()}
 
 

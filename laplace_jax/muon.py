@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from laplace_jax.adamw import bias_correction
+from laplace_jax.adamw import bias_corrections
 from laplace_jax.sharding import FSDP, matrix_shard_dim, matrix_spec
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -453,13 +453,13 @@ def muon(
     count = optax.safe_int32_increment(state.count)
     mu = jax.tree.map(lambda g, m: (1 - beta) * g + beta * m, updates, mu_prev)
     if nesterov:  # optax.contrib.muon's form: both terms bias-corrected
-      c_mu, c_g = bias_correction(beta, count + 1), bias_correction(beta, count)  # no runtime power
+      c_mu, c_g = bias_corrections(beta, count + 1), bias_corrections(beta, count)  # no runtime power
       mu_hat = jax.tree.map(
-        lambda m, g: beta * (m / c_mu.astype(m.dtype)) + (1 - beta) * (g / c_g.astype(g.dtype)), mu, updates
+        lambda m, g: beta * (m / c_mu(m.dtype)) + (1 - beta) * (g / c_g(g.dtype)), mu, updates
       )
     else:
-      c_mu = bias_correction(beta, count)
-      mu_hat = jax.tree.map(lambda m: m / c_mu.astype(m.dtype), mu)
+      c_mu = bias_corrections(beta, count)
+      mu_hat = jax.tree.map(lambda m: m / c_mu(m.dtype), mu)
     mu, mu_hat = barrier((mu, mu_hat))
     ortho = orthogonalize(
       mu_hat,

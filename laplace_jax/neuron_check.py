@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import pathlib
 import re
 
 ALLOWED_TYPES = frozenset(
@@ -461,8 +462,6 @@ def _sort_comparator(prog: _Program, i: int) -> str | None:
 def check_programs(texts: dict, hlo_dir: str | None = None) -> tuple[dict, str]:
   """Check several programs' StableHLO ({name: text}); with `hlo_dir`, write each to hlo_dir/<name>.mlir.
   Returns ({name: Report}, the printable report of all of them)."""
-  import pathlib
-
   if hlo_dir:
     pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
   reports, parts = {}, []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 import jax
 
@@ -20,7 +21,16 @@ TARGETS = ("cpu", "gpu", "neuron")
 PRNG_IMPLS = ("threefry", "rbg", "unsafe_rbg")
 PRNG_CHOICES = ("auto",) + PRNG_IMPLS
 _JAX_PRNG_NAMES = {"threefry": "threefry2x32", "rbg": "rbg", "unsafe_rbg": "unsafe_rbg"}
+CPU_DEVICES_ENV = "JAX_NUM_CPU_DEVICES"  # JAX's jax_num_cpu_devices option, as the environment spells it
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("laplace_jax_target", default=None)
+
+
+def simulate_cpu_devices(n: int) -> None:
+  """Give JAX's CPU backend `n` devices, a simulated mesh: JAX's `jax_num_cpu_devices` option in this process,
+  and its environment variable for the processes this one starts. Call it before the first use of a device:
+  the CPU backend keeps the count it started with."""
+  os.environ[CPU_DEVICES_ENV] = str(n)
+  jax.config.update("jax_num_cpu_devices", n)
 
 
 def backend() -> str:

@@ -29,8 +29,8 @@ DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)  # batch dims are split over every device
 MIN_SHARD_ELEMENTS = 2**16  # 256 KiB of fp32: smaller non-Muon leaves are replicated
 _SIMULATE_HINT = (
-  "To simulate N CPU devices, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
-  "in the environment before JAX is imported."
+  "To simulate N CPU devices, call laplace_jax.platform.simulate_cpu_devices(N) (or set JAX_NUM_CPU_DEVICES=N "
+  "in the environment) before JAX's first use of a device."
 )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 TOKENIZER_NAME = "gpt2"
-VOCAB_SIZE = 50_257  # ids 0 … 50256
+VOCAB_SIZE = 50_257  # GPT-2's vocabulary, ids 0 … 50256: the one definition (config pads it)
 EOS_ID = 50_256  # <|endoftext|>
 EOS_TEXT = "<|endoftext|>"
 
@@ -63,6 +63,7 @@ def _bpe_files() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def get_tokenizer():
   """The GPT-2 `tiktoken.Encoding`, built once per process from the local files."""
+  # Imported on first use: laplace_jax.config imports this module for VOCAB_SIZE alone.
   import tiktoken
   from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 

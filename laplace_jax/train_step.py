@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax import fsdp, model, sharding
 from laplace_jax import optimizer as optim
-from laplace_jax.config import LaplaceConfig, param_shapes
+from laplace_jax.config import LaplaceConfig
+from laplace_jax.counts import param_shapes
 
 F32 = jnp.float32
 

@@ -1,4 +1,8 @@
-"""`python -m serve`: the OpenAI-compatible completion server over the continuous-batching engine."""
+"""`python -m serve`: the OpenAI-compatible completion server over the continuous-batching engine.
+
+What loads JAX is imported inside the functions, once the flags are read: --target's device and platform
+settings must come before anything could start a JAX backend, and --help answers without loading JAX.
+"""
 
 from __future__ import annotations
 
@@ -209,9 +213,10 @@ def lower_target(args) -> int:
   """--target: lower and check the engine's programs on simulated CPU devices; 1 on any violation."""
   import jax
 
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", args.mesh_devices)
   from laplace_jax import neuron_check, platform, tokenizer
+
+  jax.config.update("jax_platforms", "cpu")
+  platform.simulate_cpu_devices(args.mesh_devices)
 
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made

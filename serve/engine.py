@@ -22,9 +22,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from laplace_jax import model as laplace_model
 from serve.engine_cache import EngineCacheMixin
 from serve.engine_config import DEFAULTS, slots_for
 from serve.slots import PrefillRows, PromptScores, SlotFunctions, SlotSettings, StepOutput, host_settings
+from serve.state_cache import layout_for
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -154,7 +156,7 @@ class Engine(EngineCacheMixin):
   ):
     """Keyword arguments named as `serve.engine_config.EngineConfig`'s fields are described there."""
     if model is None:
-      from laplace_jax import model
+      model = laplace_model
     if n_slots is None:
       n_slots = slots_for(cfg)
     check_max_context(cfg, max_context)
@@ -221,8 +223,6 @@ class Engine(EngineCacheMixin):
     # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
     self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
     if state_cache is not None:
-      from serve.state_cache import layout_for
-
       state_cache.check_layout(layout_for(cfg, model))
     self._copies: collections.deque = collections.deque()
     self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from laplace_jax import checkpoint as ckpt
 from laplace_jax import model, sharding
 from laplace_jax import tokenizer as gpt2
 from laplace_jax.config import get_config
@@ -72,8 +73,6 @@ def load_model(
   else:
     target = sharding.replicated(mesh)
   if checkpoint:
-    from laplace_jax import checkpoint as ckpt
-
     params, cfg = ckpt.load_export(checkpoint, target, preset=preset)
     return cast_params(params, cfg, dtype), cfg
   if preset is None:

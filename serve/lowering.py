@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import model, sharding
+from laplace_jax import model, platform, sharding
 from serve import loading
 from serve.slots import SlotFunctions, host_settings
 
@@ -81,8 +81,6 @@ def lower_for_target(
   max_context: int | None = None,
 ) -> dict:
   """{program name: StableHLO text} of the engine's programs with every choice made as on `target`."""
-  from laplace_jax import platform
-
   with platform.lowering_for(target):
     fns = SlotFunctions(
       model,

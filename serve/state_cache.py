@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from laplace_jax import model as laplace_model
 from laplace_jax.config import LAYOUT_NEUTRAL
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def layout_for(cfg, model=None) -> dict:
   """{name: (dtype, shape)} of one sequence's decode state: every leaf of init_state's (GLA states, conv
   windows, sliding-window rings, pos), without its sequence axis (`model.state_batch_axes`)."""
   if model is None:
-    from laplace_jax import model
+    model = laplace_model
   shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
   axes = model.state_batch_axes(shapes)
   return {

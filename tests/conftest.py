@@ -1,4 +1,5 @@
-"""Every test runs on the CPU with 8 simulated devices (set before JAX initialises).
+"""Every test runs on the CPU with 8 simulated devices (laplace_jax.platform.simulate_cpu_devices, before JAX's
+first use of a device; processes the tests start inherit the count through the environment).
 
 Two things keep the suite's wall time down (tests/run.sh runs it on two pytest-xdist workers, one file at a
 time each):
@@ -13,12 +14,6 @@ import os
 import shutil
 import tempfile
 
-if (
-  "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", "").split()
-):  # workers inherit
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The first process to load this file (the xdist controller, or the only one with -n 0) makes the cache
 # directory; workers and subprocesses inherit the variable. A new, empty directory each run: nothing
@@ -34,6 +29,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 
+from laplace_jax.platform import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Seconds per file (both workers busy, 2-core machine): the order files are handed out, slowest first.

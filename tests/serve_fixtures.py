@@ -9,11 +9,11 @@ import aiohttp
 import jax
 
 from laplace_jax import get_config, model
+from laplace_jax.tokenizer import VOCAB_SIZE as GPT2_VOCAB
 from serve import loading, protocol
 from serve.engine import Engine
 from serve.server import InThread, Server
 
-GPT2_VOCAB = 50_257
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax import checkpoint as ckpt
 from laplace_jax.config import get_config
+from laplace_jax.platform import CPU_DEVICES_ENV
 from laplace_jax.sharding import DATA, FSDP, make_mesh
 
 SPECS = {"embed": P(DATA, FSDP), "w": P(None, FSDP), "b": P()}  # by parameter name
@@ -184,7 +185,7 @@ def test_checkpoint_restores_with_plain_orbax_and_no_laplace_jax(tmp_path):
   state = _train_state(make_mesh(4, 2))
   with ckpt.Checkpointer(tmp_path / "run") as ck:
     ck.save(9, state, data_state={"pos": 3}, metadata={"config": {"d_model": 8, "n_layers": 2}})
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  env = {k: v for k, v in os.environ.items() if k not in (CPU_DEVICES_ENV, "PYTHONPATH")}
   env["JAX_PLATFORMS"] = "cpu"  # one device: the saved 8-device layout must not be needed
   out = subprocess.run(
     [sys.executable, "-c", _PLAIN_ORBAX, str(tmp_path / "run"), str(tmp_path / "o.npz")],
@@ -365,9 +366,10 @@ def test_export_params_for_serving_and_load_on_any_sharding(tmp_path):
 _TWO_PROCESSES = textwrap.dedent("""
   import os, sys
   pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax, jax.numpy as jnp, numpy as np
+  from laplace_jax.platform import simulate_cpu_devices
+  simulate_cpu_devices(4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -395,7 +397,7 @@ def test_two_processes_save_their_own_data_state_and_one_process_reshards(tmp_pa
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {k: v for k, v in os.environ.items() if k != CPU_DEVICES_ENV}
   procs = [
     subprocess.Popen(
       [sys.executable, "-c", _TWO_PROCESSES, str(i), str(port), str(tmp_path / "run")],

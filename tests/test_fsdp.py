@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax import fsdp, hlo_traffic, platform, sharding
 from laplace_jax import train_step as ts
-from laplace_jax.config import get_config, param_counts
+from laplace_jax.config import get_config
+from laplace_jax.counts import param_counts
 from laplace_jax.optimizer import OptimizerConfig, make_optimizer
 
 

@@ -6,15 +6,8 @@ import numpy as np
 import pytest
 
 from laplace_jax import model
-from laplace_jax.config import (
-  LaplaceConfig,
-  get_config,
-  gla_form_for_backend,
-  layer_shapes,
-  param_counts,
-  param_shapes,
-  state_bytes_per_sequence,
-)
+from laplace_jax.config import LaplaceConfig, get_config, gla_form_for_backend
+from laplace_jax.counts import layer_shapes, param_counts, param_shapes, state_bytes_per_sequence
 
 CFG = get_config("tiny")
 

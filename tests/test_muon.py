@@ -9,7 +9,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import muon as optax_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-from laplace_jax import config, hlo_traffic, sharding
+from laplace_jax import config, counts, hlo_traffic, sharding
 from laplace_jax.muon import (
   MuonState,
   make_plan,
@@ -99,6 +99,21 @@ def test_matches_optax_contrib_muon(nesterov, scale_mode, weight_decay, schedule
   for a, b in zip(u_ours, u_theirs):
     for k in params:
       np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_float64_run_matches_optax_contrib_muon_to_float64_rounding(nesterov):
+  """The bias corrections are computed in the leaves' dtype: in float64 the updates equal optax's to 1e-12."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(3)
+    tree = lambda: {"w": jnp.asarray(rng.standard_normal((3, 8, 16)))}
+    params, grads = tree(), [tree() for _ in range(3)]
+    u_ours, _ = _run(muon(0.02, nesterov=nesterov, eps=1e-7), params, grads)
+    theirs = optax_muon(0.02, eps=1e-7, nesterov=nesterov, muon_weight_dimension_numbers=_dims(params))
+    u_theirs, _ = _run(theirs, params, grads)
+    for a, b in zip(u_ours, u_theirs):
+      assert a["w"].dtype == jnp.float64
+      np.testing.assert_allclose(a["w"], b["w"], rtol=0, atol=1e-12 * float(jnp.abs(b["w"]).max()))
 
 
 def test_stacked_leaf_is_independent_matrices():
@@ -241,7 +256,7 @@ def test_hlo_uses_two_all_to_alls_and_no_gather():
 
 
 def test_plan_owns_every_matrix_once_and_balances_laplace_3b():
-  shapes = config.param_shapes(config.get_config("laplace-3b"))["layer"]
+  shapes = counts.param_shapes(config.get_config("laplace-3b"))["layer"]
   stacks = [(24,) + shapes[n] for n in config.MUON_PARAM_NAMES]
   plan = make_plan(stacks, 64)
   owned = sorted(i for o in plan.owned for i in o)

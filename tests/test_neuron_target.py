@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from laplace_jax import neuron_check
+from laplace_jax.platform import CPU_DEVICES_ENV
 from train.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ SERVE_PROGRAMS = {
 
 def _run(module, *args, timeout=300):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
+  env.pop(CPU_DEVICES_ENV, None)
   env.pop("JAX_PLATFORMS", None)
   return subprocess.run(
     [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout

@@ -138,7 +138,7 @@ def test_the_context_bound_is_a_400_naming_the_flag(engines):
 
 
 def _state_bytes(cfg, context):
-  from laplace_jax.config import state_bytes_per_sequence
+  from laplace_jax.counts import state_bytes_per_sequence
 
   return state_bytes_per_sequence(cfg, context)
 

@@ -13,11 +13,14 @@ import urllib.request
 import numpy as np
 import pytest
 
+from laplace_jax.platform import CPU_DEVICES_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _start(*flags):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop(CPU_DEVICES_ENV, None)
   proc = subprocess.Popen(
     [
       sys.executable,

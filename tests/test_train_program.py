@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from laplace_jax.platform import CPU_DEVICES_ENV
 from train import prepare
 from train.config import build_parser, load_config
 from train.loop import run
@@ -73,7 +74,7 @@ def _losses(out_dir):
 
 def _cli(*args, **popen):
   env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env.pop(CPU_DEVICES_ENV, None)
   return subprocess.Popen(
     [sys.executable, "-m", "train", *args],
     cwd=ROOT,

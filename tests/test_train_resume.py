@@ -152,6 +152,34 @@ def test_metrics_hold_each_step_once_after_a_crash_and_resume(data_dir, tmp_path
   assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_checkpoint_metadata_holds_the_model_config_once():
+  rc = load_config(["--preset", "tiny"])
+  meta = resume.checkpoint_metadata(rc, "threefry")
+  assert "model" not in meta["run_config"] and meta["config"] == resume.run_config_dict(rc)["model"]
+  assert resume.saved_run_config(meta) == resume.run_config_dict(rc)
+  old = {"config": meta["config"], "run_config": resume.run_config_dict(rc), "prng_impl": "threefry"}
+  assert resume.saved_run_config(old) == resume.run_config_dict(rc)  # the model twice, as saved before
+  assert resume.saved_run_config({"config": meta["config"]}) == {"model": meta["config"]}  # no run config
+
+
+def test_checkpoint_with_the_model_config_twice_still_resumes(data_dir, tmp_path):
+  """Checkpoints saved before the model config was stored once held it twice, under "config" and under
+  run_config["model"]: rewritten to that form, a checkpoint still resumes, and its model is still compared."""
+  out = tmp_path / "run"
+  _train(data_dir, out, "--steps", "2", *SCHEDULE)
+  meta_file = out / "checkpoints" / "2" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  assert "model" not in meta["run_config"]
+  meta["run_config"] = {"train": meta["run_config"]["train"], "model": meta["config"], **meta["run_config"]}
+  meta_file.write_text(json.dumps(meta))
+  with checkpoint.Checkpointer(out / "checkpoints") as ck:
+    assert ck.metadata(2)["run_config"]["model"] == ck.metadata(2)["config"]
+  with pytest.raises(ValueError, match=r"model.d_model: saved 64, now 128"):
+    _train(data_dir, out, "--steps", "3", "--model.d_model", "128")
+  summary = _train(data_dir, out, "--steps", "3", *ALLOWED_CHANGES)
+  assert summary["start_step"] == 2 and summary["end_step"] == 3
+
+
 def test_field_newer_than_the_checkpoint_counts_as_its_default():
   rc = load_config([])
   saved = resume.run_config_dict(rc)

@@ -1,4 +1,8 @@
-"""`python -m train`: see `python -m train --help` (and train/config.py for the config system)."""
+"""`python -m train`: see `python -m train --help` (and train/config.py for the config system).
+
+The program's modules are imported inside the functions: the device settings (`_setup_jax`) must come before
+anything could start a JAX backend.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,12 @@ def _setup_jax(tc):
   """Device simulation and multi-process initialisation, before any JAX backend starts."""
   import jax
 
+  from laplace_jax import platform
+
   if tc.target and not tc.simulate_devices:
     tc = dataclasses.replace(tc, simulate_devices=64)  # a trn2.48xlarge: 16 chips x 4 logical cores (LNC=2)
   if tc.simulate_devices:
-    jax.config.update("jax_num_cpu_devices", tc.simulate_devices)
+    platform.simulate_cpu_devices(tc.simulate_devices)
     jax.config.update("jax_platforms", "cpu")
   coordinator = tc.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
   n_proc = int(os.environ.get("JAX_NUM_PROCESSES", tc.num_processes))
@@ -25,8 +31,7 @@ def _setup_jax(tc):
     if jax.config.jax_platforms in ("cpu",) or tc.simulate_devices:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=n_proc, process_id=proc_id)
-  from laplace_jax import platform  # the PRNG, before any key is made (--target: the target's choice)
-
+  # the PRNG, before any key is made (--target: the target's choice)
   with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
     platform.use_prng(tc.prng)
 

@@ -19,6 +19,8 @@ import tomllib
 from laplace_jax import cli
 from laplace_jax.config import PRESETS, LaplaceConfig, get_config
 from laplace_jax.optimizer import OptimizerConfig
+from laplace_jax.platform import PRNG_CHOICES
+from laplace_jax.recall import parse_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +134,7 @@ class TrainConfig:
       if getattr(self, f) < 0:
         raise ValueError(f"--{f}={getattr(self, f)}: expected an integer >= 0.")
     if self.data_source:
-      from laplace_jax.recall import parse_task
-
       parse_task(self.data_source)
-    from laplace_jax.platform import PRNG_CHOICES
-
     if self.prng not in PRNG_CHOICES:
       raise ValueError(
         f"--prng={self.prng!r}: expected one of {PRNG_CHOICES} (auto: rbg on Neuron, threefry elsewhere)."

@@ -21,6 +21,9 @@ document; printed, in the JSON and as a PNG. GLA-only models (an attention layer
 document's KV cache). `python -m train.prepare --corpus kjv-books` keeps whole books as documents.
 """
 
+# What loads JAX is imported inside the functions, once the flags are read: --simulate_devices must come before
+# anything could start a JAX backend, and --help answers without loading JAX.
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +32,10 @@ import math
 import sys
 from pathlib import Path
 
+from laplace_jax import cli  # loads no JAX
+
 
 def build_parser() -> argparse.ArgumentParser:
-  from laplace_jax import cli
-
   ap = cli.FlagParser(
     prog="python -m train.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -298,7 +301,9 @@ def main(argv=None) -> int:
   if args.simulate_devices:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.simulate_devices)
+    from laplace_jax import platform
+
+    platform.simulate_cpu_devices(args.simulate_devices)
     jax.config.update("jax_platforms", "cpu")
   if args.json and Path(args.json).exists():
     print(

@@ -11,12 +11,24 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
-from laplace_jax import checkpoint, data, neuron_check, platform, recall, sharding, timing
+from laplace_jax import (
+  checkpoint,
+  data,
+  generate,
+  neuron_check,
+  platform,
+  recall,
+  sharding,
+  timing,
+  tokenizer,
+)
 from laplace_jax import optimizer as optim
 from laplace_jax import train_step as ts
-from laplace_jax.config import flops_per_token, param_counts
-from train import resume
+from laplace_jax.counts import flops_per_token, param_counts
+from train import prepare, resume
 from train.config import RunConfig, TrainConfig
 
 
@@ -61,13 +73,9 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
         f"python -m train.prepare YOUR_FILES -o {path}"
       )
     if jax.process_index() == 0:
-      from train import prepare
-
       log0(f"preparing the embedded corpus (King James Bible) into {path} …")
       prepare.main(["--corpus", "kjv", "-o", str(path), "--no_progress"])
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
       multihost_utils.sync_global_devices("data prepared")
   manifest = data.load_manifest(path)
   data.check_vocab(manifest, vocab_size)
@@ -125,7 +133,7 @@ def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = 
 
 
 def _write_loss_curve(metrics_path: Path, png: Path):
-  import matplotlib
+  import matplotlib  # only where a plot is drawn: a heavy import
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -163,7 +171,7 @@ def _open_run(rc: RunConfig, prng_impl: str):
       )
     if latest is not None:
       meta = ckpt.metadata(latest)
-      saved = meta.get("run_config") or {"model": meta.get("config") or {}}
+      saved = resume.saved_run_config(meta)
       resume.check_prng(prng_impl, meta, where=f"{ckpt_dir} at step {latest}")
       rc, notes = resume.reconcile(rc, saved, where=f"{ckpt_dir} at step {latest}")
       for n in notes:
@@ -192,7 +200,7 @@ def run(rc: RunConfig) -> dict:
 
 def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   tc, cfg = rc.train, rc.model
-  cfg_dict = dataclasses.asdict(cfg)  # saved with every checkpoint and export, and checked on restore
+  cfg_dict = dataclasses.asdict(cfg)  # saved with every export and checked on load (checkpoints: resume)
   seq_len = tc.seq_len or cfg.max_seq_len
   weighted = bool(tc.data_source)  # recall tasks score only their answers
   # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
@@ -269,7 +277,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
         log0(f"resume: dropped {dropped} metrics row(s) of steps after {start} (they are redone)")
   else:
     state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch), 0
-  run_meta = {"config": cfg_dict, "run_config": resume.run_config_dict(rc), "prng_impl": prng_impl}
+  run_meta = resume.checkpoint_metadata(rc, prng_impl)
 
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
   batch_sh = jax.tree.map(
@@ -295,8 +303,6 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   mfile = open(metrics_path, "a") if jax.process_index() == 0 else None
   bar = None
   if tc.progress and jax.process_index() == 0:
-    from tqdm import tqdm
-
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
   summary = {
     "start_step": start,
@@ -406,8 +412,6 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
     _write_loss_curve(metrics_path, out / "loss.png")
     log0(f"loss curve: {out / 'loss.png'}; params for serving: {export}")
   if tc.sample_tokens:
-    from laplace_jax import generate, tokenizer
-
     params = checkpoint.load_params(export, config=cfg_dict)  # the checkpoint, as host arrays
     if jax.process_index() == 0:
       ids = generate.generate(

@@ -25,6 +25,23 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from laplace_jax import cli, generate, platform, recall, train_step
+from laplace_jax import optimizer as optim
+from laplace_jax.counts import param_counts
+from laplace_jax.platform import PRNG_CHOICES
+from train import zoology
+from train.grid import (
+  DEFAULT_WINDOW,
+  answers_right,
+  jit_step,
+  load_results,
+  model_config,
+  progress_bar,
+  run_pending,
+)
+
 PATTERNS = ("G", "GA", "A")  # Laplace, a hybrid (GLA then attention), the attention baseline
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DISTANCES = (64, 256, 1024, 4096, 16384)  # filler tokens between the key sentence and the question
@@ -145,7 +162,7 @@ GRIDS = {
 
 
 # Settings a grid may leave out (--set adds them): the sliding-window layers' window (patterns with S).
-OPTIONAL = {"window": 2048}
+OPTIONAL = {"window": DEFAULT_WINDOW}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,31 +180,6 @@ class Cell:
     seed = f"|s{self.seed}" if self.seed else ""  # seed 0's keys are those of results saved before seeds
     sp = "|sp" if self.state_passing else ""
     return f"{self.task}|{self.pattern}|d{self.width}|{self.steps}x{self.batch}{seed}{sp}"
-
-
-def model_config(pattern: str, width: int, task: str, window: int = OPTIONAL["window"]):
-  """The grid's 2-layer model: the published ratios (d_k = D/2H, d_v = D/H) at 4 heads, GLU 2·D; S layers
-  see the last `window` tokens."""
-  from laplace_jax import recall
-  from laplace_jax.config import get_config
-
-  seq = recall.parse_task(task)[1][0]
-  return get_config("tiny").replace(
-    vocab_size=recall.task_vocab(task),
-    d_model=width,
-    n_layers=2,
-    n_heads=4,
-    d_k=width // 8,
-    d_v=width // 4,
-    d_ff=2 * width,
-    max_seq_len=seq,
-    chunk_size=min(64, seq),
-    mixers=pattern,
-    gla_form="scan",
-    remat=False,
-    compute_dtype="float32",
-    window=window,
-  )
 
 
 def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
@@ -210,31 +202,9 @@ def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
   return list(dict.fromkeys(dataclasses.replace(c, seed=s, state_passing=sp) for s in seeds for c in cells))
 
 
-def _progress_bar(progress: bool, total: int, desc: str):
-  if not progress:
-    return None
-  from tqdm import tqdm
-
-  return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=False)
-
-
-def _jit_step(cfg, opt):
-  """The library's train step (laplace_jax/train_step.py) for this model and optimizer, compiled once."""
-  import functools
-
-  import jax
-
-  from laplace_jax import train_step
-
-  return jax.jit(functools.partial(train_step.train_step, cfg=cfg, optimizer=opt), donate_argnums=0)
-
-
 def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   """Train one cell through the library's train step (each batch scored at its answer positions only);
   returns (params, cfg, {final_loss, train_s, losses})."""
-  from laplace_jax import optimizer as optim
-  from laplace_jax import recall, train_step
-
   cfg = model_config(cell.pattern, cell.width, cell.task, grid.get("window", OPTIONAL["window"]))
   adamw_lr = grid["passkey_adamw_lr" if cell.task.startswith("passkey") else "adamw_lr"]
   ocfg = optim.OptimizerConfig(
@@ -245,9 +215,9 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   state = train_step.init_train_state(
     cfg, opt, cell.seed, carry_batch=cell.batch if cell.state_passing else 0
   )
-  step = _jit_step(cfg, opt)
+  step = jit_step(cfg, opt)
   stream = recall.RecallStream(cell.task, seq_len=cfg.max_seq_len, global_batch=cell.batch, seed=cell.seed)
-  bar = _progress_bar(progress, cell.steps, f"{cell.pattern:>3} {cell.task} d{cell.width}")
+  bar = progress_bar(progress, cell.steps, f"{cell.pattern:>3} {cell.task} d{cell.width}")
   losses, t0 = [], time.perf_counter()
   for i in range(cell.steps):
     b = next(stream)
@@ -267,22 +237,6 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   )
 
 
-def answers_right(params, cfg, batches):
-  """[rows, K] bool over the batches' rows in order: whether each scored position's greedy next token
-  (laplace_jax.generate.greedy_next) is the answer."""
-  import numpy as np
-
-  from laplace_jax import generate, recall
-
-  right = []
-  for b in batches:
-    pos = recall.scored_positions(b["weights"])
-    right.append(
-      generate.greedy_next(params, b["inputs"], pos, cfg=cfg) == np.take_along_axis(b["targets"], pos, 1)
-    )
-  return np.concatenate(right)
-
-
 def answer_accuracy(params, cfg, batches) -> float:
   """Share of scored positions whose greedy next token is the answer."""
   return float(answers_right(params, cfg, batches).mean())
@@ -290,8 +244,6 @@ def answer_accuracy(params, cfg, batches) -> float:
 
 def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> float:
   """Accuracy over the query positions of a fixed held-out set (seeds apart from training's)."""
-  from laplace_jax import recall
-
   return answer_accuracy(
     params, cfg, recall.eval_batches(task, global_batch=batch, n_batches=max(1, n_examples // batch))
   )
@@ -300,10 +252,6 @@ def mqar_accuracy(params, cfg, task: str, n_examples: int, batch: int = 64) -> f
 def _passkey_exact(params, cfg, ctx: int, n_examples: int, **place) -> float:
   """Exact-match rate of the greedy 5-digit answer over `n_examples` prompts (one batch) placed by
   `depth=` or `distance=`, generated by laplace_jax.generate (chunked prefill: constant memory for GLA)."""
-  import numpy as np
-
-  from laplace_jax import generate, recall
-
   ex = [recall.passkey_example(10**6 + e, ctx, **place) for e in range(n_examples)]
   prompts, answers = np.stack([p for p, _ in ex]), np.stack([a for _, a in ex])
   got = generate.generate_batch(params, prompts, recall.PASSKEY_DIGITS, cfg=cfg)
@@ -325,8 +273,6 @@ def passkey_accuracy(params, cfg, contexts, depths, n_examples: int) -> dict:
 
 def passkey_distance_accuracy(params, cfg, contexts, distances, n_examples: int) -> dict:
   """{context: {distance: exact-match rate}} for each distance that fits the context (the others absent)."""
-  from laplace_jax import recall
-
   cfg = _eval_config(cfg)
   return {
     ctx: {
@@ -343,8 +289,6 @@ def state_per_layer(cfg) -> int:
 
 
 def run_cell(cell: Cell, grid: dict, progress: bool) -> dict:
-  from laplace_jax.config import param_counts
-
   params, cfg, info = train_cell(cell, grid, progress=progress)
   row = {
     "key": cell.key,
@@ -375,12 +319,10 @@ def _seed_means(points) -> list[tuple]:
 
 
 def plot(results: list[dict], out: Path):
-  import matplotlib
+  import matplotlib  # only where a plot is drawn: a heavy import
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-
-  from laplace_jax import recall
 
   mq = [r for r in results if r["task"].startswith("mqar")]
   widths = sorted({r["width"] for r in mq})
@@ -436,11 +378,10 @@ def _passkey_heatmaps(cells: list[dict], field: str, ylabel: str, png: Path):
   """One heat map per cell: accuracy by (context, `field`'s inner key); blank where a value does not fit."""
   if not cells:
     return
-  import matplotlib
+  import matplotlib  # only where a plot is drawn: a heavy import
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
 
   fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.8), squeeze=False)
   for ax, r in zip(axes[0], cells):
@@ -487,14 +428,9 @@ def with_overrides(grid: dict, sets: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from laplace_jax import cli
-  from laplace_jax.platform import PRNG_CHOICES
-
   ap = cli.FlagParser(
     prog="python -m train.recall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  from train import zoology
-
   ap.add_argument(
     "--grid",
     choices=sorted(GRIDS) + sorted(zoology.GRIDS),
@@ -539,9 +475,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  from laplace_jax import platform
-  from train import zoology
-
   args = build_parser().parse_args(argv)
   grid_name = "quick" if args.quick else args.grid
   sections = [s for s in args.sections.split(",") if s]
@@ -594,14 +527,8 @@ def main(argv=None) -> int:
     return 2
   out = Path(args.out)
   path = out / "results.json"
-  import jax
-
   prng = platform.use_prng(args.prng)  # before any key is made
-  saved = (
-    json.loads(path.read_text())
-    if path.exists()
-    else {"grid": grid_name, "sets": args.sets, "prng": prng, "cells": []}
-  )
+  saved = load_results(path, {"grid": grid_name, "sets": args.sets, "prng": prng, "cells": []})
   if saved.get("grid") != grid_name or saved.get("sets", []) != args.sets:
     print(
       f"error: {path} holds the {saved.get('grid')!r} grid with --set {saved.get('sets', [])}, not "
@@ -616,32 +543,19 @@ def main(argv=None) -> int:
       file=sys.stderr,
     )
     return 2
-  out.mkdir(parents=True, exist_ok=True)
-  done = {r["key"] for r in saved["cells"]}
-  todo = [c for c in cells if c.key not in done]
-  print(
-    f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True
-  )
-  bar = None
-  if args.progress:
-    from tqdm import tqdm
 
-    bar = tqdm(total=len(todo), desc="cells", unit="cell", dynamic_ncols=True)
-  for cell in todo:
-    row = run_cell(cell, grid, args.progress)
-    saved["cells"].append(row)
-    path.write_text(json.dumps(saved, indent=1))
+  def report(cell: Cell, row: dict) -> str:
     plot(saved["cells"], out)
     msg = (
       f"{cell.key}: accuracy {row['accuracy']:.3f}"
       if "accuracy" in row
       else f"{cell.key}: passkey {json.dumps(row['passkey'])}"
     )
-    (bar.write if bar else print)(msg + f" (train {row['train_s']:.0f} s, eval {row['eval_s']:.0f} s)")
-    if bar:
-      bar.update(1)
-  if bar:
-    bar.close()
+    return msg + f" (train {row['train_s']:.0f} s, eval {row['eval_s']:.0f} s)"
+
+  run_pending(
+    grid_name, path, saved, cells, lambda c: run_cell(c, grid, args.progress), report, progress=args.progress
+  )
   plot(saved["cells"], out)
   print(f"results: {path}")
   return 0

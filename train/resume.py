@@ -56,6 +56,21 @@ def run_config_dict(rc: RunConfig) -> dict:
   return json.loads(json.dumps({s: dataclasses.asdict(getattr(rc, s)) for s in _SECTIONS}))
 
 
+def checkpoint_metadata(rc: RunConfig, prng_impl: str) -> dict:
+  """What each checkpoint saves beside the state: the model config once, under "config" (which
+  laplace_jax.checkpoint checks on restore), the run config's other sections under "run_config", the PRNG."""
+  run = run_config_dict(rc)
+  return {"config": run.pop("model"), "run_config": run, "prng_impl": prng_impl}
+
+
+def saved_run_config(meta: dict) -> dict:
+  """`run_config_dict` of a checkpoint's run, read from its metadata: the model from "config". Checkpoints that
+  also held it under run_config["model"] read the same, and those without a run config give {"model": ...}."""
+  run = meta.get("run_config") or {}
+  merged = {**run, "model": meta.get("config") or run.get("model") or {}}
+  return {s: merged[s] for s in _SECTIONS if s in merged}
+
+
 def _flag(key: str) -> str:
   section, name = key.split(".", 1)
   return f"--{name}" if section == "train" else f"--{key}"

@@ -34,7 +34,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from laplace_jax import recall, train_step
+from laplace_jax.adamw import adamw
+from laplace_jax.counts import param_counts, state_bytes_per_sequence
+from train.grid import answers_right, jit_step, load_results, progress_bar, run_pending
+from train.grid import model_config as grid_model
 
 CELL_KEYED = ("tasks", "batches", "widths", "lrs")  # settings each cell's key records
 PATTERNS = ("A", "G", "S", "GS")  # attention, Laplace (GLA), sliding window, GLA then sliding window
@@ -108,18 +116,13 @@ class ZCell:
 def model_config(pattern: str, width: int, task: str, window_div: int):
   """Zoology's MQAR model in our layers: 2 mixer-only layers (no FFN), attention with one head over d_model,
   GLA with 4 heads at the published ratios, sliding windows of seq_len / window_div."""
-  from laplace_jax import recall
-  from train.recall import model_config as recall_model
-
   seq = recall.parse_task(task)[1][0]
   if seq % window_div:
     raise ValueError(f"window_div={window_div}: expected a divisor of the sequence length {seq}.")
-  return recall_model(pattern, width, task, window=seq // window_div).replace(ffn=False, attn_heads=1)
+  return grid_model(pattern, width, task, window=seq // window_div).replace(ffn=False, attn_heads=1)
 
 
 def cells_of(grid: dict, patterns, seeds=(0,)) -> list[ZCell]:
-  from laplace_jax import recall
-
   if len(grid["batches"]) != len(grid["tasks"]):
     raise ValueError(
       f"batches {grid['batches']} and tasks {grid['tasks']}: expected one batch size per task."
@@ -147,8 +150,6 @@ def cells_of(grid: dict, patterns, seeds=(0,)) -> list[ZCell]:
 @functools.lru_cache(maxsize=2)
 def data(task: str, n_train: int, n_test: int):
   """The fixed training and test sets of a task (Zoology draws them once, from seeds apart)."""
-  from laplace_jax import recall
-
   nums = recall.parse_task(task)[1]
   return recall.zoology_batch(0, n_train, *nums), recall.zoology_batch(10**9, n_test, *nums)
 
@@ -156,8 +157,6 @@ def data(task: str, n_train: int, n_test: int):
 def cosine(peak: float, epochs: int, steps_per_epoch: int, anneal: str):
   """The learning rate at each optimizer step: cosine from `peak` to 0 over the epochs, stepped once per epoch
   (anneal="epoch": Zoology's CosineAnnealingLR(T_max=epochs, eta_min=0)) or once per step ("step")."""
-  import jax.numpy as jnp
-
   if anneal not in ANNEALS:
     raise ValueError(
       f"anneal={anneal!r}: expected one of {ANNEALS} (the cosine stepped per epoch, as "
@@ -182,8 +181,6 @@ def _batches(d: dict, size: int, drop_last: bool):
 def train_batches(train: dict, size: int, labels: str, window: int) -> list[dict]:
   """An epoch's full batches, each with its scored positions; labels="within_window" unscores (weight 0) the
   queries whose value lies `window` or more tokens back."""
-  from laplace_jax import recall
-
   batches = _batches(train, size, drop_last=True)
   if not batches:
     raise ValueError(f"train_examples={train['inputs'].shape[0]} < batch {size}: no full batch to train on.")
@@ -196,11 +193,6 @@ def train_batches(train: dict, size: int, labels: str, window: int) -> list[dict
 
 
 def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
-  from laplace_jax import recall, train_step
-  from laplace_jax.adamw import adamw
-  from laplace_jax.config import param_counts, state_bytes_per_sequence
-  from train.recall import _jit_step, _progress_bar, answers_right
-
   cfg = model_config(cell.pattern, cell.width, cell.task, grid["window_div"])
   train, test = data(cell.task, grid["train_examples"], grid["test_examples"])
   batches = train_batches(train, cell.batch, grid.get("labels", "all"), cfg.window)
@@ -213,10 +205,10 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
     weight_decay=grid["weight_decay"],
   )  # every parameter decayed, as torch's AdamW(model.parameters())
   state = train_step.init_train_state(cfg, opt, cell.seed)
-  step = _jit_step(cfg, opt)
+  step = jit_step(cfg, opt)
   history, losses, curve, t0 = [], [], [], time.perf_counter()
   marks = curve_marks(len(batches), grid.get("evals_per_epoch", 1))
-  bar = _progress_bar(
+  bar = progress_bar(
     progress, grid["epochs"] * len(batches), f"{cell.pattern:>3} {cell.task} lr {cell.lr:.2g}"
   )
   for epoch in range(grid["epochs"]):
@@ -277,8 +269,6 @@ def value_distance(d: dict) -> np.ndarray:
   """[B, K] for each query of a Zoology batch (its scored positions, in order): the tokens from its pair's value
   to the query, t_query − (t_key + 1). A window of W tokens (the query's own position included) sees the value
   iff this is < W."""
-  from laplace_jax import recall
-
   x = d["inputs"]
   pos_BxK = recall.scored_positions(d["weights"]) if "positions" not in d else d["positions"]
   n = pos_BxK.shape[1]
@@ -299,8 +289,6 @@ def curve_marks(steps_per_epoch: int, evals_per_epoch: int) -> set[int]:
 
 
 def machine() -> str:
-  import jax
-
   return (
     f"{os.cpu_count()}-core {host_platform.machine()} {jax.default_backend().upper()}"
     f" ({host_platform.processor() or host_platform.system()}), jax {jax.__version__}"
@@ -318,8 +306,6 @@ def best_per_cell(cells: list[dict]) -> list[dict]:
 
 
 def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool, argv) -> int:
-  import jax
-
   patterns = patterns or PATTERNS
   try:
     cells = cells_of(grid, patterns, seeds)
@@ -337,10 +323,8 @@ def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool,
     for k, v in json.loads(json.dumps(grid)).items()
     if k not in CELL_KEYED + OBSERVING and not (k in OPTIONAL and v == OPTIONAL[k])
   }
-  saved = (
-    json.loads(path.read_text())
-    if path.exists()
-    else {"command": command, "machine": machine(), "grid": grid_name, "settings": settings, "cells": []}
+  saved = load_results(
+    path, {"command": command, "machine": machine(), "grid": grid_name, "settings": settings, "cells": []}
   )
   if saved.get("grid") != grid_name or saved.get("settings") != settings:
     print(
@@ -351,24 +335,20 @@ def main(grid_name: str, grid: dict, patterns, seeds, out: Path, progress: bool,
     return 2
   if command not in saved["command"].split(" && "):
     saved["command"] += " && " + command
-  out.mkdir(parents=True, exist_ok=True)
-  done = {c["key"] for c in saved["cells"]}
-  todo = [c for c in cells if c.key not in done]
-  print(
-    f"grid {grid_name}: {len(todo)} cells to run ({len(done)} done) on {jax.default_backend()}", flush=True
+  run_pending(
+    grid_name,
+    path,
+    saved,
+    cells,
+    lambda c: run_cell(c, grid, progress),
+    lambda c, row: (
+      f"{c.key}: accuracy {row['accuracy']:.3f} after {row['epochs']} epochs ({row['train_s']:.0f} s)"
+    ),
   )
-  for cell in todo:
-    row = run_cell(cell, grid, progress)
-    saved["cells"].append(row)
-    path.write_text(json.dumps(saved, indent=1))
+  for r in sorted(best_per_cell(saved["cells"]), key=lambda r: (r["seq_len"], r["pattern"])):
     print(
-      f"{cell.key}: accuracy {row['accuracy']:.3f} after {row['epochs']} epochs ({row['train_s']:.0f} s)",
-      flush=True,
-    )
-  for c in sorted(best_per_cell(saved["cells"]), key=lambda c: (c["seq_len"], c["pattern"])):
-    print(
-      f"best  {c['pattern']:>2} d{c['d_model']} ({c['seq_len']}, {c['pairs']}): {c['accuracy']:.3f} "
-      f"at lr {c['lr']:.3g}"
+      f"best  {r['pattern']:>2} d{r['d_model']} ({r['seq_len']}, {r['pairs']}): {r['accuracy']:.3f} "
+      f"at lr {r['lr']:.3g}"
     )
   print(f"results: {path}")
   return 0
