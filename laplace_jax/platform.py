@@ -78,7 +78,7 @@ def use_prng(choice: str = "auto") -> str:
 def using_prng(choice: str = "auto"):
   """`use_prng(choice)` for the block, JAX's previous default restored after it (for callers in a process
   that runs more than one program, such as tests); yields the implementation's name."""
-  before = jax.config.jax_default_prng_impl
+  before = jax.config.values["jax_default_prng_impl"]
   try:
     yield use_prng(choice)
   finally:
@@ -87,5 +87,5 @@ def using_prng(choice: str = "auto"):
 
 def current_prng() -> str:
   """The name (as `prng_impl` spells it) of JAX's default PRNG implementation now."""
-  name = jax.config.jax_default_prng_impl
+  name = jax.config.values["jax_default_prng_impl"]
   return {v: k for k, v in _JAX_PRNG_NAMES.items()}.get(name, name)

@@ -1,8 +1,9 @@
 """Every test runs on the CPU with 8 simulated devices (laplace_jax.platform.simulate_cpu_devices, before JAX's
 first use of a device; processes the tests start inherit the count through the environment).
 
-Two things keep the suite's wall time down (tests/run.sh runs it on two pytest-xdist workers, one file at a
+Three things keep the suite's wall time down (tests/run.sh runs it on two pytest-xdist workers, one file at a
 time each):
+- unoptimised CPU code generation (FAST_COMPILE below);
 - one XLA compilation cache per run, shared by both workers and every subprocess a test starts: the many
   tests that build the same tiny engine or train step compile it once, then read it back;
 - files start slowest first (FILE_SECONDS below), so no heavy file is handed out last to one worker while
@@ -15,6 +16,14 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's programs are tiny: XLA's compile time dwarfs their run time, and most of a compile is LLVM
+# optimising kernels that then run for microseconds. Unoptimised CPU code computes the same IEEE results (XLA
+# enables no fast-math on the CPU) and compiles 2-3x faster; the HLO passes, which the traffic and Neuron
+# checks read, are unaffected. Processes the tests start inherit the flags; benchmarks and the programs run
+# outside the suite keep XLA's defaults.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE if f not in _flags])
 # The first process to load this file (the xdist controller, or the only one with -n 0) makes the cache
 # directory; workers and subprocesses inherit the variable. A new, empty directory each run: nothing
 # compiled by an earlier version of the code is ever read. Compiles under 0.2 s are not worth a file.
