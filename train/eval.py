@@ -101,7 +101,7 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
     )
     return [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full], manifest
   docs = data._documents(data_dir, manifest, split)
-  eos = np.int32([manifest["eos_id"]])
+  eos = np.array([manifest["eos_id"]], np.int32)
   tokens = np.concatenate([p for i in range(len(docs)) for p in (docs[i].astype(np.int32), eos)])
   width = seq_len + 1
   n_windows = -(-len(tokens) // width)
@@ -165,13 +165,13 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
     padded = np.zeros(-(-n // segment) * segment + 1, np.int32)
     padded[: len(s)] = s
     carry = model.init_carry(cfg, 1)
-    ce = []
+    pieces = []
     for a in range(0, n, segment):  # the zero padding sits after the last real token: causal, never read
       if reset_every and a and a % reset_every == 0:
         carry = model.init_carry(cfg, 1)
       c, carry = seg_ce(params, carry, padded[None, a : a + segment], padded[None, a + 1 : a + segment + 1])
-      ce.append(np.asarray(c, np.float64))
-    ce = np.concatenate(ce)[:n]
+      pieces.append(np.asarray(c, np.float64))
+    ce = np.concatenate(pieces)[:n]
     bucket = np.maximum(np.floor(np.log2(np.maximum(np.arange(n), 1))).astype(int), 0)
     np.add.at(ce_sum, bucket, ce)
     np.add.at(count, bucket, 1)
