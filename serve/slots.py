@@ -1,9 +1,9 @@
 """The compiled pieces of the engine: prefill a small batch chunk by chunk, insert it into slots, and
 advance every slot by one sampled token. All shapes are fixed at construction; nothing here recompiles.
 
-Slot table (one pytree; the slot axis S of each model-state leaf where `model.state_batch_axes` puts it):
-  model: the model's decode state, layer-major leaves [L_x, S, ...] and, for some mixer patterns, its own
-  pos [S] (tokens consumed; an insert writes the prefilled row's, so a reused slot starts over);
+Slot table (one pytree; the slot axis S of each model-state leaf where `DecodeState.batch_axes` puts it):
+  model: the model's DecodeState (laplace_jax/state.py), layer-major tables [L_x, S, ...] and its own pos [S]
+  (tokens consumed; an insert writes the prefilled row's, so a reused slot starts over);
   tokens [S] (next input);  pos [S] (index of the last
   generated token);  temperature, top_p f32 [S];  top_k, max_tokens i32 [S];  seed, seed_hi u32 [S] (a 64-bit
   seed's two words);  logprobs i32 [S] (-1: off, else top-n wanted);  stop_ids i32 [S, N_STOP] (-1 pads).
@@ -70,7 +70,7 @@ class SlotFunctions:
     self.model, self.cfg = model, cfg
     self.max_context = max_context  # attention layers' KV cache length per slot (None: no 'A' layers)
     self.state_shape = jax.eval_shape(lambda: self._init_state(1))  # one sequence's decode state
-    self.axes = model.state_batch_axes(self.state_shape)  # each leaf's sequence axis
+    self.axes = self.state_shape.batch_axes()  # each leaf's sequence axis, a DecodeState of ints
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
     # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
     self.branch_free = branch_free
@@ -123,7 +123,7 @@ class SlotFunctions:
 
   def _take(self, state, rows):
     """Rows `rows` of a model state, each leaf along its own sequence axis."""
-    return {k: jnp.take(x, rows, axis=self.axes[k]) for k, x in state.items()}
+    return jax.tree.map(lambda x, axis: jnp.take(x, rows, axis=axis), state, self.axes)
 
   def _empty_table(self):
     S = self.n_slots
@@ -222,7 +222,7 @@ class SlotFunctions:
     # sequence (its rings, KV cache, position) survives into the next.
     rows = self._take(pf["model"], row_E[src])
     new = {
-      "model": {k: put(b, rows[k], self.axes[k]) for k, b in table["model"].items()},
+      "model": jax.tree.map(put, table["model"], rows, self.axes),
       "tokens": put(table["tokens"], tok[src], 0),
       "pos": put(table["pos"], zero, 0),
     }
