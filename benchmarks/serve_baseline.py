@@ -42,6 +42,7 @@ def init_cache(cfg, batch: int, max_len: int, *, fill_rng=None) -> DecodeState:
   acfg = attention_config(cfg)
   state = model.init_state(acfg, batch, max_len)
   if fill_rng is not None:  # tile a small random block: drawing GBs of random numbers would dominate set-up
+    assert state.kv is not None  # an attention-only config
     L, B, S, H, hd = state.kv.k.shape
     block = jax.random.normal(fill_rng, (L, 1, min(S, 1024), H, hd), state.kv.k.dtype)
     reps = -(-S // block.shape[2])
