@@ -21,6 +21,8 @@ Public, all pure functions of pytrees (`cfg` is static):
   init_carry(cfg, batch) -> carry            forward_carry(params, tokens_BxT, carry, cfg=) -> (logits, carry)
   prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxV, state)
   prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxV, state)   host loop, one compile
+state and carry are DecodeStates (laplace_jax/state.py); table_row(pattern, group, slot, letter) is each
+layer's row in them.
 
 Initialisation (GPT-2 / Megatron practice): matrices N(0, 0.02²), the residual output projections (W_out or
 W_o, W3) scaled by 1/√(2L); norms 1; conv kernel U(±1/√k) with zero bias (PyTorch's Conv1d range);
