@@ -41,8 +41,9 @@ def minimum_bytes(cfg, params, state, slots) -> dict:
   # rings (the conv windows, a sliding-window layer's keys and values) and KV caches are read whole but
   # written one row (slot pos mod its length; position pos) per step
   ring_len = {"conv": cfg.conv_size, "ring_k": cfg.window, "ring_v": cfg.window}
-  if "k" in state:
-    ring_len.update(k=state["k"].shape[2], v=state["v"].shape[2])
+  if state.kv is not None:
+    ring_len.update(k=state.cache_len, v=state.cache_len)
+  state = state.to_dict()  # the flat form: a length per key
   ring_bytes = sum(nbytes(state[k]) * (1 + 1 / n) for k, n in ring_len.items() if k in state)
   rest = {k: v for k, v in state.items() if k not in ring_len}
   return {

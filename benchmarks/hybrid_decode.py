@@ -35,6 +35,7 @@ import numpy as np
 
 from laplace_jax import attention, model, window_attention
 from laplace_jax.config import get_config
+from laplace_jax.state import DecodeState
 
 
 def parse_case(text: str) -> tuple[str, int | None]:
@@ -63,9 +64,9 @@ def fitting_slots(cfg, slots: int, cache_len: int, budget: float) -> int:
   return slots
 
 
-def full_state(cfg, slots: int, context: int, cache_len: int, seed: int = 0) -> dict:
+def full_state(cfg, slots: int, context: int, cache_len: int, seed: int = 0) -> DecodeState:
   """A decode state after `context` tokens with every array filled (random), pos = context."""
-  state = model.init_state(cfg, slots, max_len=cache_len)
+  state = model.init_state(cfg, slots, max_len=cache_len).to_dict()
   keys = jax.random.split(jax.random.key(seed), len(state))
   filled = {}
   for key, (name, x) in zip(keys, sorted(state.items())):
@@ -73,7 +74,7 @@ def full_state(cfg, slots: int, context: int, cache_len: int, seed: int = 0) -> 
       filled[name] = jnp.full_like(x, context)
     else:
       filled[name] = (0.5 * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
-  return filled
+  return DecodeState.from_dict(filled)
 
 
 def matmul_form(case: str) -> bool:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from laplace_jax import model
 from laplace_jax.counts import param_counts, state_bytes_per_sequence
+from laplace_jax.state import DecodeState, KVCache
 
 
 def attention_config(cfg):
@@ -35,24 +36,25 @@ def kv_cache_bytes_per_sequence(cfg, context: int) -> int:
   return state_bytes_per_sequence(attention_config(cfg), context)
 
 
-def init_cache(cfg, batch: int, max_len: int, *, fill_rng=None) -> dict:
+def init_cache(cfg, batch: int, max_len: int, *, fill_rng=None) -> DecodeState:
   """The model's decode state with a KV cache of `max_len` tokens; `fill_rng` fills the cache with random
   values (a stand-in for a prefilled context of that length: the decode cost does not depend on them)."""
   acfg = attention_config(cfg)
   state = model.init_state(acfg, batch, max_len)
   if fill_rng is not None:  # tile a small random block: drawing GBs of random numbers would dominate set-up
-    L, B, S, H, hd = state["k"].shape
-    block = jax.random.normal(fill_rng, (L, 1, min(S, 1024), H, hd), state["k"].dtype)
+    assert state.kv is not None  # an attention-only config
+    L, B, S, H, hd = state.kv.k.shape
+    block = jax.random.normal(fill_rng, (L, 1, min(S, 1024), H, hd), state.kv.k.dtype)
     reps = -(-S // block.shape[2])
     filled = jnp.tile(block, (1, B, reps, 1, 1))[:, :, :S]
-    state = {**state, "k": filled, "v": filled}
+    state = state.replace(kv=KVCache(k=filled, v=filled))
   return state
 
 
 def decode_step(params, cache, tokens_B, pos_B, *, cfg):
   """One token per row at positions pos_B (its k, v land at pos_B; attention over 0..pos_B).
   Returns (logits [B, V] fp32, cache). Jit with cfg static and the cache donated."""
-  return model.decode_step(params, {**cache, "pos": pos_B}, tokens_B, cfg=attention_config(cfg))
+  return model.decode_step(params, cache.replace(pos=pos_B), tokens_B, cfg=attention_config(cfg))
 
 
 def decode_flops_per_token(cfg, context: int) -> float:

@@ -170,7 +170,7 @@ def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = 
   if table.ndim != 5 or table.dtype != F32:
     raise ValueError(
       f"table is {table.dtype}{list(table.shape)}: expected float32 [L, B, H, K, V], the "
-      "model's layer-stacked decode state (model.init_state(cfg, B)['gla'])."
+      "model's layer-stacked decode state (model.init_state(cfg, B).gla)."
     )
   L, B, H, K, V = table.shape
   if q.shape != (B, H, K) or k.shape != (B, H, K) or v.shape != (B, H, V):

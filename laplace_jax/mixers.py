@@ -2,15 +2,18 @@
 
 Every piece declares, as class methods of the config alone:
   param_specs(cfg) -> {name: (initializer, unstacked shape)}   the parameters it makes, in creation order
-  state_specs(cfg, batch, max_len) -> {key: ShapeDtypeStruct}   its decode state for ONE layer, [B, ...]
-  carried                                                       whether that state rides the training carry
+  state_field                                                  its table in a DecodeState (conv, gla, kv, ring)
+  state_specs(cfg, batch, max_len) -> ShapeDtypeStruct tree    its decode state for ONE layer, [B, ...]
+  carried                                                      whether that state rides the training carry
 model.Block composes them (norms, ShortConv, a mixer by letter, GluFFN) and model.init_state / init_carry stack
-each piece's slices layer-major, [L_x, B, ...], over the layers that run it. A piece's parameters sit at the
-layer's own level (nn.share_scope), so the tree is the flat layers/{name: [L, ...]} every checkpoint holds.
+each piece's slices layer-major, [L_x, B, ...], over the layers that run it, into the DecodeState field the
+piece names (laplace_jax/state.py). A piece's parameters sit at the layer's own level (nn.share_scope), so the
+tree is the flat layers/{name: [L, ...]} every checkpoint holds.
 
-At call time a piece takes the layer's whole decode state (a dict, or None: a sequence from position 0) and
-its row `idx` in its own tables, and returns (output, the state with only its own keys updated). A state
-without the piece's keys (a training carry has no attention cache) also means: start from position 0.
+At call time a piece takes the layer's whole decode state (a DecodeState, or None: a sequence from position 0)
+and its row `idx` in its own table (model.table_row), and returns (output, the state with only its own field
+replaced). A state whose field is None (a training carry has no attention cache) also means: start from
+position 0.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from laplace_jax import attention, gla, gla_decode, platform, short_conv, window_attention
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays
 from laplace_jax.sharding import BATCH_AXES
+from laplace_jax.state import DecodeState, KVCache
 
 F32 = jnp.float32
 
@@ -80,26 +84,30 @@ class LayerPart(nn.Module):
 
   cfg: LaplaceConfig
   carried: ClassVar[bool] = True
+  state_field: ClassVar[str | None] = None  # the DecodeState field holding its table (None: stateless)
 
   @classmethod
   def param_specs(cls, cfg: LaplaceConfig) -> dict:
     return {}
 
   @classmethod
-  def state_specs(cls, cfg: LaplaceConfig, batch: int, max_len: int | None = None) -> dict:
-    return {}
+  def state_specs(cls, cfg: LaplaceConfig, batch: int, max_len: int | None = None):
+    """One layer's decode state for `batch` sequences (ShapeDtypeStructs, [B, ...]); None: stateless."""
+    return None
 
   def make_params(self) -> dict:
     """This piece's declared parameters, made in order in the scope it runs in (the layer's)."""
     return make_params(self, self.param_specs(self.cfg))
 
-  def has_state(self, state) -> bool:
-    return state is not None and all(k in state for k in self.state_specs(self.cfg, 1, 1))
+  def has_state(self, state: DecodeState | None) -> bool:
+    return state is not None and self.state_field is not None and getattr(state, self.state_field) is not None
 
 
 class ShortConv(LayerPart):
   """Causal depth-wise conv (k = conv_size) in front of every mixer (laplace_jax/short_conv.py): kernel
   U(±1/√k) with zero bias (PyTorch's Conv1d range). State: a ring of the last conv_size inputs, fp32."""
+
+  state_field: ClassVar[str | None] = "conv"
 
   @classmethod
   def param_specs(cls, cfg):
@@ -108,7 +116,7 @@ class ShortConv(LayerPart):
 
   @classmethod
   def state_specs(cls, cfg, batch, max_len=None):
-    return {"conv": jax.ShapeDtypeStruct((batch, cfg.conv_size, cfg.d_model), F32)}
+    return jax.ShapeDtypeStruct((batch, cfg.conv_size, cfg.d_model), F32)
 
   @nn.compact
   def __call__(self, h_BxTxD, state, idx, mask_BxT):
@@ -118,18 +126,20 @@ class ShortConv(LayerPart):
     if not self.has_state(state):
       return short_conv.conv_sequence(h_BxTxD, kernel, bias)[0], state
     if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
-      out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state["conv"], idx, state["pos"])
-      return out, dict(state, conv=table)
+      out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state.conv, idx, state.pos)
+      return out, state.replace(conv=table)
     out, ring = short_conv.conv_sequence(
-      h_BxTxD, kernel, bias, state["conv"][idx], state["pos"], lengths(mask_BxT, B, T)
+      h_BxTxD, kernel, bias, state.conv[idx], state.pos, lengths(mask_BxT, B, T)
     )
-    return out, dict(state, conv=jax.lax.dynamic_update_index_in_dim(state["conv"], ring, idx, 0))
+    return out, state.replace(conv=jax.lax.dynamic_update_index_in_dim(state.conv, ring, idx, 0))
 
 
 class GLAMixer(LayerPart):
   """The Laplace mixer (letter G): W_qkvg → simple GLA with a fixed geometric decay → + σ(q·(a⊙k))·v → Head
   RMSNorm per decay tier → ⊙ SiLU(g) → W_out. aug_balance starts at 0 (a half-strength value skip). State:
   the GLA matrix [H, d_k, d_v] fp32, carried across training segments."""
+
+  state_field: ClassVar[str | None] = "gla"
 
   @classmethod
   def param_specs(cls, cfg):
@@ -144,7 +154,7 @@ class GLAMixer(LayerPart):
 
   @classmethod
   def state_specs(cls, cfg, batch, max_len=None):
-    return {"gla": jax.ShapeDtypeStruct((batch, cfg.n_heads, cfg.d_k, cfg.d_v), F32)}
+    return jax.ShapeDtypeStruct((batch, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
 
   @nn.compact
   def __call__(self, u_BxTxD, state, idx, mask_BxT):
@@ -156,7 +166,7 @@ class GLAMixer(LayerPart):
     q_BxTxHxK, k_BxTxHxK = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
     v_BxTxHxV = v.reshape(B, T, H, V)
     g_gamma = jnp.asarray(log_decays(cfg))
-    table = state["gla"] if self.has_state(state) else None  # every GLA layer's state [L_gla, B, H, K, V]
+    table = state.gla if self.has_state(state) else None  # every GLA layer's state [L_gla, B, H, K, V]
     if T == 1 and table is not None and mask_BxT is None:
       # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
       o1, table = gla_decode.gla_decode_layer(
@@ -191,7 +201,7 @@ class GLAMixer(LayerPart):
     tier_scale_HxV = jnp.repeat(w["head_norm_scale"], H // cfg.n_decay_tiers, axis=0)
     o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + cfg.norm_eps) * tier_scale_HxV
     o = o.reshape(B, T, H * V).astype(jnp.dtype(cfg.compute_dtype)) * nn.silu(g)
-    return matmul(o, w["w_out"], cfg), (state if table is None else dict(state, gla=table))
+    return matmul(o, w["w_out"], cfg), (state if table is None else state.replace(gla=table))
 
 
 class AttentionMixer(LayerPart):
@@ -200,6 +210,7 @@ class AttentionMixer(LayerPart):
   compute dtype, its length fixed when the state is made; not carried (every training segment starts afresh)."""
 
   carried: ClassVar[bool] = False
+  state_field: ClassVar[str | None] = "kv"
 
   @classmethod
   def param_specs(cls, cfg):
@@ -220,7 +231,7 @@ class AttentionMixer(LayerPart):
     kv = jax.ShapeDtypeStruct(
       (batch, int(max_len), cfg.attn_n_heads, cfg.attn_head_dim), jnp.dtype(cfg.compute_dtype)
     )
-    return {"k": kv, "v": kv}
+    return KVCache(k=kv, v=kv)
 
   @nn.compact
   def __call__(self, u_BxTxD, state, idx, mask_BxT):
@@ -229,7 +240,7 @@ class AttentionMixer(LayerPart):
     H, hd = cfg.attn_n_heads, cfg.attn_head_dim
     q, k, v = jnp.split(matmul(u_BxTxD, w["w_qkv"], cfg).reshape(B, T, 3 * H, hd), 3, axis=2)
     cached = self.has_state(state)
-    pos_B = state["pos"] if cached else jnp.zeros((B,), jnp.int32)
+    pos_B = state.pos if cached else jnp.zeros((B,), jnp.int32)
     pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
     q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
     if cached:
@@ -244,17 +255,25 @@ class AttentionMixer(LayerPart):
     """A sequence from position 0."""
     return attention.causal_attention(q, k, v)
 
-  def attend_cached(self, q, k, v, state, idx, n_B, decoding):
-    """After state["pos"] consumed tokens, over this piece's two tables (row `idx` of each), which it extends."""
-    k_name, v_name = self.state_specs(self.cfg, 1, 1)
-    k_tables, v_tables, pos_B = state[k_name], state[v_name], state["pos"]
+  def attend_cached(self, q, k, v, state: DecodeState, idx, n_B, decoding):
+    """After state.pos consumed tokens, over this piece's KVCache (row `idx` of its k and v), which it extends."""
+    cache = self.cache(state)
+    k_tables, v_tables, pos_B = cache.k, cache.v, state.pos
     if decoding:  # one row per sequence written into the tables in place
       o, k_tables, v_tables = self.decode(q, k, v, k_tables, v_tables, idx, pos_B)
     else:
       o, k_one, v_one = self.chunk(q, k, v, k_tables[idx], v_tables[idx], pos_B, n_B)
       put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x, idx, 0)
       k_tables, v_tables = put(k_tables, k_one), put(v_tables, v_one)
-    return o, dict(state, **{k_name: k_tables, v_name: v_tables})
+    return o, self.with_cache(state, KVCache(k=k_tables, v=v_tables))
+
+  def cache(self, state: DecodeState) -> KVCache:
+    """This kind of attention layer's KVCache in the state (every such layer's rows)."""
+    assert state.kv is not None
+    return state.kv
+
+  def with_cache(self, state: DecodeState, cache: KVCache) -> DecodeState:
+    return state.replace(kv=cache)
 
   def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):
     return attention.cache_decode_attention(q, k, v, k_tables, v_tables, idx, pos_B)
@@ -268,12 +287,21 @@ class WindowAttentionMixer(AttentionMixer):
   (laplace_jax/window_attention.py). State: rings of the last `window` keys and values [H, window, hd] in the
   compute dtype, constant in size; not carried."""
 
+  state_field: ClassVar[str | None] = "ring"
+
   @classmethod
   def state_specs(cls, cfg, batch, max_len=None):
     ring = jax.ShapeDtypeStruct(
       (batch, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim), jnp.dtype(cfg.compute_dtype)
     )
-    return {"ring_k": ring, "ring_v": ring}
+    return KVCache(k=ring, v=ring)
+
+  def cache(self, state: DecodeState) -> KVCache:
+    assert state.ring is not None
+    return state.ring
+
+  def with_cache(self, state: DecodeState, cache: KVCache) -> DecodeState:
+    return state.replace(ring=cache)
 
   def attend_sequence(self, q, k, v):
     return window_attention.window_attention(q, k, v, self.cfg.window)

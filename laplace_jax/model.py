@@ -21,6 +21,8 @@ Public, all pure functions of pytrees (`cfg` is static):
   init_carry(cfg, batch) -> carry            forward_carry(params, tokens_BxT, carry, cfg=) -> (logits, carry)
   prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxV, state)
   prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxV, state)   host loop, one compile
+state and carry are DecodeStates (laplace_jax/state.py); table_row(pattern, group, slot, letter) is each
+layer's row in them.
 
 Initialisation (GPT-2 / Megatron practice): matrices N(0, 0.02²), the residual output projections (W_out or
 W_o, W3) scaled by 1/√(2L); norms 1; conv kernel U(±1/√k) with zero bias (PyTorch's Conv1d range);
@@ -37,6 +39,7 @@ import numpy as np
 
 from laplace_jax import fsdp, mixers, platform
 from laplace_jax.config import MIXERS, LaplaceConfig, layers_scanned
+from laplace_jax.state import DecodeState
 
 F32 = jnp.float32
 
@@ -109,8 +112,8 @@ class Block(nn.Module):
   def __call__(self, carry, group_idx, mask_BxT):
     x_BxTxD, state = carry
     cfg, pattern = self.cfg, self.cfg.mixers
-    layer_idx = group_idx * len(pattern) + self.slot  # this layer's row in every-layer tables (conv)
-    mix_idx = group_idx * pattern.count(self.mixer) + pattern[: self.slot].count(self.mixer)  # in its mixer's
+    layer_idx = table_row(pattern, group_idx, self.slot)  # its row in the conv table (every layer's)
+    mix_idx = table_row(pattern, group_idx, self.slot, self.mixer)  # its row in its mixer's table
     norms = mixers.make_params(self, _norm_param_specs(cfg))
     conv, mixer = mixers.ShortConv(cfg), _mixer_module(self.mixer)(cfg)
     ffn = mixers.GluFFN(cfg) if cfg.ffn else None  # else a mixer-only layer
@@ -190,9 +193,9 @@ class LaplaceLM(nn.Module):
     over_B = None
     if new_state is not None:
       n_B = jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)
-      new_state = {**new_state, "pos": new_state["pos"] + n_B.astype(jnp.int32)}
-      if "k" in new_state:  # full attention: the cache dropped some of this row's keys
-        over_B = new_state["pos"] > new_state["k"].shape[2]
+      new_state = new_state.replace(pos=new_state.pos + n_B.astype(jnp.int32))
+      if new_state.kv is not None:  # full attention: the cache dropped some of this row's keys
+        over_B = new_state.pos > new_state.cache_len
     x = _layer_norm(x, self.param("final_norm_scale", *top["final_norm_scale"], pdt), cfg.norm_eps)
     if last_only:  # logits of each row's last real token only: [B, D]
       last_B = (jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)) - 1
@@ -239,26 +242,35 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
   return logits
 
 
-def _state_parts(cfg: LaplaceConfig) -> list[tuple[type[mixers.LayerPart], int]]:
-  """Each piece of the layers that may hold decode state, with the number of layers that run it."""
+def table_row(pattern: str, group_idx, slot: int, letter: str | None = None):
+  """The row of a layer in a state table: the layer at `slot` of the pattern's repeat `group_idx` (layer
+  group_idx·len(pattern) + slot). Every table is stacked layer-major over the layers that own it, in layer
+  order: conv over every layer (letter None), gla / kv / ring over the layers whose mixer is `letter`."""
+  if letter is None:
+    return group_idx * len(pattern) + slot
+  return group_idx * pattern.count(letter) + pattern[:slot].count(letter)
+
+
+def _state_tables(cfg: LaplaceConfig) -> list[tuple[type[mixers.LayerPart], int]]:
+  """Each piece of the layers that holds decode state, with its table's row count (the layers that run it,
+  the rows table_row numbers)."""
   return [(mixers.ShortConv, cfg.n_layers)] + [
     (mixers.MIXER_MODULES[letter], cfg.n_mixer_layers(letter)) for letter in dict.fromkeys(cfg.mixers)
   ]
 
 
-def _zero_state(cfg: LaplaceConfig, batch_size: int, max_len, carried_only: bool) -> dict:
-  """Each piece's declared per-layer state slices, stacked layer-major [L_x, B, ...] over the layers that run
-  it, zero; and pos [B] int32 (tokens consumed)."""
-  state = {}
-  for part, n_layers in _state_parts(cfg):
-    if part.carried or not carried_only:
-      for key, one in part.state_specs(cfg, batch_size, max_len).items():
-        state[key] = jnp.zeros((n_layers, *one.shape), one.dtype)
-  state["pos"] = jnp.zeros((batch_size,), jnp.int32)
-  return state
+def _zero_state(cfg: LaplaceConfig, batch_size: int, max_len, carried_only: bool) -> DecodeState:
+  """Each piece's declared per-layer state, stacked layer-major [L_x, B, ...] into its DecodeState field,
+  zero; and pos [B] int32 (tokens consumed)."""
+  tables = {}
+  for part, n_rows in _state_tables(cfg):
+    if part.state_field is not None and (part.carried or not carried_only):
+      one = part.state_specs(cfg, batch_size, max_len)
+      tables[part.state_field] = jax.tree.map(lambda a, n=n_rows: jnp.zeros((n, *a.shape), a.dtype), one)
+  return DecodeState(pos=jnp.zeros((batch_size,), jnp.int32), **tables)
 
 
-def init_carry(cfg: LaplaceConfig, batch_size: int) -> dict:
+def init_carry(cfg: LaplaceConfig, batch_size: int) -> DecodeState:
   """Zero training carry for state passing: init_state's GLA states, conv rings and positions, no attention
   cache or window rings (pieces not `carried`: attention layers start every segment afresh). Same layout as
   init_state."""
@@ -267,63 +279,64 @@ def init_carry(cfg: LaplaceConfig, batch_size: int) -> dict:
 
 def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig):
   """Training forward from a carried state (state passing): (logits [B, T, V] fp32, the carry after the
-  last token). `carry` is init_carry's layout; gradients do not flow into it (the segment boundary)."""
+  last token). `carry` is init_carry's DecodeState; gradients do not flow into it (the segment boundary)."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
   return LaplaceLM(cfg).apply({"params": params}, tokens_BxT, jax.lax.stop_gradient(carry))
 
 
-def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> dict:
-  """Zero decode state for `batch_size` sequences: pos [B] int32 (tokens consumed), and layer-major, fp32,
-  gla [L_gla,B,H,d_k,d_v] (GLA layers) and conv [L,B,conv,D] (every layer: a ring of the last conv_size
-  inputs, laplace_jax/short_conv.py). Attention layers add a KV cache k, v [L_attn,B,max_len,H,hd] in the
-  compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
-  cfg.window keys and values ring_k, ring_v [L_S,B,H,window,hd]. state_batch_axes gives each leaf's batch axis.
+def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> DecodeState:
+  """Zero decode state for `batch_size` sequences (laplace_jax/state.py): pos [B] int32 (tokens consumed),
+  and layer-major, fp32, gla [L_gla,B,H,d_k,d_v] (GLA layers) and conv [L,B,conv,D] (every layer: a ring of the
+  last conv_size inputs, laplace_jax/short_conv.py). Attention layers add a KV cache kv [L_attn,B,max_len,H,hd]
+  in the compute dtype (its length fixed here, so shapes stay static), sliding-window layers rings of the last
+  cfg.window keys and values, ring [L_S,B,H,window,hd]. state.batch_axes() gives each leaf's batch axis.
   Each piece declares its slice of one layer (laplace_jax/mixers.py, state_specs); this stacks them."""
   return _zero_state(cfg, batch_size, max_len, carried_only=False)
 
 
-def state_batch_axes(state) -> dict:
-  """Each decode-state leaf's sequence (batch) axis, by the layout contract every consumer relies on (the
-  serving engine's slot table, its state cache, the train step's carry): `pos` is [B] (axis 0); every other
-  leaf is layer-major [L_x, B, ...] (axis 1)."""
-  return {name: 0 if name == "pos" else 1 for name in state}
+def _field_name(path) -> str:
+  return "state." + ".".join(str(getattr(k, "name", k)) for k in path)
 
 
 def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int:
   """Raise ValueError unless `state` is a decode state of this config; return its batch size."""
-  keys = sorted(jax.eval_shape(lambda: init_state(cfg, 1, 1)))
-  if not isinstance(state, dict) or sorted(state) != keys:
+  if isinstance(state, dict):
     raise ValueError(
-      f"state has keys {sorted(state) if isinstance(state, dict) else type(state)}: expected "
-      f"{keys} (mixers={cfg.mixers!r}) from laplace_jax.model.init_state(cfg, batch)."
+      f"state is a dict with keys {sorted(state)}: expected a DecodeState. A stored (flat) state converts "
+      "with laplace_jax.state.DecodeState.from_dict(d); a new one comes from model.init_state(cfg, batch)."
     )
-  B = state["conv"].shape[state_batch_axes(state)["conv"]] if state["conv"].ndim == 4 else -1
-  S = state["k"].shape[2] if "k" in state and state["k"].ndim == 5 else 1
+  fields = lambda s: [f for f in ("gla", "kv", "ring") if getattr(s, f) is not None]
+  expect = jax.eval_shape(lambda: init_state(cfg, 1, 1))
+  if not isinstance(state, DecodeState) or fields(state) != fields(expect):
+    got = fields(state) if isinstance(state, DecodeState) else type(state).__name__
+    raise ValueError(
+      f"state holds tables {got}: expected pos, conv and {fields(expect)} (mixers={cfg.mixers!r}), "
+      "a DecodeState from laplace_jax.model.init_state(cfg, batch)."
+    )
+  B = state.conv.shape[1] if state.conv.ndim == 4 else -1
+  S = state.cache_len if state.kv is not None and state.kv.k.ndim == 5 else 1
   want = jax.eval_shape(lambda: init_state(cfg, max(B, 1), S))
-  for name in keys:
-    got = state[name]
-    if got.shape != want[name].shape or got.dtype != want[name].dtype:
+  for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(want)):
+    if got.shape != w.shape or got.dtype != w.dtype:
       raise ValueError(
-        f"state['{name}'] is {got.dtype}{list(got.shape)}: expected {want[name].dtype}"
-        f"{list(want[name].shape)} for this config. The state was made for another config; "
-        "build it with init_state(cfg, batch) for the model you run."
+        f"{_field_name(path)} is {got.dtype}{list(got.shape)}: expected {w.dtype}{list(w.shape)} for this "
+        "config. The state was made for another config; build it with init_state(cfg, batch) for the "
+        "model you run."
       )
   if batch_size is not None and B != batch_size:
     raise ValueError(f"state holds {B} sequences but tokens have batch {batch_size}.")
   return B
 
 
-def _check_capacity(state, new_tokens_B) -> None:
+def _check_capacity(state: DecodeState, new_tokens_B) -> None:
   """Attention layers only: raise if a row's context would outgrow the KV cache (host values only;
   under jit such rows get NaN logits instead, see LaplaceLM)."""
-  if (
-    "k" not in state or isinstance(state["pos"], jax.core.Tracer) or isinstance(new_tokens_B, jax.core.Tracer)
-  ):
+  S = state.cache_len
+  if S is None or isinstance(state.pos, jax.core.Tracer) or isinstance(new_tokens_B, jax.core.Tracer):
     return
-  need = np.asarray(state["pos"]) + np.asarray(new_tokens_B)
-  S = state["k"].shape[2]
+  need = np.asarray(state.pos) + np.asarray(new_tokens_B)
   if (need > S).any():
     raise ValueError(
       f"a context of {int(need.max())} tokens does not fit the attention layers' KV cache of "
@@ -332,18 +345,17 @@ def _check_capacity(state, new_tokens_B) -> None:
     )
 
 
-def decode_step(params, state, tokens_B, *, cfg: LaplaceConfig):
+def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig):
   """One token per sequence: (logits [B, V] fp32, new state). Pure; jit with cfg static."""
   if jnp.ndim(tokens_B) != 1:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_B)}: expected [B], one token per sequence.")
   check_state(state, cfg, jnp.shape(tokens_B)[0])
   _check_tokens(tokens_B, cfg)
   _check_capacity(state, 1)
-  logits, state = LaplaceLM(cfg).apply({"params": params}, tokens_B[:, None], state, last_only=True)
-  return logits, state
+  return LaplaceLM(cfg).apply({"params": params}, tokens_B[:, None], state, last_only=True)
 
 
-def prefill_chunk(params, state, tokens_BxC, lengths_B, *, cfg: LaplaceConfig):
+def prefill_chunk(params, state: DecodeState, tokens_BxC, lengths_B, *, cfg: LaplaceConfig):
   """Consume one right-padded chunk: (logits at each row's last real token [B, V], new state).
 
   A row with length 0 keeps its state exactly (its logits are meaningless)."""
@@ -352,14 +364,13 @@ def prefill_chunk(params, state, tokens_BxC, lengths_B, *, cfg: LaplaceConfig):
   _check_tokens(tokens_BxC, cfg)
   _check_capacity(state, lengths_B)
   mask_BxC = jnp.arange(C)[None, :] < jnp.asarray(lengths_B)[:, None]
-  logits, state = LaplaceLM(cfg).apply({"params": params}, tokens_BxC, state, mask_BxC, last_only=True)
-  return logits, state
+  return LaplaceLM(cfg).apply({"params": params}, tokens_BxC, state, mask_BxC, last_only=True)
 
 
 _prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("cfg",))
 
 
-def prefill(params, state, tokens_BxT, lengths_B=None, *, cfg: LaplaceConfig):
+def prefill(params, state: DecodeState, tokens_BxT, lengths_B=None, *, cfg: LaplaceConfig):
   """Any prompt length, walked in fixed cfg.chunk_size chunks through one compiled function.
 
   tokens [B, T] right-padded with per-row `lengths_B` (default T). Returns (logits [B, V], state)."""

@@ -211,8 +211,8 @@ def batch_shardings(tree, mesh: Mesh, *, batch_dim: int = 0):
 
 
 def decode_state_shardings(state, mesh: Mesh):
-  """NamedShardings for a decode state {gla: [L,B,...], conv: [L,B,...], (k, v: [L,B,...], pos: [B])}:
-  split over the batch dim (1 for the layer-major leaves, 0 for the attention layers' positions)."""
+  """NamedShardings for a decode state (a DecodeState or its flat dict: layer-major tables [L,B,...], pos [B]):
+  split over the batch dim (1 for the layer-major leaves, 0 for pos; DecodeState.batch_axes)."""
   return jax.tree_util.tree_map_with_path(
     lambda path, x: NamedSharding(
       mesh, _batch_axis_spec(np.shape(x), mesh, min(1, np.ndim(x) - 1), "state/" + "/".join(path_names(path)))

@@ -18,7 +18,7 @@ the flat dict of `to_dict()`, whose key names (gla, conv, k, v, ring_k, ring_v, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import struct
@@ -43,6 +43,10 @@ class DecodeState:
   gla: Array | None = None
   kv: KVCache | None = None
   ring: KVCache | None = None
+
+  if TYPE_CHECKING:  # made by flax.struct.dataclass; declared here for type checkers
+
+    def replace(self, **updates: Any) -> DecodeState: ...
 
   @property
   def batch_size(self) -> int:

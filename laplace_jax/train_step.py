@@ -10,7 +10,7 @@ State passing (truncated BPTT): row b of every batch continues row b's token str
 so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
 segment boundary) and stores the state after its last token. The carry is batch-major so that it shards,
 and splits into micro-batches, exactly as the batch's rows do; it is part of the state and so of every
-checkpoint. A non-finite step resets it to zero (its states may hold the NaN).
+checkpoint, in the model's DecodeState's stored form (to_dict's flat keys: the checkpoints' carry.gla, ...). A non-finite step resets it to zero (its states may hold the NaN).
 
 `compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
 so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.
@@ -31,6 +31,7 @@ from laplace_jax import fsdp, model, sharding
 from laplace_jax import optimizer as optim
 from laplace_jax.config import LaplaceConfig
 from laplace_jax.counts import param_shapes
+from laplace_jax.state import DecodeState
 
 F32 = jnp.float32
 
@@ -54,16 +55,15 @@ def init_carry(cfg: LaplaceConfig, batch: int) -> dict:
   return _batch_major(model.init_carry(cfg, batch))
 
 
-def _batch_major(carry):
-  """The model's carry (layout: model.state_batch_axes) with every leaf's batch axis moved first."""
-  axes = model.state_batch_axes(carry)
-  return {k: jnp.moveaxis(x, axes[k], 0) for k, x in carry.items()}
+def _batch_major(carry: DecodeState) -> dict:
+  """The model's carry as the train state holds it: flat (to_dict), every leaf's batch axis moved first."""
+  return jax.tree.map(lambda x, a: jnp.moveaxis(x, a, 0), carry, carry.batch_axes()).to_dict()
 
 
-def _model_layout(carry):
-  """The inverse of _batch_major: back to the model's layout."""
-  axes = model.state_batch_axes(carry)
-  return {k: jnp.moveaxis(x, 0, axes[k]) for k, x in carry.items()}
+def _model_layout(carry: dict) -> DecodeState:
+  """The inverse of _batch_major: back to the model's DecodeState."""
+  state = DecodeState.from_dict(carry)
+  return jax.tree.map(lambda x, a: jnp.moveaxis(x, 0, a), state, state.batch_axes())
 
 
 def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
@@ -89,7 +89,7 @@ def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   target_logit = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
   ce = jnp.sum((lse_BxT - target_logit) * w_BxT)
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
-  aux = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
+  aux: dict[str, Any] = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
   if carry is not None:
     aux["carry"] = jax.lax.stop_gradient(_batch_major(carry))
   return ce + z_loss * z, aux

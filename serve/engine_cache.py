@@ -1,7 +1,8 @@
 """The engine's side of the state cache (serve.state_cache): restore a prompt's longest cached prefix into
 its prefill row, and copy states out of the device without stalling the step: a jitted gather of the
-rows into a small [L, E, ...] array (each leaf along its own sequence axis, `model.state_batch_axes`),
-`copy_to_host_async`, and a read once it has landed.
+rows into a small [L, E, ...] array (each leaf along its own sequence axis, `DecodeState.batch_axes`),
+`copy_to_host_async`, and a read once it has landed. The cache holds each row in the state's stored (flat)
+form, DecodeState.to_dict's, which its files keep.
 
 When a slot's state is copied: its request finished (read back) or was cancelled (a stop string), before
 anything can be inserted over it; the state has then consumed the prompt and one output token per generate
@@ -16,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from laplace_jax.state import DecodeState
 from serve.slots import SlotFunctions
 
 
@@ -56,8 +58,8 @@ class EngineCacheMixin:
     # Rows without a cached prefix start from a fresh state, as an uncached prefill batch does.
     if self._fresh_rows is None:
       self._fresh_rows = jax.tree.map(np.asarray, self.fns.empty_prefill().model)
-    host = {k: a.copy() for k, a in self._fresh_rows.items()}
-    axes = self.fns.axes
+    host = {k: a.copy() for k, a in self._fresh_rows.to_dict().items()}
+    axes = self.fns.axes.to_dict()
     for i, f in enumerate(found):
       if f is not None:
         for k in host:
@@ -66,7 +68,7 @@ class EngineCacheMixin:
       for sib in r.siblings:
         sib.progress.cached_tokens = r.progress.cached_tokens
     self.stats["cached_prompt_tokens"] += sum(r.progress.cached_tokens for r in reqs)
-    return self.fns.load_prefill(host)
+    return self.fns.load_prefill(DecodeState.from_dict(host))
 
   @staticmethod
   def _is_prefix(seq, prompt) -> bool:
@@ -116,8 +118,8 @@ class EngineCacheMixin:
       if not block and not all(leaf.is_ready() for leaf in jax.tree.leaves(out)):
         return
       self._copies.popleft()
-      host = {k: np.asarray(v) for k, v in out.items()}
-      axes = self.fns.axes
+      host = {k: np.asarray(v) for k, v in out.to_dict().items()}
+      axes = self.fns.axes.to_dict()
       for i, ((tenant, salt), seq) in enumerate(ids):
         row = {k: v[_row(axes[k], i)].copy() for k, v in host.items()}
         self.cache.put(seq, row, tenant=tenant, salt=salt)

@@ -2,7 +2,8 @@
 advance every slot by one sampled token. All shapes are fixed at construction; nothing here recompiles.
 
 The slot table (`SlotTable`), a prefill batch (`PrefillRows`) and a step's output (`StepOutput`) are typed
-pytrees; each field says what it holds where it is declared.
+pytrees; each field says what it holds where it is declared. The model's state in them is a
+`laplace_jax.state.DecodeState`, its slot axis where `DecodeState.batch_axes` puts it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class SlotSettings:
 class SlotTable:
   """Every slot's state between steps, S slots."""
 
-  # The model's decode state, its slot axis where `model.state_batch_axes` puts it (layer-major leaves
+  # The model's decode state, its slot axis where `DecodeState.batch_axes` puts it (layer-major leaves
   # [L_x, S, ...]); for some mixer patterns with its own position (tokens consumed: an insert writes the
   # prefilled row's, so a reused slot starts over).
   model: Any
@@ -160,7 +161,7 @@ class SlotFunctions:
     self.model, self.cfg = model, cfg
     self.max_context = max_context  # attention layers' KV cache length per slot (None: no 'A' layers)
     self.state_shape = jax.eval_shape(lambda: self._init_state(1))  # one sequence's decode state
-    self.axes = model.state_batch_axes(self.state_shape)  # each leaf's sequence axis
+    self.axes = self.state_shape.batch_axes()  # each leaf's sequence axis, a DecodeState of ints
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
     # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
     self.branch_free = branch_free
@@ -213,7 +214,7 @@ class SlotFunctions:
 
   def _take(self, state, rows):
     """Rows `rows` of a model state, each leaf along its own sequence axis."""
-    return {k: jnp.take(x, rows, axis=self.axes[k]) for k, x in state.items()}
+    return jax.tree.map(lambda x, axis: jnp.take(x, rows, axis=axis), state, self.axes)
 
   def _empty_table(self) -> SlotTable:
     S = self.n_slots
@@ -301,7 +302,7 @@ class SlotFunctions:
     # sequence (its rings, KV cache, position) survives into the next.
     rows = self._take(pf.model, row_E[src])
     new = SlotTable(
-      model={k: put(b, rows[k], self.axes[k]) for k, b in table.model.items()},
+      model=jax.tree.map(put, table.model, rows, self.axes),
       tokens=put(table.tokens, tok[src], 0),
       last_output_index=put(table.last_output_index, zero, 0),
       settings=jax.tree.map(lambda b, s: put(b, s[src].astype(b.dtype), 0), table.settings, settings),

@@ -69,12 +69,13 @@ def model_identity(cfg, params, extra: str = "") -> str:
 
 
 def layout_for(cfg, model=None) -> dict:
-  """{name: (dtype, shape)} of one sequence's decode state: every leaf of init_state's (GLA states, conv
-  windows, sliding-window rings, pos), without its sequence axis (`model.state_batch_axes`)."""
+  """{name: (dtype, shape)} of one sequence's decode state in its stored form (DecodeState.to_dict's keys):
+  every leaf of init_state's (GLA states, conv windows, sliding-window rings, pos), without its sequence axis
+  (`DecodeState.batch_axes`)."""
   if model is None:
     model = laplace_model
-  shapes = jax.eval_shape(lambda: model.init_state(cfg, 1))
-  axes = model.state_batch_axes(shapes)
+  state = jax.eval_shape(lambda: model.init_state(cfg, 1))
+  shapes, axes = state.to_dict(), state.batch_axes().to_dict()
   return {
     k: (str(a.dtype), tuple(n for i, n in enumerate(a.shape) if i != axes[k])) for k, a in shapes.items()
   }
@@ -95,7 +96,7 @@ def _ids_bytes(ids) -> bytes:
 @dataclasses.dataclass
 class Entry:
   ids: np.ndarray  # int32 [n]: exactly the tokens the state has consumed
-  state: dict  # {"gla": [L, ...], "conv": [L, ...], ...} numpy, one sequence (no slot axis)
+  state: dict  # DecodeState.to_dict's form {"gla": [L, ...], "conv": [L, ...], ...} numpy, one sequence
   key: str  # hash of (model, scope, ids): the file name on disk
   scope: str = ""  # scope_of(tenant, salt) of the requests that may restore it
 

@@ -132,7 +132,7 @@ def test_compiled_xla_step_reads_the_state_twice_and_writes_it_once_per_layer():
   # Per GLA layer of the compiled CPU decode step: the readout reads the old rows, the in-place update reads
   # and writes them (3 state-sized passes; 5 when S' was a temporary read by a dot and copied into the table).
   _, state, compiled = _compiled_tiny_decode()
-  L, B, H, K, V = state["gla"].shape
+  L, B, H, K, V = state.gla.shape
   layer_state = B * H * K * V * 4
   per_layer = [o for o in hlo_bytes.memory_traffic(compiled.as_text()) if o.count == L]
   passes = sum(
@@ -183,7 +183,7 @@ def test_model_decode_with_the_kernel_equals_the_xla_decode(monkeypatch):
   logits_k, state_k = step(state)
   np.testing.assert_allclose(logits_k, logits_xla, rtol=1e-5, atol=1e-5)
   for name in ("gla", "conv"):
-    np.testing.assert_allclose(state_k[name], state_xla[name], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(getattr(state_k, name), getattr(state_xla, name), rtol=1e-5, atol=1e-6)
 
 
 def test_kernel_under_a_multi_device_mesh_falls_back_with_one_log_line(caplog):
@@ -231,7 +231,7 @@ def test_compiled_decode_step_writes_one_row_of_each_conv_ring_and_copies_none()
   # once with the taps rotated. The shifted window (concatenate(win[:, 1:], h)) wrote two ring-sized buffers
   # per layer: the old window copied out, and the new one written over it from that copy.
   _, state, compiled = _compiled_tiny_decode()
-  L, B, W, D = state["conv"].shape
+  L, B, W, D = state.conv.shape
   ring = B * W * D * 4
   per_layer = [o for o in hlo_bytes.memory_traffic(compiled.as_text()) if o.count == L]
   assert not [o.name for o in per_layer if 0.9 * ring <= o.written_bytes <= 1.1 * ring]

@@ -133,7 +133,8 @@ def test_prefill_ragged_rows_match_separate_prefills(params):
   logits, state = model.prefill(params, model.init_state(CFG, 2), toks, lengths, cfg=CFG)
   l1, s1 = model.prefill(params, model.init_state(CFG, 1), toks[1:, :61], cfg=CFG)
   np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
-  axes = model.state_batch_axes(state)
+  axes = state.batch_axes().to_dict()
+  state, s1 = state.to_dict(), s1.to_dict()
   for k in state:
     np.testing.assert_allclose(
       np.take(np.asarray(state[k]), 1, axes[k]), np.take(np.asarray(s1[k]), 0, axes[k]), atol=1e-5, rtol=1e-5
@@ -147,13 +148,13 @@ def test_prefill_in_odd_pieces_then_decode_equals_forward(params):
   full = model.forward(params, toks, cfg=CFG)
   _, state = model.prefill(params, model.init_state(CFG, 2), toks[:, :37], cfg=CFG)
   _, kept = model.prefill(params, state, toks[:, 37:91], np.array([54, 0]), cfg=CFG)
-  for k in state:
+  axes = state.batch_axes().to_dict()
+  for k, x in state.to_dict().items():
     np.testing.assert_array_equal(
-      np.take(np.asarray(kept[k]), 1, model.state_batch_axes(state)[k]),
-      np.take(np.asarray(state[k]), 1, model.state_batch_axes(state)[k]),
+      np.take(np.asarray(kept.to_dict()[k]), 1, axes[k]), np.take(np.asarray(x), 1, axes[k])
     )
   _, state = model.prefill(params, state, toks[:, 37:91], cfg=CFG)
-  assert state["pos"].tolist() == [91, 91]
+  assert state.pos.tolist() == [91, 91]
   step = jax.jit(model.decode_step, static_argnames="cfg")
   for t in range(91, 96):
     logits, state = step(params, state, toks[:, t], cfg=CFG)
@@ -243,7 +244,7 @@ def test_pattern_forward_equals_prefill_then_decode(cfg):
   layers with W = 16 (the window wraps many times) and W = 160 (the prompt fills part of the ring)."""
   params = model.init_params(cfg, jax.random.key(0))
   state = _check_prefill_then_decode(params, cfg, B=2, T=200, P=140, max_len=200)
-  assert state["pos"].tolist() == [200, 200]
+  assert state.pos.tolist() == [200, 200]
 
 
 def test_windowed_prefill_in_pieces_equals_one_prefill():
@@ -256,9 +257,10 @@ def test_windowed_prefill_in_pieces_equals_one_prefill():
   _, state = model.prefill(params, model.init_state(WINDOWED, 2), toks[:, :70], cfg=WINDOWED)
   logits, state = model.prefill(params, state, toks[:, 70:], lengths - 70, cfg=WINDOWED)
   np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=1e-4)
-  assert sorted(state) == ["conv", "gla", "pos", "ring_k", "ring_v"]
-  for k in state:
-    np.testing.assert_allclose(state[k], want[k], atol=1e-5, rtol=1e-5)
+  assert sorted(state.to_dict()) == ["conv", "gla", "pos", "ring_k", "ring_v"]
+  assert state.kv is None
+  for k, x in state.to_dict().items():
+    np.testing.assert_allclose(x, want.to_dict()[k], atol=1e-5, rtol=1e-5)
 
 
 def test_windowed_state_bytes_independent_of_context():
@@ -280,7 +282,7 @@ def test_hybrid_ragged_prefill_matches_separate_prefills():
   l1, s1 = model.prefill(params, model.init_state(HYBRID, 1, 160), toks[1:, :61], cfg=HYBRID)
   np.testing.assert_allclose(logits[1], l1[0], atol=1e-4, rtol=1e-4)
   for k in ("gla", "conv", "k", "v"):
-    np.testing.assert_allclose(state[k][:, 1], s1[k][:, 0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(state.to_dict()[k][:, 1], s1.to_dict()[k][:, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_hybrid_param_tree_one_block_per_pattern_letter():
@@ -322,7 +324,7 @@ def test_mixer_only_layers_with_one_attention_head():
     model.forward(zero_w3, toks, cfg=with_ffn), model.forward(mixer_only, toks, cfg=cfg), atol=1e-5, rtol=1e-5
   )
   state = _check_prefill_then_decode(params, cfg, B=2, T=40, P=20)
-  assert state["ring_k"].shape == (1, 2, 1, 8, 64)
+  assert state.ring.k.shape == (1, 2, 1, 8, 64)
   assert sum(x.nbytes for x in jax.tree.leaves(state)) // 2 == state_bytes_per_sequence(cfg)
   attn = CFG.replace(mixers="A", ffn=False)
   sharp = jax.tree_util.tree_map_with_path(  # peaked attention, where the head split shows
@@ -415,9 +417,13 @@ def test_state_batch_axes_name_every_leafs_sequence_axis(mixers):
   """The layout contract the engine's slot table and the train step's carry rely on."""
   cfg = get_config("tiny", mixers=mixers)
   state = jax.eval_shape(lambda: model.init_state(cfg, 3, 5))
-  axes = model.state_batch_axes(state)
-  assert sorted(axes) == sorted(state)
-  assert {name: state[name].shape[a] for name, a in axes.items()} == {name: 3 for name in state}
+  axes = state.batch_axes()
+  assert jax.tree.structure(axes) == jax.tree.structure(state)
+  assert jax.tree.leaves(jax.tree.map(lambda x, a: x.shape[a], state, axes)) == [3] * len(
+    jax.tree.leaves(state)
+  )
+  flat, flat_axes = state.to_dict(), axes.to_dict()
+  assert {name: flat[name].shape[a] for name, a in flat_axes.items()} == {name: 3 for name in flat}
 
 
 @pytest.mark.parametrize("mixers", ["G", "GS", "GA"])

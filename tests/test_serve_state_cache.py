@@ -23,6 +23,22 @@ def _state(fill, L=2, n=3):
 ENTRY_BYTES = sum(a.nbytes for a in _state(0).values())
 
 
+def test_layout_is_the_flat_stored_form_of_one_sequence():
+  """The files' array names and shapes: DecodeState.to_dict's keys, each leaf without its sequence axis (the
+  layout of files written before the decode state was typed, so they still load)."""
+  from laplace_jax.config import get_config
+
+  cfg = get_config("tiny", n_layers=4, mixers="GS", window=8)
+  L, H, W, hd = 4, cfg.attn_n_heads, cfg.window, cfg.attn_head_dim
+  assert state_cache.layout_for(cfg) == {
+    "pos": ("int32", ()),
+    "conv": ("float32", (L, cfg.conv_size, cfg.d_model)),
+    "gla": ("float32", (L // 2, cfg.n_heads, cfg.d_k, cfg.d_v)),
+    "ring_k": ("float32", (L // 2, H, W, hd)),
+    "ring_v": ("float32", (L // 2, H, W, hd)),
+  }
+
+
 def test_longest_exact_prefix_hits_and_misses():
   c = StateCache("m1", budget_bytes=10 * ENTRY_BYTES)
   ids = list(range(1000, 1300))
@@ -146,8 +162,8 @@ def engines(cfg, params):
 
 def _full_state(params, cfg, ids):
   _, st = model.prefill(params, model.init_state(cfg, 1), np.array([ids]), cfg=cfg)
-  axes = model.state_batch_axes(st)
-  return {k: np.take(np.asarray(v), 0, axes[k]) for k, v in st.items()}
+  axes = st.batch_axes().to_dict()
+  return {k: np.take(np.asarray(v), 0, axes[k]) for k, v in st.to_dict().items()}
 
 
 def test_finished_state_equals_a_full_prefill_of_prompt_and_output(engines, cfg, params):

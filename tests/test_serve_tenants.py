@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import serve_fixtures as sf
 
+from laplace_jax.state import DecodeState
 from serve import state_cache
 from serve.engine import QueueFull, Request
 from serve.state_cache import StateCache
@@ -266,7 +267,8 @@ def test_a_request_never_waits_for_another_scopes_state(eng):
   # Waiting for a copy whose ids are a prompt's prefix would show in that prompt's time to first token.
   prompt = list(range(900, 990))
   leaf = _InFlight()
-  eng._copies.append(([(("alice", None), prompt[:80])], {"gla": leaf}))
+  copy = DecodeState(pos=_InFlight(), conv=_InFlight(), gla=leaf)  # the gathered rows of a DecodeState
+  eng._copies.append(([(("alice", None), prompt[:80])], copy))
   try:
     for tenant, salt in (("bob", None), ("alice", "s")):
       eng._restore([Request(prompt_ids=prompt, tenant=tenant, cache_salt=salt)])

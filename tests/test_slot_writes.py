@@ -107,8 +107,9 @@ def test_insert_writes_the_real_entries_and_nothing_else():
     for e, (r, s) in enumerate(zip(row_E, slot_E)):
       if s >= S:
         continue
-      for k, a in model.state_batch_axes(pf.model).items():  # each leaf's sequence axis
-        np.moveaxis(want.model[k], a, 0)[s] = np.moveaxis(np.asarray(pf.model[k]), a, 0)[r]
+      axes = jax.tree.leaves(pf.model.batch_axes())  # each leaf's sequence axis
+      for w, p, a in zip(jax.tree.leaves(want.model), jax.tree.leaves(pf.model), axes):
+        np.moveaxis(w, a, 0)[s] = np.moveaxis(np.asarray(p), a, 0)[r]
       want.tokens[s], want.last_output_index[s] = out.token[e], 0
       for column, values in zip(jax.tree.leaves(want.settings), jax.tree.leaves(settings)):
         column[s] = values[e]

@@ -154,10 +154,10 @@ def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
     params, tokens[:, :7], model.init_carry(CFG, 2), cfg=CFG
   )  # pos 7: not ≡ 0 mod 4
   W = CFG.conv_size
-  order = (np.asarray(carry["pos"])[:, None] + np.arange(W)) % W  # the old layout: oldest input first
-  old_conv = np.take_along_axis(np.asarray(carry["conv"]), order[None, :, :, None], axis=2)
+  order = (np.asarray(carry.pos)[:, None] + np.arange(W)) % W  # the old layout: oldest input first
+  old_conv = np.take_along_axis(np.asarray(carry.conv), order[None, :, :, None], axis=2)
   want, _ = model.forward_carry(params, tokens[:, 7:], carry, cfg=CFG)
-  at = lambda pos: {**carry, "conv": old_conv, "pos": np.full((2,), pos, np.int32)}
+  at = lambda pos: carry.replace(conv=old_conv, pos=np.full((2,), pos, np.int32))
   np.testing.assert_array_equal(model.forward_carry(params, tokens[:, 7:], at(0), cfg=CFG)[0], want)
   assert not np.allclose(model.forward_carry(params, tokens[:, 7:], at(7), cfg=CFG)[0], want, atol=1e-3)
 
