@@ -54,7 +54,7 @@ def main(argv=None):
     if args.steps:
       state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
       toks = np.random.default_rng(0).integers(0, min(cfg.vocab_size, 50257), (B, T + 1)).astype(np.int32)
-      batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+      batch = ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:])
 
       def step():
         nonlocal state
