@@ -215,16 +215,15 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
   """FSDP shardings for params and optimizer state (same rule, so moments sit with their params)."""
   rep = sharding.replicated(mesh)
   carry = abstract_state.carry
+  if carry is not None:  # sharded with the batch's rows
+    carry = jax.tree.map(lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)), carry)
   return TrainState(
     params=sharding.param_shardings(abstract_state.params, mesh),
     opt_state=sharding.param_shardings(abstract_state.opt_state, mesh),
     step=rep,
     rng=rep,
     bad_steps=rep,
-    # sharded with the batch's rows
-    carry=None
-    if carry is None
-    else jax.tree.map(lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)), carry),
+    carry=carry,
   )
 
 
