@@ -57,7 +57,7 @@ def main(argv=None):
       toks = (
         np.random.default_rng(0).integers(0, min(cfg.vocab_size, VOCAB_SIZE), (B, T + 1)).astype(np.int32)
       )
-      batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+      batch = ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:])
 
       def step():
         nonlocal state

@@ -42,7 +42,7 @@ def main(argv=None):
   times = {False: [], True: []}
   for r in range(a.rounds + 2):
     tok = rng.integers(0, VOCAB_SIZE, (a.batch, a.seq_len + 1)).astype(np.int32)
-    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    batch = ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:])
     for sp in (False, True) if r % 2 else (True, False):
       t0 = time.perf_counter()
       states[sp], m = steps[sp](states[sp], batch)

@@ -78,7 +78,7 @@ def main():
     return
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
   toks = np.random.default_rng(0).integers(0, VOCAB_SIZE, (args.batch, args.seq_len + 1)).astype(np.int32)
-  batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+  batch = ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:])
   state, m = compiled(state, batch)  # warm-up
   jax.block_until_ready(m)
   times = []
@@ -91,9 +91,9 @@ def main():
 
   # The optimizer update alone, on gradients shaped like the params.
   upd = jax.jit(lambda g, o, p: opt.update(g, o, p))
-  grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), state["params"])
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), state.params)
   opt_s = timing.median_seconds(
-    lambda: jax.block_until_ready(upd(grads, state["opt_state"], state["params"])), args.steps, warmup=1
+    lambda: jax.block_until_ready(upd(grads, state.opt_state, state.params)), args.steps, warmup=1
   )
 
   tokens = args.batch * args.seq_len

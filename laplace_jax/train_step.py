@@ -1,10 +1,8 @@
 """The training step: token-weighted loss, micro-batch accumulation, skip on non-finite, AOT compile on a mesh.
 
-    state = {"params", "opt_state", "step": int32, "rng": key data uint32[2], "bad_steps": int32,
-             with state passing "carry": {"gla": f32 [B, L_gla, H, K, V], "conv": f32 [B, L, conv, D],
-                                          "pos": int32 [B]}}
-    batch = {"inputs": int32 [B, T], "targets": int32 [B, T], optional "weights": f32 [B, T],
-             optional "positions": int32 [B, K] (only these positions are scored: the LM head runs there alone)}
+    state: TrainState(params, opt_state, step, rng, bad_steps, carry=None | batch-major carry)
+    batch: Batch(inputs, targets, weights=None, positions=None, carry=None)
+(laplace_jax/train_state.py gives every field's shape and dtype.)
 
 State passing (truncated BPTT): row b of every batch continues row b's token stream of the previous step,
 so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
@@ -32,6 +30,7 @@ from laplace_jax import optimizer as optim
 from laplace_jax.config import LaplaceConfig
 from laplace_jax.counts import param_shapes
 from laplace_jax.state import DecodeState
+from laplace_jax.train_state import Batch, TrainState
 
 F32 = jnp.float32
 
@@ -66,23 +65,23 @@ def _model_layout(carry: dict) -> DecodeState:
   return jax.tree.map(lambda x, a: jnp.moveaxis(x, 0, a), state, state.batch_axes())
 
 
-def loss_sums(params, batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
+def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   """(Σ weighted token loss incl. z-loss, {"ce": Σ ce, "z": Σ z, "tokens": Σ weights}), all fp32.
 
-  A batch with a "carry" (state passing) starts from it, and aux["carry"] is the state after the batch. A batch
-  with "positions" [B, K] scores those positions only (targets and weights read there): recall tasks answer
+  A batch with a carry (state passing) starts from it, and aux["carry"] is the state after the batch. A batch
+  with positions [B, K] scores those positions only (targets and weights read there): recall tasks answer
   at a few positions per row, and the LM head's cost falls by T/K."""
   carry = None
-  pos_BxK = batch.get("positions")
-  if "carry" in batch:
-    logits_BxTxV, carry = model.forward_carry(params, batch["inputs"], _model_layout(batch["carry"]), cfg=cfg)
+  pos_BxK = batch.positions
+  if batch.carry is not None:
+    logits_BxTxV, carry = model.forward_carry(params, batch.inputs, _model_layout(batch.carry), cfg=cfg)
     logits_BxTxV = logits_BxTxV.astype(F32)
     if pos_BxK is not None:
       logits_BxTxV = jnp.take_along_axis(logits_BxTxV, pos_BxK[..., None], axis=1)
   else:
-    logits_BxTxV = model.forward(params, batch["inputs"], cfg=cfg, positions_BxK=pos_BxK).astype(F32)
-  targets_BxT = batch["targets"]
-  w_BxT = batch.get("weights", jnp.ones(targets_BxT.shape, F32)).astype(F32)
+    logits_BxTxV = model.forward(params, batch.inputs, cfg=cfg, positions_BxK=pos_BxK).astype(F32)
+  targets_BxT = batch.targets
+  w_BxT = (jnp.ones(targets_BxT.shape, F32) if batch.weights is None else batch.weights).astype(F32)
   if pos_BxK is not None:  # [B, K] from here on
     targets_BxT, w_BxT = (jnp.take_along_axis(x, pos_BxK, axis=1) for x in (targets_BxT, w_BxT))
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
@@ -134,8 +133,8 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0,
 
 
 def train_step(
-  state,
-  batch,
+  state: TrainState,
+  batch: Batch,
   *,
   cfg: LaplaceConfig,
   optimizer: optax.GradientTransformation,
@@ -144,9 +143,9 @@ def train_step(
   lr_schedule=None,
 ):
   """One optimizer step over the global batch, accumulated over micro-batches; pure."""
-  params = state["params"]
-  if "carry" in state:
-    batch = {**batch, "carry": state["carry"]}
+  params = state.params
+  if state.carry is not None:
+    batch = batch.replace(carry=state.carry)
   grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(p, mb, cfg=cfg, z_loss=step_cfg.z_loss), has_aux=True)
   micro = optim.split_microbatches(batch, step_cfg.micro_batches)  # [m, B/m, ...], rows interleaved
   if mesh is not None:  # each micro-batch stays spread over every device
@@ -156,7 +155,7 @@ def train_step(
       ),
       micro,
     )
-    grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry="carry" in state)
+    grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry=state.carry is not None)
   _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
   aux = dict(aux)
   carry_MxR = aux.pop("carry", None)  # [m, B/m, ...]: back to [B, ...] in split_microbatches' row order
@@ -164,31 +163,33 @@ def train_step(
   loss = aux["ce"] / n_tok
   grad_norm = optax.tree.norm(grads)
 
-  updates, new_opt = optimizer.update(grads, state["opt_state"], params)
+  updates, new_opt = optimizer.update(grads, state.opt_state, params)
   new_params = optax.apply_updates(params, updates)
   # A non-finite loss or gradient leaves params and optimizer state untouched; the host counts the run.
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-  new_state = {
-    "params": keep(new_params, params),
-    "opt_state": keep(new_opt, state["opt_state"]),
-    "step": state["step"] + ok.astype(jnp.int32),
-    "rng": state["rng"],
-    "bad_steps": jnp.where(ok, 0, state["bad_steps"] + 1),
-  }
+  new_carry = None
   if carry_MxR is not None:
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
-    new_state["carry"] = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_MxR)
+    new_carry = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_MxR)
+  new_state = TrainState(
+    params=keep(new_params, params),
+    opt_state=keep(new_opt, state.opt_state),
+    step=state.step + ok.astype(jnp.int32),
+    rng=state.rng,
+    bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
+    carry=new_carry,
+  )
   metrics = {
     "loss": loss,
     "z_loss": aux["z"] / n_tok,
     "grad_norm": grad_norm,
     "tokens": aux["tokens"],
     "skipped": ~ok,
-    "bad_steps": new_state["bad_steps"],
+    "bad_steps": new_state.bad_steps,
   }
   if lr_schedule is not None:
-    metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), F32)
+    metrics["lr"] = jnp.asarray(lr_schedule(state.step), F32)
   return new_state, metrics
 
 
@@ -197,42 +198,39 @@ def train_step(
 
 def init_train_state(
   cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int, carry_batch: int = 0
-) -> dict:
+) -> TrainState:
   """`carry_batch` > 0: state passing, a zero carry for that many rows (the global batch)."""
   key = jax.random.key(seed)
   params = model.init_params(cfg, key)
-  state = {
-    "params": params,
-    "opt_state": optimizer.init(params),
-    "step": jnp.zeros((), jnp.int32),
-    "rng": jax.random.key_data(key),
-    "bad_steps": jnp.zeros((), jnp.int32),
-  }
-  if carry_batch:
-    state["carry"] = init_carry(cfg, carry_batch)
-  return state
+  return TrainState(
+    params=params,
+    opt_state=optimizer.init(params),
+    step=jnp.zeros((), jnp.int32),
+    rng=jax.random.key_data(key),
+    bad_steps=jnp.zeros((), jnp.int32),
+    carry=init_carry(cfg, carry_batch) if carry_batch else None,
+  )
 
 
-def train_state_shardings(abstract_state, mesh: Mesh):
+def train_state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
   """FSDP shardings for params and optimizer state (same rule, so moments sit with their params)."""
   rep = sharding.replicated(mesh)
-  shards = {
-    "params": sharding.param_shardings(abstract_state["params"], mesh),
-    "opt_state": sharding.param_shardings(abstract_state["opt_state"], mesh),
-    "step": rep,
-    "rng": rep,
-    "bad_steps": rep,
-  }
-  if "carry" in abstract_state:  # sharded with the batch's rows
-    shards["carry"] = jax.tree.map(
-      lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)), abstract_state["carry"]
-    )
-  return shards
+  carry = abstract_state.carry
+  if carry is not None:  # sharded with the batch's rows
+    carry = jax.tree.map(lambda c: NamedSharding(mesh, sharding.batch_spec(c.shape, mesh)), carry)
+  return TrainState(
+    params=sharding.param_shardings(abstract_state.params, mesh),
+    opt_state=sharding.param_shardings(abstract_state.opt_state, mesh),
+    step=rep,
+    rng=rep,
+    bad_steps=rep,
+    carry=carry,
+  )
 
 
 def abstract_train_state(
   cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0, carry_batch: int = 0
-):
+) -> TrainState:
   """ShapeDtypeStructs of the train state (with shardings when a mesh is given); allocates nothing."""
   shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed, carry_batch))
   if mesh is None:
@@ -243,7 +241,7 @@ def abstract_train_state(
 
 def init_train_state_on_mesh(
   cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int, carry_batch: int = 0
-) -> dict:
+) -> TrainState:
   """Create the train state directly in its sharded layout (no full copy on one device)."""
   shards = jax.tree.map(lambda s: s.sharding, abstract_train_state(cfg, optimizer, mesh, seed, carry_batch))
   return jax.jit(lambda: init_train_state(cfg, optimizer, seed, carry_batch), out_shardings=shards)()
@@ -251,14 +249,12 @@ def init_train_state_on_mesh(
 
 def abstract_batch(
   global_batch: int, seq_len: int, mesh: Mesh | None = None, *, weighted: bool = False
-) -> dict:
+) -> Batch:
   """Batch shapes; `weighted` adds per-token loss weights (recall tasks score only their answers)."""
   sh = None if mesh is None else NamedSharding(mesh, sharding.batch_spec((global_batch, seq_len), mesh))
   tok = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sh)
-  batch = {"inputs": tok, "targets": tok}
-  if weighted:
-    batch["weights"] = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32, sharding=sh)
-  return batch
+  weights = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32, sharding=sh) if weighted else None
+  return Batch(inputs=tok, targets=tok, weights=weights)
 
 
 def compile_train_step(
@@ -318,9 +314,9 @@ def lower_train_step(
       cfg, optimizer, mesh, carry_batch=global_batch if state_passing else 0
     )
   state = abstract_state
-  if "carry" in state and jax.tree.leaves(state["carry"])[0].shape[0] != global_batch:
+  if state.carry is not None and jax.tree.leaves(state.carry)[0].shape[0] != global_batch:
     raise ValueError(
-      f"the state's carry holds {jax.tree.leaves(state['carry'])[0].shape[0]} rows but the "
+      f"the state's carry holds {jax.tree.leaves(state.carry)[0].shape[0]} rows but the "
       f"global batch has {global_batch}: state passing carries one state per row."
     )
   batch = abstract_batch(global_batch, seq_len, mesh, weighted=weighted)

@@ -20,13 +20,13 @@ def test_step_at_16k_tokens_per_sequence_compiles_and_trains():
   compiled = ts.compile_train_step(CFG, opt, mesh, global_batch=1, seq_len=16384)
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
   toks = (np.arange(16385) % 11).astype(np.int32)[None]  # a periodic sequence: learnable from context
-  batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+  batch = ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:])
   losses = []
   for _ in range(4):
     state, m = compiled(state, batch)
     losses.append(float(m["loss"]))
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
-  assert int(state["step"]) == 4
+  assert int(state.step) == 4
 
 
 def test_activation_memory_per_token_is_flat_with_remat():

@@ -80,13 +80,13 @@ def test_sharded_train_step_loss_and_grads_equal():
   rng = np.random.default_rng(0)
   toks = rng.integers(0, 2000, (8, 65)).astype(np.int32)
   batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(8, 64, mesh))
-  batch = jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:]}, batch_sh)
+  batch = jax.device_put(ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:]), batch_sh)
   out = {}
   for cfg in _both(TINY.replace(remat=True, max_seq_len=128)):
     opt = optax.sgd(1.0)
     comp = ts.compile_train_step(cfg, opt, mesh, global_batch=8, seq_len=64)
     state, metrics = comp(ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0), batch)
-    out[cfg.scan_layers] = (float(metrics["loss"]), float(metrics["grad_norm"]), state["params"])
+    out[cfg.scan_layers] = (float(metrics["loss"]), float(metrics["grad_norm"]), state.params)
   np.testing.assert_allclose(out["false"][:2], out["true"][:2], rtol=1e-6)
   _assert_trees_equal(out["false"][2], out["true"][2], rtol=1e-6, atol=1e-7)
 

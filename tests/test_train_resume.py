@@ -5,9 +5,14 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
-from laplace_jax import checkpoint
+from laplace_jax import checkpoint, sharding
+from laplace_jax import optimizer as optim
+from laplace_jax import train_step as ts
+from laplace_jax.config import get_config
 from train import prepare, resume
 from train.config import load_config
 from train.loop import run
@@ -214,3 +219,49 @@ def test_tokens_per_step_sets_the_batch_for_any_length():
     load_config(["--tokens_per_step", "1000"])
   with pytest.raises(ValueError, match="disagree"):
     load_config(["--seq_len", "128", "--tokens_per_step", "1024", "--global_batch", "4"])
+
+
+# Written by the trainer before its state was a TrainState (a dict with the same keys, which is what a
+# checkpoint still holds): the test's state-passing step (FIXTURE_CFG, its optimizer, the 2×4 mesh) from seed 0
+# after one step on _fixture_batch(0), saved as step 1 with the config as metadata.
+FIXTURE = Path(__file__).parent / "data" / "train_state_v1"
+FIXTURE_CFG = dict(d_model=8, n_heads=2, d_k=2, d_v=4, d_ff=16, vocab_size=64, chunk_size=8, max_seq_len=32)
+
+
+def _fixture_batch(seed, B=8, T=16):
+  tok = np.random.default_rng(seed).integers(0, FIXTURE_CFG["vocab_size"], (B, T + 1)).astype(np.int32)
+  return ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:])
+
+
+def test_checkpoint_from_before_the_typed_state_restores_and_resumes(tmp_path):
+  """The old checkpoint restores into a TrainState equal to the one this code reaches by the same step, on
+  the abstract state's shardings, and training goes on from it exactly as from that state."""
+  cfg = get_config("tiny", **FIXTURE_CFG)
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+  opt = optim.make_optimizer(optim.OptimizerConfig(total_steps=10, warmup_steps=1), mesh=mesh)
+  step = ts.compile_train_step(cfg, opt, mesh, global_batch=8, seq_len=16, state_passing=True)
+  want, _ = step(ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0, carry_batch=8), _fixture_batch(0))
+  shutil.copytree(FIXTURE, tmp_path / "ckpt")
+  abstract = ts.abstract_train_state(cfg, opt, mesh, carry_batch=8)
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:
+    restored, note = resume.restore_train_state(ck, abstract)
+  got = restored.train_state
+  assert restored.step == 1 and note is None and isinstance(got, ts.TrainState)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, a), b, s in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), jax.tree.leaves(abstract)
+  ):
+    assert a.sharding == s.sharding, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  assert int(got.step) == 1 and got.carry["gla"].shape[0] == 8
+  got, m_got = step(got, _fixture_batch(1))
+  want, m_want = step(want, _fixture_batch(1))
+  assert int(got.step) == int(want.step) == 2 and not bool(m_got["skipped"])
+  np.testing.assert_allclose(float(m_got["loss"]), float(m_want["loss"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # What this code saves is laid out on disk as the old checkpoint is: same leaves, keys and shapes.
+  with checkpoint.Checkpointer(tmp_path / "new") as ck:
+    ck.save(2, got.to_tree(), force=True)
+  tree = lambda d: json.loads((d / "train_state" / "_METADATA").read_text())["tree_metadata"]
+  assert tree(tmp_path / "new" / "2") == tree(FIXTURE / "1")

@@ -16,7 +16,7 @@ T = 64
 
 def _batch(B, seed=0, T=T):
   toks = np.random.default_rng(seed).integers(0, 2000, (B, T + 1)).astype(np.int32)
-  return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+  return ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:])
 
 
 def _run(opt, mesh, batches, micro=1, cfg=CFG):
@@ -24,12 +24,12 @@ def _run(opt, mesh, batches, micro=1, cfg=CFG):
     cfg,
     opt,
     mesh,
-    global_batch=batches[0]["inputs"].shape[0],
+    global_batch=batches[0].inputs.shape[0],
     seq_len=T,
     step_cfg=ts.StepConfig(micro_batches=micro),
   )
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
-  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(batches[0]["inputs"].shape[0], T, mesh))
+  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(batches[0].inputs.shape[0], T, mesh))
   losses = []
   for b in batches:
     state, m = comp(state, jax.device_put(b, batch_sh))
@@ -43,8 +43,8 @@ def test_loss_matches_plain_cross_entropy():
   params = model.init_params(CFG, jax.random.key(0))
   b = _batch(2)
   total, aux = ts.loss_sums(params, b, cfg=CFG)
-  logits = model.forward(params, b["inputs"], cfg=CFG)
-  ref = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).sum()
+  logits = model.forward(params, b.inputs, cfg=CFG)
+  ref = optax.softmax_cross_entropy_with_integer_labels(logits, b.targets).sum()
   np.testing.assert_allclose(total, ref, rtol=1e-5)
   assert float(aux["tokens"]) == 2 * T
 
@@ -56,7 +56,7 @@ def test_accumulation_equals_one_big_batch():
   s1, l1 = _run(optax.sgd(0.5), mesh, batches, micro=1)
   s4, l4 = _run(optax.sgd(0.5), mesh, batches, micro=4)
   np.testing.assert_allclose(l1, l4, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+  for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -69,10 +69,10 @@ def test_weights_make_accumulation_token_weighted():
   w = np.ones((4, T), np.float32)
   w[0, 10:] = 0
   w[3, :] = 0
-  b["weights"] = w
+  b = b.replace(weights=w)
   total, aux = ts.loss_sums(params, b, cfg=CFG)
-  logits = model.forward(params, b["inputs"], cfg=CFG)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
+  logits = model.forward(params, b.inputs, cfg=CFG)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, b.targets)
   np.testing.assert_allclose(total / aux["tokens"], (ce * w).sum() / w.sum(), rtol=1e-5)
 
 
@@ -93,13 +93,14 @@ def test_non_finite_step_is_skipped_and_counted():
     CFG, opt, mesh, global_batch=16, seq_len=T, step_cfg=ts.StepConfig(micro_batches=2)
   )
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0)
-  state["params"]["final_norm_scale"] = state["params"]["final_norm_scale"].at[0].set(jnp.nan)
-  before = jax.tree.map(np.asarray, state["params"])
+  nan_scale = state.params["final_norm_scale"].at[0].set(jnp.nan)
+  state = state.replace(params={**state.params, "final_norm_scale": nan_scale})
+  before = jax.tree.map(np.asarray, state.params)
   for i in range(2):
     state, m = comp(state, _batch(16, i))
     assert bool(m["skipped"]) and int(m["bad_steps"]) == i + 1
-  assert int(state["step"]) == 0
-  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])):
+  assert int(state.step) == 0
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
     np.testing.assert_array_equal(a, b)
 
 
@@ -165,7 +166,7 @@ def test_windowed_pattern_trains():
   s0 = ts.init_train_state_on_mesh(cfg, optax.adam(1e-2), mesh, seed=0)
   state, losses = _run(optax.adam(1e-2), mesh, [_batch(4)] * 4, cfg=cfg)
   assert losses[-1] < losses[0] - 0.5, losses
-  w = lambda s: np.asarray(s["params"]["layers"]["block1"]["w_qkv"])
+  w = lambda s: np.asarray(s.params["layers"]["block1"]["w_qkv"])
   assert not np.allclose(w(state), w(s0))
 
 
@@ -181,5 +182,5 @@ def test_hybrid_pattern_sharded_muon_step_matches_single_device():
   s1, l1 = _run(optim.make_optimizer(ocfg, mesh=one), one, batches, cfg=cfg)
   s8, l8 = _run(optim.make_optimizer(ocfg, mesh=eight), eight, batches, cfg=cfg)
   np.testing.assert_allclose(l1, l8, rtol=2e-5)
-  w = lambda s: np.asarray(s["params"]["layers"]["block1"]["w_qkv"])
+  w = lambda s: np.asarray(s.params["layers"]["block1"]["w_qkv"])
   np.testing.assert_allclose(w(s1), w(s8), rtol=1e-4, atol=1e-6)

@@ -263,7 +263,7 @@ def evaluate(
   byte_len = _byte_counter(manifest)
   with jax.set_mesh(mesh):
     for b in batches:
-      aux = fn(params, jax.device_put(b, batch_sh))
+      aux = fn(params, jax.device_put(ts.Batch(**b), batch_sh))
       ce, tok = ce + float(aux["ce"]), tok + float(aux["tokens"])
       if byte_len:
         n_bytes += byte_len(b["targets"][b["weights"] > 0])

@@ -284,11 +284,11 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
     lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh, weighted=weighted)
   )
   to_global = lambda b: jax.tree.map(
-    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, b
+    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, ts.Batch(**b)
   )
   eval_fn = jax.jit(
     lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],
-    in_shardings=(jax.tree.map(lambda s: s.sharding, abstract["params"]), batch_sh),
+    in_shardings=(jax.tree.map(lambda s: s.sharding, abstract.params), batch_sh),
   )
 
   def evaluate(params):
@@ -385,13 +385,13 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
         record(*pending, since)
         pending = None
         if is_eval:
-          summary["eval_loss"] = evaluate(state["params"])
+          summary["eval_loss"] = evaluate(state.params)
           if mfile:
             mfile.write(json.dumps({"step": i, "eval_loss": summary["eval_loss"]}) + "\n")
             mfile.flush()
           say(f"step {i}: held-out loss {summary['eval_loss']:.4f}")
         if is_save:
-          ckpt.save(i, state, data_state=it.get_state(), metadata=run_meta, force=i == tc.steps)
+          ckpt.save(i, state.to_tree(), data_state=it.get_state(), metadata=run_meta, force=i == tc.steps)
         since = time.perf_counter()  # eval and save time is not step time
   finally:
     if tracing:
@@ -406,7 +406,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> dict:
   summary["end_step"] = tc.steps
   export = out / "export" / f"step_{tc.steps}"
   if not export.exists():  # every process takes part in an Orbax save
-    checkpoint.export_params(state["params"], export, config=cfg_dict)
+    checkpoint.export_params(state.params, export, config=cfg_dict)
   summary["export"] = str(export)
   if jax.process_index() == 0:
     _write_loss_curve(metrics_path, out / "loss.png")

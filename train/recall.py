@@ -221,7 +221,7 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   losses, t0 = [], time.perf_counter()
   for i in range(cell.steps):
     b = next(stream)
-    state, metrics = step(state, {**b, "positions": recall.scored_positions(b["weights"])})
+    state, metrics = step(state, train_step.Batch(**b, positions=recall.scored_positions(b["weights"])))
     if i % 10 == 9 or i == cell.steps - 1:
       losses.append((i + 1, float(metrics["loss"])))
       if bar:
@@ -231,7 +231,7 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   if bar:
     bar.close()
   return (
-    state["params"],
+    state.params,
     cfg,
     {"final_loss": losses[-1][1], "train_s": time.perf_counter() - t0, "losses": losses},
   )

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from laplace_jax.train_state import TrainState
 from train.config import _SECTIONS, RunConfig
 
 # How long, how often, where to and on what a run executes. tokens_per_step is only a way to set global_batch,
@@ -172,12 +173,18 @@ def drop_rows_after(metrics_path: Path, step: int) -> int:
   return len(lines) - len(keep)
 
 
-def restore_train_state(ckpt, abstract: dict):
-  """(ckpt.restore onto `abstract`, a note or None). A state-passing checkpoint saved before the carry gained
-  `pos` (the conv window became a ring, commit 32107bb) is restored with pos = 0, which is exact: the old
-  window held the last conv_size inputs oldest first, and a ring read at pos ≡ 0 (mod conv_size) holds them
-  in that same order (slot s: position pos − conv_size + s); nothing else in a training carry reads pos
-  (attention layers carry no cache and start each segment at position 0)."""
+def restore_train_state(ckpt, abstract: TrainState):
+  """(ckpt.restore onto `abstract`, its train_state a TrainState; a note or None). The checkpoint holds the
+  state's to_tree(). A state-passing checkpoint saved before the carry gained `pos` (the conv window became
+  a ring, commit 32107bb) is restored with pos = 0, which is exact: the old window held the last conv_size
+  inputs oldest first, and a ring read at pos ≡ 0 (mod conv_size) holds them in that same order (slot s:
+  position pos − conv_size + s); nothing else in a training carry reads pos (attention layers carry no cache
+  and start each segment at position 0)."""
+  restored, note = _restore_tree(ckpt, abstract.to_tree())
+  return dataclasses.replace(restored, train_state=TrainState.from_tree(restored.train_state)), note
+
+
+def _restore_tree(ckpt, abstract: dict):
   carry = abstract.get("carry")
   if carry is None or "pos" not in carry:
     return ckpt.restore(abstract_state=abstract), None

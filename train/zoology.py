@@ -214,12 +214,12 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   for epoch in range(grid["epochs"]):
     since = []  # the training losses since the last point of the curve
     for i, b in enumerate(batches):
-      state, metrics = step(state, b)
+      state, metrics = step(state, train_step.Batch(**b))
       since.append(metrics["loss"])
       if bar:
         bar.update(1)
       if i + 1 in marks:  # the epoch's last mark is its end: `right` is then the final params' answers
-        right = answers_right(state["params"], cfg, test_batches)
+        right = answers_right(state.params, cfg, test_batches)
         curve.append([epoch * len(batches) + i + 1, float(sum(since)) / len(since), float(right.mean())])
         since = []
     losses.append(float(metrics["loss"]))
