@@ -446,8 +446,8 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def init_hashes():
   """Each pattern's leaves (path: dtype, shape and a hash of the bytes), from a process with XLA's default
-  code generation: users' bits. The suite's unoptimised code (tests/conftest.py) expands the random
-  normals' transcendentals differently and rounds some last bits otherwise."""
+  code generation: users' bits (the suite's faster-compiling flags, tests/conftest.py, may round a last bit
+  otherwise: at LLVM level 0 the random normals' transcendentals do)."""
   import json
   import os
   import subprocess

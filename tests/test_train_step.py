@@ -10,7 +10,7 @@ from laplace_jax import sharding
 from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 
-CFG = get_config("tiny", max_seq_len=128)
+CFG = get_config("tiny", max_seq_len=128, vocab_size=8192)
 T = 64
 
 
