@@ -18,11 +18,11 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite's programs are tiny: XLA's compile time dwarfs their run time, and much of a compile is LLVM
 # optimising kernels that then run for microseconds. LLVM at level 1 without its expensive passes compiles
-# about 2x faster than XLA's default, and the code it makes runs about as fast (level 0 compiles faster
-# still but runs sampling and load tests several times slower). The HLO passes, which the traffic and Neuron
-# checks read, are unaffected. The code may round a last bit otherwise, so a test that pins bits made under
-# XLA's defaults computes them in a child process without these flags (test_model's init_hashes). Processes
-# the tests start inherit the flags; benchmarks and the programs run outside the suite keep XLA's defaults.
+# about 2x faster than XLA's default, and the code it makes runs about as fast and draws the same bits (the
+# pinned init values of test_model pass under both). Level 0 compiles faster still, but runs sampling and
+# load tests several times slower and rounds the random normals' last bits otherwise. The HLO passes, which
+# the traffic and Neuron checks read, are unaffected. Processes the tests start inherit the flags;
+# benchmarks and the programs run outside the suite keep XLA's defaults.
 FAST_COMPILE = ("--xla_backend_optimization_level=1", "--xla_llvm_disable_expensive_passes=true")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_COMPILE if f not in _flags])

@@ -8,7 +8,7 @@ from laplace_jax.config import get_config
 
 
 def test_batched_and_positional_greedy_match_one_prompt_generation():
-  cfg = get_config("tiny").replace(mixers="GS", window=8, max_seq_len=64, chunk_size=16)
+  cfg = get_config("tiny", vocab_size=8192).replace(mixers="GS", window=8, max_seq_len=64, chunk_size=16)
   params = model.init_params(cfg, jax.random.key(0))
   prompts = np.asarray(jax.random.randint(jax.random.key(1), (3, 20), 0, cfg.vocab_size))
   got = generate.generate_batch(params, prompts, 4, cfg=cfg)

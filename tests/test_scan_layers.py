@@ -10,7 +10,7 @@ from laplace_jax import model, platform, sharding
 from laplace_jax import train_step as ts
 from laplace_jax.config import LaplaceConfig, get_config, layers_scanned
 
-TINY = get_config("tiny")
+TINY = get_config("tiny", vocab_size=8192)  # a small LM head: the forms differ in the layers, not in it
 HYBRID = TINY.replace(n_layers=4, mixers="GA")  # a Group of blocks per scan step, with an attention KV cache
 
 
