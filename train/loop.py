@@ -1,4 +1,6 @@
-"""The training driver: the step compiled (or lowered, or only compiled), the run started or resumed, its steps run with the hooks of train/hooks.py (metrics, evaluation, checkpoints, profile), the export and sample."""
+"""The training driver: the step compiled (or only lowered, or only compiled), the run started or resumed,
+its steps run with the hooks of train/hooks.py (metrics, evaluation, checkpoints, profile), then the export
+and the sample."""
 
 from __future__ import annotations
 
