@@ -1,4 +1,4 @@
-"""Bytes the compiled decode step moves per step, against the minimum (docs/BENCHMARKS.md, issue 11).
+"""Bytes the compiled decode step moves per step, against the minimum (docs/BENCHMARKS.md).
 
     python benchmarks/decode_bytes.py [--preset small] [--slots 1280] [--top 12] [--json out.json]
                                       [--mixers GGGGS --window 2048 [--n_layers N]] [--max_len 1024]

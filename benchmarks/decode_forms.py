@@ -1,4 +1,4 @@
-"""How XLA:CPU compiles formulations of the GLA decode step: passes over the state per layer (issue 11).
+"""How XLA:CPU compiles formulations of the GLA decode step: passes over the state per layer.
 
     python benchmarks/decode_forms.py [--layers 4] [--slots 256]
 

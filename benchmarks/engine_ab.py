@@ -1,5 +1,5 @@
 """Same-run A/B of the engine's generate step: decode and sampling as two compiled calls (what serve/slots.py
-does) against one compiled program (what it did before issue 11), beside the bare decode_step; greedy,
+does) against one compiled program (the earlier form), beside the bare decode_step; greedy,
 `tiny`, rounds alternating the three (docs/BENCHMARKS.md, "Engine overhead").
 
     python benchmarks/engine_ab.py SLOTS ROUNDS

@@ -1,4 +1,4 @@
-"""Time of one layer's decode-state update against a copy of the same bytes (docs/BENCHMARKS.md, issue 11).
+"""Time of one layer's decode-state update against a copy of the same bytes (docs/BENCHMARKS.md).
 
     python benchmarks/gla_decode_speed.py [--preset laplace-3b] [--slots 1280] [--layers 2] [--impls xla,pallas]
 

@@ -1,4 +1,4 @@
-"""Speed of chunk_simple_gla against the token-by-token scan and softmax attention (issue 2, item 6).
+"""Speed of chunk_simple_gla against the token-by-token scan and softmax attention.
 
     python benchmarks/gla_speed.py [--lengths 2048 8192 16384] [--heads 16 --dk 96 --dv 192]
 

@@ -1,4 +1,4 @@
-"""Decode tokens/s of mixer patterns side by side, and per-token time at a short vs a long context (issue 17).
+"""Decode tokens/s of mixer patterns side by side, and per-token time at a short vs a long context.
 
     python benchmarks/hybrid_decode.py [--preset small] [--n_layers 8] [--slots 64,1280]
         [--cases G,GGGS:2048,GGGS:64,GGGA] [--context 1024] [--long 65536] [--long_slots 32]

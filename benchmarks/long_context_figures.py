@@ -1,4 +1,4 @@
-"""Build docs/eval/long-context.json (issue 18) from the runs' own result files, never from typed numbers.
+"""Build docs/eval/long-context.json from the runs' own result files, never from typed numbers.
 
     python benchmarks/long_context_figures.py --passkey runs/longctx-sp runs/longctx-plain \
         --by_position runs/tiny-sp/by_position.json runs/tiny-plain/by_position.json \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The state-cache benchmarks (issue 9) for one H200 — NOT YET RUN on one (docs/BENCHMARKS.md says so).
+# The state-cache benchmarks for one H200 — NOT YET RUN on one (docs/BENCHMARKS.md says so).
 # The decode goal is stated at the largest slot count: copying finished states out must leave laplace-3b's
 # engine within 5% of its cache-off tokens/s at 1,280 slots. Writes to ${OUT:-.}.
 set -o pipefail

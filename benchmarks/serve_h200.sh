@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving benchmark as run on one H200 (docs/BENCHMARKS.md, "Serving (issue 5)"). Writes to ${OUT:-.}.
+# The serving benchmark as run on one H200 (docs/BENCHMARKS.md, "Serving"). Writes to ${OUT:-.}.
 set -o pipefail
 OUT=${OUT:-.}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=$PWD

@@ -1,4 +1,4 @@
-"""The abusive requests of issue 16 (findings 1, 2 and 4) against a tiny random-init server on loopback, each
+"""The abusive requests the server must survive against a tiny random-init server on loopback, each
 answered while /health is polled every 20 ms: what each got and the slowest /health reply meanwhile.
 
     python benchmarks/serve_robust_check.py [--slots 8] [--queue 64]

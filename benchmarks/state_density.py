@@ -1,4 +1,4 @@
-"""Decode-state bytes per sequence and sequences per accelerator, by mixer pattern (docs/EVAL.md, issue 17).
+"""Decode-state bytes per sequence and sequences per accelerator, by mixer pattern (docs/EVAL.md).
 
     python benchmarks/state_density.py [--preset laplace-3b] [--patterns G,GGGS,GGGA,A] [--window 2048]
                                        [--contexts 2048,32768,131072] [--json out.json]

@@ -1,4 +1,4 @@
-"""Step-time cost of state passing (issue 18): the same train step with and without the carried state,
+"""Step-time cost of state passing: the same train step with and without the carried state,
 compiled side by side and timed alternately in one process (so both see the same machine load).
 
     python benchmarks/state_passing_cost.py [--preset tiny] [--seq_len 256] [--batch 16] [--rounds 10]

@@ -172,7 +172,7 @@ def test_other_targets_are_refused():
 
 @pytest.mark.parametrize("lowered", ["serve_lowered", "serve_3b"])
 def test_serving_programs_conform(lowered, request):
-  """Issue 15's bar for serving: every engine program breaks no rule (branch-free sampling and logprobs, per-slot
+  """For serving: every engine program breaks no rule (branch-free sampling and logprobs, per-slot
   draws without Threefry under rbg), tiny at 16 slots on 8 devices and laplace-3b at 1,280 slots on 64."""
   r, d = request.getfixturevalue(lowered)
   counts = _independent_counts(d)
@@ -181,7 +181,7 @@ def test_serving_programs_conform(lowered, request):
 
 @pytest.mark.parametrize("lowered", ["train_lowered", "train_3b"])
 def test_train_step_conforms(lowered, request):
-  """Issue 15's bar for training: the step breaks no rule (Muon without switch, bf16 gathers, no runtime power)."""
+  """For training: the step breaks no rule (Muon without switch, bf16 gathers, no runtime power)."""
   r, d = request.getfixturevalue(lowered)
   counts = _independent_counts(d)
   assert r.returncode == 0 and counts == {"train_step": 0}, r.stdout[-4000:]

@@ -1,4 +1,4 @@
-"""--state-cache-dir is not trusted (issue 16, finding 5): files are private, whatever else lies in the
+"""--state-cache-dir is not trusted: files are private, whatever else lies in the
 directory (links, FIFOs, directories, damaged or foreign files) is skipped without blocking start-up,
 interrupted writes leave nothing behind, the byte budget holds at start, and the model fingerprint covers
 every parameter byte. No engine here: StateCache alone, on tiny states."""

@@ -1,5 +1,5 @@
-"""`python -m serve --checkpoint RUN/export/step_N` builds the model from the config saved with the export
-(issue 16, finding 7): a run trained with a config no preset has serves from its export alone, greedy
+"""`python -m serve --checkpoint RUN/export/step_N` builds the model from the config saved with the export:
+a run trained with a config no preset has serves from its export alone, greedy
 tokens equal to the exported params' own model; --preset only checks it; train.eval loads it alike."""
 
 import jax

@@ -1,4 +1,4 @@
-"""No request can stop, freeze or flood the server (issue 16, findings 1, 2, 4, 6): every field is bounded
+"""No request can stop, freeze or flood the server: every field is bounded
 before the engine sees it, a failure inside the engine fails only the requests it touches, a dead engine
 answers 503 at once, stop strings cost linear time, one request cannot hold every slot or build a huge
 reply, and the HTTP edge refuses what a browser page or a malformed request could send."""

@@ -1,4 +1,4 @@
-"""Tenants (issue 16, finding 3 and Deliver 1-2): API keys each naming a tenant, the state cache scoped by
+"""Tenants: API keys each naming a tenant, the state cache scoped by
 (tenant, cache_salt) so a prefix cached for one is never restored for another, usage.prompt_tokens_details.
 cached_tokens, per-tenant cache counters behind the key, and slots shared fairly between tenants. One tiny
 engine (4 slots, a state cache with a directory) serves every test here."""

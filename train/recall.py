@@ -13,7 +13,7 @@ to OUT/*.png.
 
     python -m train.recall --quick -o runs/recall-quick        # ≈30 min on a 2-core CPU
     python -m train.recall --grid full -o runs/recall-full     # the issue's grid: an accelerator's job
-    python -m train.recall --grid longctx --set state_passing=true -o runs/longctx-sp   # issue 18, to 64K
+    python -m train.recall --grid longctx --set state_passing=true -o runs/longctx-sp   # to 64K
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ GRIDS = {
     passkey_distances=DISTANCES,
     state_passing=False,
   ),
-  # Issue 18: GLA trained at 256 tokens, passkey scored by (context, distance) to 64K; run once with
+  # GLA trained at 256 tokens, passkey scored by (context, distance) to 64K; run once with
   # --set state_passing=true and once without (same steps). 6,000 steps is where GLA learned the task at
   # 256 tokens without state passing (docs/EVAL.md): about 25 min per cell on a 2-core CPU.
   "longctx": dict(
