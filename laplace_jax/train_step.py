@@ -8,7 +8,8 @@ State passing (truncated BPTT): row b of every batch continues row b's token str
 so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
 segment boundary) and stores the state after its last token. The carry is batch-major so that it shards,
 and splits into micro-batches, exactly as the batch's rows do; it is part of the state and so of every
-checkpoint, in the model's DecodeState's stored form (to_dict's flat keys: the checkpoints' carry.gla, ...). A non-finite step resets it to zero (its states may hold the NaN).
+checkpoint, in the model's DecodeState's stored form (to_dict's flat keys: the checkpoints' carry.gla,
+...). A non-finite step resets it to zero (its states may hold the NaN).
 
 `compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
 so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   _setup_jax(rc.train)
-  from train.loop import TrainingError, run
+  from train.hooks import TrainingError
+  from train.loop import run
 
   try:
     summary = run(rc)

@@ -26,7 +26,7 @@ from laplace_jax import train_step as ts
 from laplace_jax.counts import flops_per_token, param_counts
 from train import hooks, prepare, resume
 from train.config import RunConfig, TrainConfig
-from train.hooks import TrainingError, log0  # noqa: F401  (TrainingError: raised by the hooks, caught by python -m train)
+from train.hooks import log0
 
 
 def describe_memory(compiled) -> str:
