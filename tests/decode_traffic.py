@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from hlo_compile import compile_as_benchmarks
 
 from laplace_jax import hlo_bytes, platform
 
@@ -37,10 +38,10 @@ def passes_over_tables(decode, table_shape, q_shape) -> float:
     return jax.lax.scan(body, (jnp.zeros_like(q), kt, vt), jnp.arange(L))[0]
 
   f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
-  compiled = (
-    jax.jit(step, donate_argnums=(0, 1))
-    .lower(f32(table_shape), f32(table_shape), f32(q_shape), jax.ShapeDtypeStruct(q_shape[:1], jnp.int32))
-    .compile()
+  compiled = compile_as_benchmarks(
+    jax.jit(step, donate_argnums=(0, 1)).lower(
+      f32(table_shape), f32(table_shape), f32(q_shape), jax.ShapeDtypeStruct(q_shape[:1], jnp.int32)
+    )
   )
   return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())) / (
     2 * math.prod(table_shape) * 4

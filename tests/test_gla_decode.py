@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_compile import compile_as_benchmarks
 
 from laplace_jax import gla, gla_decode, hlo_bytes, model, neuron_check, platform
 from laplace_jax.config import get_config
@@ -109,10 +110,8 @@ def _compiled_tiny_decode(slots=256):
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   state = jax.eval_shape(lambda: model.init_state(cfg, slots))
   tokens = jax.ShapeDtypeStruct((slots,), jnp.int32)
-  compiled = (
-    jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1)
-    .lower(params, state, tokens)
-    .compile()
+  compiled = compile_as_benchmarks(
+    jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=1).lower(params, state, tokens)
   )
   return cfg, state, compiled
 

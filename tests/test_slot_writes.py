@@ -4,6 +4,7 @@ the compiled insert reads or writes as much as one layer of the state table."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hlo_compile import compile_as_benchmarks
 
 from laplace_jax import hlo_bytes, model
 from laplace_jax.config import get_config
@@ -18,14 +19,16 @@ def test_insert_moves_the_slot_rows_not_the_table():
   )
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   table, pf = jax.eval_shape(fns._empty_table), jax.eval_shape(fns._empty_prefill)
-  compiled = fns.insert.lower(
-    params,
-    table,
-    pf,
-    np.array([0, 1], np.int32),
-    np.array([3, slots], np.int32),
-    host_settings([], prefill_batch, 4),
-  ).compile()
+  compiled = compile_as_benchmarks(
+    fns.insert.lower(
+      params,
+      table,
+      pf,
+      np.array([0, 1], np.int32),
+      np.array([3, slots], np.int32),
+      host_settings([], prefill_batch, 4),
+    )
+  )
   layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(table.model)) // cfg.n_layers
   ops = hlo_bytes.memory_traffic(compiled.as_text())
   biggest = max(ops, key=lambda o: max(o.read_bytes, o.written_bytes))
