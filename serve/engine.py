@@ -25,8 +25,16 @@ import numpy as np
 from laplace_jax import model as laplace_model
 from serve.engine_cache import EngineCacheMixin
 from serve.engine_config import DEFAULTS, slots_for
-from serve.slots import PrefillRows, PromptScores, SlotFunctions, SlotSettings, StepOutput, host_settings
-from serve.state_cache import layout_for
+from serve.slots import (
+  PrefillRows,
+  PromptScores,
+  SlotBackend,
+  SlotFunctions,
+  SlotSettings,
+  StepOutput,
+  host_settings,
+)
+from serve.state_cache import layout_of
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -132,7 +140,9 @@ class Pending(NamedTuple):
 
 
 class Engine(EngineCacheMixin):
-  """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`."""
+  """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`: the engine
+  schedules, and meets the model only through the `SlotBackend` interface `make_slots` builds (by default
+  `SlotFunctions`; tests pass a fake that needs no compile)."""
 
   def __init__(
     self,
@@ -153,8 +163,11 @@ class Engine(EngineCacheMixin):
     snapshot_every: int = DEFAULTS.snapshot_every,
     cache_min_tokens: int = DEFAULTS.cache_min_tokens,
     max_context: int | None = None,
+    make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
-    """Keyword arguments named as `serve.engine_config.EngineConfig`'s fields are described there."""
+    """Keyword arguments named as `serve.engine_config.EngineConfig`'s fields are described there.
+    `make_slots(model, cfg, n_slots=, prefill_batch=, n_stop=, valid_vocab=, mesh=, max_context=)` builds
+    the slot functions."""
     if model is None:
       model = laplace_model
     if n_slots is None:
@@ -185,7 +198,7 @@ class Engine(EngineCacheMixin):
     self.max_queue_per_tenant = max_queue if max_queue_per_tenant is None else max_queue_per_tenant
     self.chunks_per_step = prefill_chunks_per_step
     self.max_context = max_context  # tokens (prompt + output) a slot's KV cache holds; None: no 'A' layers
-    self.fns = SlotFunctions(
+    self.fns: SlotBackend = make_slots(
       model,
       cfg,
       n_slots=n_slots,
@@ -223,7 +236,7 @@ class Engine(EngineCacheMixin):
     # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
     self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
     if state_cache is not None:
-      state_cache.check_layout(layout_for(cfg, model))
+      state_cache.check_layout(layout_of(self.fns.state_shape))
     self._copies: collections.deque = collections.deque()
     self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
 

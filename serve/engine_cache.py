@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from laplace_jax.state import DecodeState
-from serve.slots import SlotFunctions
+from serve.slots import SlotBackend
 
 
 class EngineCacheMixin:
@@ -27,7 +27,7 @@ class EngineCacheMixin:
   _fresh_rows = None  # a fresh prefill batch's model state on the host, made at the first restore
   # Set by Engine.__init__:
   cache: Any  # serve.state_cache.StateCache, or None
-  fns: SlotFunctions
+  fns: SlotBackend
   _copies: collections.deque  # (ids, gathered rows) on their way to the host
 
   def _restore(self, reqs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -106,17 +106,19 @@ class StepOutput:
       ("top_logprobs", n_top, np.float32),
     )
 
-  def pack(self) -> jax.Array:
-    """All fields as one int32 [R, E] array (traced), so one device-to-host copy carries the step."""
+  def pack(self) -> Array:
+    """All fields as one int32 [R, E] array, so one device-to-host copy carries the step: traced (a jax
+    array), or on the host when every field is a numpy array (a numpy array)."""
+    xp = np if all(isinstance(getattr(self, name), np.ndarray) for name, _, _ in self.layout()) else jnp
     rows = []
     for name, n, _ in self.layout(self.top_ids.shape[-1]):
       x = getattr(self, name)
-      if x.dtype == jnp.bool_:
-        x = x.astype(jnp.int32)
-      elif x.dtype != jnp.int32:
-        x = jax.lax.bitcast_convert_type(x, jnp.int32)
+      if x.dtype == xp.bool_:
+        x = x.astype(xp.int32)
+      elif x.dtype != xp.int32:
+        x = x.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(x, jnp.int32)
       rows.append(x.reshape(x.shape[0], n or 1).T)
-    return jnp.concatenate(rows)
+    return xp.concatenate(rows)
 
   @classmethod
   def unpack(cls, packed: np.ndarray, n_top: int = N_TOP) -> StepOutput:
@@ -135,6 +137,52 @@ class StepOutput:
     """(the sampled token's logprob, [(id, logprob)] of the top N) of entry i (host arrays)."""
     top = [(int(t), float(v)) for t, v in zip(self.top_ids[i], self.top_logprobs[i])]
     return float(self.logprob[i]), top
+
+
+class SlotBackend(Protocol):
+  """What the engine calls to run the model over its slots (JetStream's prefill / insert / generate split):
+  `SlotFunctions` compiles them; tests/fake_slots.py fakes them in numpy. Tables and batches are the typed
+  pytrees above; every call returns new ones (the arguments may be donated). Packed outputs are
+  `StepOutput.pack`'s, read on the host with `StepOutput.unpack`."""
+
+  n_slots: int
+  prefill_batch: int
+  n_stop: int  # stop ids per slot (SlotSettings.stop_ids' width)
+  state_shape: Any  # one sequence's decode state (abstract): its layout is the state cache's
+  axes: Any  # each state leaf's sequence axis, a DecodeState of ints
+  state_bytes_per_slot: int
+  table_bytes: int
+
+  def empty_table(self) -> SlotTable: ...
+
+  def empty_prefill(self) -> PrefillRows: ...
+
+  def prefill_chunk(self, params, pf: PrefillRows, tokens_PxC, lengths_P) -> PrefillRows:
+    """One chunk of up to C tokens per row (lengths_P of them; a row with 0 keeps its state)."""
+    ...
+
+  def prefill_chunk_scored(
+    self, params, pf: PrefillRows, tokens_PxC, lengths_P
+  ) -> tuple[PrefillRows, PromptScores]:
+    """`prefill_chunk` that also scores every token of the chunk given all before it (echo)."""
+    ...
+
+  def insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
+    """Sample each entry's first token from prefill row row_E[i] and move that row into slot slot_E[i]
+    (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
+    ...
+
+  def generate(self, params, table: SlotTable):
+    """Advance every slot by one sampled token. Returns (table, packed StepOutput of the slots)."""
+    ...
+
+  def gather(self, state, rows_E):
+    """Rows rows_E of a model state as device arrays (copied to the host asynchronously by the caller)."""
+    ...
+
+  def load_prefill(self, state) -> PrefillRows:
+    """A prefill batch starting from the given host state rows."""
+    ...
 
 
 def _done(tok_S, index_S, max_tokens_S, stop_ids_SxN):

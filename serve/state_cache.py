@@ -74,7 +74,11 @@ def layout_for(cfg, model=None) -> dict:
   (`DecodeState.batch_axes`)."""
   if model is None:
     model = laplace_model
-  state = jax.eval_shape(lambda: model.init_state(cfg, 1))
+  return layout_of(jax.eval_shape(lambda: model.init_state(cfg, 1)))
+
+
+def layout_of(state) -> dict:
+  """`layout_for` of a given (abstract) DecodeState: the layout of its leaves without their sequence axis."""
   shapes, axes = state.to_dict(), state.batch_axes().to_dict()
   return {
     k: (str(a.dtype), tuple(n for i, n in enumerate(a.shape) if i != axes[k])) for k, a in shapes.items()

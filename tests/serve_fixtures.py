@@ -1,12 +1,15 @@
-"""What the serving tests share: the tiny model, a warmed-up engine, a server on loopback, one HTTP call
-and a compile counter (imported by tests/test_serve_*.py; fixtures stay in each file, built from these)."""
+"""What the serving tests share: the tiny model, a warmed-up engine (real, or over the numpy fake of
+tests/fake_slots.py for the tests of scheduling and HTTP), a server on loopback, one HTTP call and a compile
+counter (imported by tests/test_serve_*.py; fixtures stay in each file, built from these)."""
 
 import asyncio
 import contextlib
+import functools
 import json
 
 import aiohttp
 import jax
+from fake_slots import FakeSlots
 
 from laplace_jax import get_config, model
 from laplace_jax.tokenizer import VOCAB_SIZE as GPT2_VOCAB
@@ -29,6 +32,14 @@ def engine(params, cfg, **kw):
   eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, **kw)
   eng.warmup()
   return eng
+
+
+def fake_engine(step_s: float = 0.0, **kw):
+  """A warmed-up engine over FakeSlots (tiny's config, GPT-2 vocabulary): the scheduler, the state cache
+  and the server run for real, the model is a hash (tests/fake_slots.py); nothing compiles. Each generate
+  step takes `step_s` seconds, as a model's would (tests that need requests to overlap)."""
+  make = functools.partial(FakeSlots, step_s=step_s)
+  return engine(None, get_config("tiny"), make_slots=make, **kw)
 
 
 def limits(tok, eng, **kw):

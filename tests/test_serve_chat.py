@@ -22,8 +22,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def served(tok):
-  cfg, params = sf.tiny(5)
-  engine = sf.engine(params, cfg, n_slots=4, prefill_batch=2, max_queue=4)
+  engine = sf.fake_engine(n_slots=4, prefill_batch=2, max_queue=4)
   with sf.serving(
     engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000, max_prompts=8), api_key=KEY
   ) as served:

@@ -1,5 +1,6 @@
-"""serve.engine / serve.sampling: batching never changes a request's tokens, nothing recompiles after
-warm-up, sampling draws from the exact filtered distribution, slots and the queue are bounded."""
+"""serve.engine / serve.sampling over the compiled model: batching never changes a request's tokens, nothing
+recompiles after warm-up, sampling draws from the exact filtered distribution. Scheduling alone (the queue
+bound, cancels): tests/test_serve_scheduler.py, over the fake."""
 
 import functools
 
@@ -12,7 +13,7 @@ from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, sharding
 from serve import sampling
-from serve.engine import QueueFull, Request
+from serve.engine import Request
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +116,6 @@ def test_seed_reproducible_and_matters(engine):
     [Request(prompt_ids=p, max_tokens=12, temperature=1.0, seed=s) for s in (7, 7, 8)]
   )
   assert a == b and a != c
-
-
-def test_queue_bound_and_cancel_free_slots(engine):
-  long = lambda: Request(prompt_ids=[1, 2], max_tokens=1000, temperature=0.0)
-  reqs = [engine.submit(long()) for _ in range(8 + 64)]  # 8 slots + a queue of 64
-  with pytest.raises(QueueFull):
-    engine.submit(long())
-  for _ in range(3):
-    engine.step()
-  assert engine.active_slots == 8 and engine.queue_depth == 64
-  for r in reqs:
-    engine.cancel(r)
-  engine.run_until_idle()
-  assert engine.active_slots == 0 and engine.queue_depth == 0
-  assert all(r.progress.finish_reason == "cancelled" and r.progress.done.is_set() for r in reqs)
-  assert not engine.reserved and not engine.pending and engine.prefill is None
 
 
 @pytest.mark.parametrize(

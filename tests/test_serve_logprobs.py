@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import serve_fixtures as sf
 from serve_fixtures import GPT2_VOCAB as V
+from serve_fixtures import call
 
 from laplace_jax import model
 from serve.engine import Request
@@ -25,6 +26,18 @@ def params():
 @pytest.fixture(scope="module")
 def engine(cfg, params):
   return sf.engine(params, cfg, n_slots=4, prefill_batch=2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return sf.gpt2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served(engine, tok):
+  """The engine behind the server (its other tests run over the fake engine: tests/test_serve_http.py)."""
+  with sf.serving(engine, tok, sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=1000)) as served:
+    yield served
 
 
 def _reference(params, cfg, ids):
@@ -140,3 +153,33 @@ def test_no_request_shape_compiles_after_warmup(engine):
     ]
   )
   assert compiles == []
+
+
+def test_lm_eval_loglikelihood_request_and_echo_over_http(served, tok):
+  """The request lm-evaluation-harness's local-completions sends for loglikelihood, scored against
+  log-softmax of model.forward's logits."""
+  url, server = served
+  ids = tok.encode("The quick brown fox jumps over the lazy dog")
+  st, out = call(
+    url, body={"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+  )
+  assert st == 200, out
+  lp = out["choices"][0]["logprobs"]
+  assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+  assert lp["top_logprobs"][0] is None and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+  logits = np.asarray(model.forward(server.engine.params, np.array([ids]), cfg=server.engine.cfg))[
+    0, :, : tok.vocab_size
+  ]
+  ref = (
+    logits
+    - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
+  np.testing.assert_allclose(
+    lp["token_logprobs"][1 : len(ids)], [ref[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4
+  )
+  assert out["choices"][0]["text"].startswith("The quick brown fox jumps over the lazy dog")
+  assert lp["text_offset"][:3] == [0, 3, 9]  # "The", " quick", " brown"
+  st, zero = call(url, body={"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 0})
+  assert st == 200 and zero["choices"][0]["text"] == "The quick brown fox"
+  assert zero["usage"]["completion_tokens"] == 0 and len(zero["choices"][0]["logprobs"]["tokens"]) == 4

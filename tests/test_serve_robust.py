@@ -31,8 +31,7 @@ def tok():
 def served(tok):
   """A tiny model behind the server: 4 slots, a queue of 4, at most 6 choices and 20,000 reply entries
   per request, an API key."""
-  cfg, params = sf.tiny(3)
-  eng = sf.engine(params, cfg, n_slots=4, prefill_batch=2, max_queue=4)
+  eng = sf.fake_engine(n_slots=4, prefill_batch=2, max_queue=4)
   lim = sf.limits(tok, eng, max_tokens=64, max_prompt_tokens=1000, max_prompts=8)
   lim.max_choices, lim.max_reply_entries = MAX_CHOICES, MAX_REPLY  # attributes: old code ignores them
   with sf.serving(eng, tok, lim, api_key=KEY) as served:

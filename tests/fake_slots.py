@@ -1,0 +1,210 @@
+"""A fake of `serve.slots.SlotFunctions` in numpy: the engine's scheduling, fairness, cancellation, state
+cache and HTTP paths run over it without compiling a model (`Engine(..., make_slots=FakeSlots)`).
+
+Its "model" is a hash: a sequence's state is the number of tokens it consumed and a rolling hash of them,
+and the next-token distribution after a state puts `CANDIDATES` tokens derived from the hash at fixed,
+decreasing logits, every other token at `FLOOR` (a mass under 1e-8: sampling draws among the candidates). Everything the engine relies on holds as with the real model:
+a sequence's tokens depend on its own prompt, seed and position only (never on its slot or neighbours),
+greedy decoding is deterministic, seeded sampling reproducible, and a state restored from the cache
+continues exactly as a full prefill would. `reference` decodes one request the same way, without the
+engine, to compare against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from laplace_jax.state import DecodeState
+from serve.slots import N_TOP, PrefillRows, PromptScores, SlotSettings, SlotTable, StepOutput
+
+CANDIDATES = 16
+# The logits of the candidates, most likely first: a softmax over them is far from one-hot, so sampling,
+# top-k and top-p all change which token comes out.
+LOGITS = -0.5 * np.arange(CANDIDATES, dtype=np.float64)
+FLOOR = -30.0
+_M = (1 << 61) - 1  # the hash's modulus (a Mersenne prime)
+
+
+def _mix(x):
+  """splitmix64's finaliser over uint64 arrays: well-spread bits from (seed, position) counters."""
+  x = np.asarray(x, np.uint64)
+  with np.errstate(over="ignore"):
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def consume(h, tok):
+  """The hash after feeding token(s) `tok` to a state of hash h (elementwise)."""
+  return (np.asarray(h, np.int64) * 1_000_003 + np.asarray(tok, np.int64) + 1) % _M
+
+
+def candidates(h, valid_vocab: int):
+  """[..., CANDIDATES] token ids after states of hash h, most likely first (distinct for vocabularies of at
+  least CANDIDATES tokens)."""
+  h = np.asarray(h, np.int64)[..., None]
+  base = _mix(h.astype(np.uint64)).astype(np.uint64) % np.uint64(valid_vocab)
+  return ((base + np.arange(CANDIDATES, dtype=np.uint64) * np.uint64(7919)) % np.uint64(valid_vocab)).astype(
+    np.int32
+  )
+
+
+def uniforms(seed, seed_hi, index):
+  """One U[0, 1) draw per (seed, seed_hi, index), as the real sampler's depends on those only."""
+  key = _mix(np.asarray(seed, np.uint64) ^ (np.asarray(seed_hi, np.uint64) << np.uint64(32)))
+  with np.errstate(over="ignore"):
+    bits = _mix(key + np.asarray(index, np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+  return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def sample(h, settings: SlotSettings, index, valid_vocab: int):
+  """Each row's token after a state of hash h[i] under its settings, its index-th draw."""
+  cand = candidates(h, valid_vocab)
+  t = np.asarray(settings.temperature, np.float64)[:, None]
+  greedy = t[:, 0] == 0
+  w = np.exp(LOGITS[None] / np.where(greedy[:, None], 1.0, t))
+  k = np.asarray(settings.top_k)[:, None]
+  w = np.where((k == 0) | (np.arange(CANDIDATES)[None] < k), w, 0.0)
+  p = w / w.sum(1, keepdims=True)
+  before = np.cumsum(p, 1) - p  # mass of the more likely candidates: top-p keeps those with less than top_p
+  w = np.where(before < np.asarray(settings.top_p, np.float64)[:, None], w, 0.0)
+  cdf = np.cumsum(w, 1) / w.sum(1, keepdims=True)
+  u = uniforms(settings.seed, settings.seed_hi, index)
+  pick = np.minimum((cdf <= u[:, None]).sum(1), CANDIDATES - 1)
+  pick = np.where(greedy, 0, pick)
+  return cand[np.arange(len(pick)), pick]
+
+
+def logprobs(h, tok, valid_vocab: int):
+  """(logprob of tok, top-N logprobs, top-N ids) after states of hash h, as `serve.sampling.logprobs`."""
+  cand = candidates(h, valid_vocab)
+  lse = np.log(np.exp(LOGITS).sum() + (valid_vocab - CANDIDATES) * np.exp(FLOOR))
+  lp = LOGITS - lse
+  hit = cand == np.asarray(tok)[:, None]
+  chosen = np.where(hit.any(1), (lp[None] * hit).sum(1), FLOOR - lse)
+  top = np.broadcast_to(lp[:N_TOP], (len(cand), N_TOP))
+  return chosen.astype(np.float32), top.astype(np.float32), cand[:, :N_TOP]
+
+
+def reference(prompt, max_tokens: int, valid_vocab: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0):
+  """The tokens one request gets from the fake, decoded alone (no stop ids)."""
+  h = np.zeros((1,), np.int64)
+  for t in prompt:
+    h = consume(h, t)
+  s = SlotSettings.inert(1, 1)
+  s = dataclasses.replace(
+    s,
+    temperature=np.float32([temperature]),
+    top_k=np.int32([top_k]),
+    top_p=np.float32([top_p]),
+    seed=np.uint32([seed & 0xFFFFFFFF]),
+    seed_hi=np.uint32([seed >> 32]),
+  )
+  out = []
+  for i in range(max_tokens):
+    tok = sample(h, s, np.int64([i]), valid_vocab)
+    out.append(int(tok[0]))
+    h = consume(h, tok)
+  return out
+
+
+class FakeSlots:
+  """`serve.slots.SlotFunctions`' interface (the engine's prefill / insert / generate, the state cache's
+  gather and load) over hash states in numpy; constructed with SlotFunctions' arguments."""
+
+  def __init__(
+    self, model, cfg, *, n_slots, prefill_batch, n_stop, valid_vocab, mesh=None, max_context=None, step_s=0.0
+  ):
+    del model, mesh, max_context
+    self.step_s = step_s  # seconds each generate step sleeps, as a model's step takes time
+    self.cfg, self.n_slots, self.prefill_batch, self.n_stop = cfg, n_slots, prefill_batch, n_stop
+    self.valid_vocab = valid_vocab
+    self.state_shape = jax.eval_shape(lambda: self._state(1))
+    self.axes = self.state_shape.batch_axes()
+    self.state_bytes_per_slot = 12  # pos (4 bytes) and the hash (8)
+    self.table_bytes = n_slots * (self.state_bytes_per_slot + 4 * 10 + 4 * n_stop)
+    self.calls = {"prefill": 0, "insert": 0, "generate": 0}
+
+  @staticmethod
+  def _state(batch):
+    # The hash lives in `conv` ([1, B, 1, 1]) so that the state has DecodeState's structure and batch axes.
+    return DecodeState(pos=np.zeros((batch,), np.int32), conv=np.zeros((1, batch, 1, 1), np.int64))
+
+  def empty_table(self) -> SlotTable:
+    S = self.n_slots
+    return SlotTable(
+      model=self._state(S),
+      tokens=np.zeros((S,), np.int32),
+      last_output_index=np.zeros((S,), np.int32),
+      settings=SlotSettings.inert(S, self.n_stop),
+    )
+
+  def empty_prefill(self) -> PrefillRows:
+    return PrefillRows(model=self._state(self.prefill_batch), logits=None)
+
+  def load_prefill(self, state) -> PrefillRows:
+    return PrefillRows(model=jax.tree.map(np.array, state), logits=None)
+
+  def gather(self, state, rows_E):
+    # A device array, as the real gather's: the engine copies it to the host asynchronously.
+    return jax.tree.map(lambda x, axis: jax.numpy.asarray(np.take(x, rows_E, axis=axis)), state, self.axes)
+
+  def prefill_chunk(self, params, pf: PrefillRows, tokens_PxC, lengths_P) -> PrefillRows:
+    return self.prefill_chunk_scored(params, pf, tokens_PxC, lengths_P)[0]
+
+  def prefill_chunk_scored(self, params, pf: PrefillRows, tokens_PxC, lengths_P):
+    del params
+    self.calls["prefill"] += 1
+    tokens, lengths = np.asarray(tokens_PxC), np.asarray(lengths_P)
+    P, C = tokens.shape
+    h = pf.model.conv[0, :, 0, 0].copy()
+    scores = [logprobs(h, tokens[:, 0], self.valid_vocab)]  # token j scored after the state before it
+    for j in range(C):
+      live = j < lengths
+      h = np.where(live, consume(h, tokens[:, j]), h)
+      if j + 1 < C:
+        scores.append(logprobs(h, tokens[:, j + 1], self.valid_vocab))
+    state = DecodeState(pos=pf.model.pos + lengths.astype(np.int32), conv=h.reshape(1, P, 1, 1))
+    chosen, top, ids = (np.stack(x, 1) for x in zip(*scores))
+    return PrefillRows(model=state, logits=None), PromptScores(logprob=chosen, top_logprobs=top, top_ids=ids)
+
+  def _emit(self, h, tok, index, settings: SlotSettings):
+    done = (tok[:, None] == settings.stop_ids).any(-1) | (index + 1 >= settings.max_tokens)
+    chosen, top, ids = logprobs(h, tok, self.valid_vocab)
+    return StepOutput(token=tok, done=done, logprob=chosen, top_ids=ids, top_logprobs=top).pack()
+
+  def insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
+    del params
+    self.calls["insert"] += 1
+    row_E, slot_E = np.asarray(row_E), np.asarray(slot_E)
+    h = pf.model.conv[0, row_E, 0, 0]
+    zero = np.zeros_like(slot_E)
+    tok = sample(h, settings, zero, self.valid_vocab)
+    table = jax.tree.map(np.array, table)  # a new table: the caller's is "donated"
+    for e in np.flatnonzero(slot_E < self.n_slots):
+      s, r = slot_E[e], row_E[e]
+      table.model.pos[s], table.model.conv[0, s, 0, 0] = pf.model.pos[r], h[e]
+      table.tokens[s], table.last_output_index[s] = tok[e], 0
+      for f in dataclasses.fields(SlotSettings):
+        getattr(table.settings, f.name)[s] = getattr(settings, f.name)[e]
+    return table, self._emit(h, tok, zero, settings)
+
+  def generate(self, params, table: SlotTable):
+    del params
+    self.calls["generate"] += 1
+    if self.step_s:
+      time.sleep(self.step_s)
+    h = consume(table.model.conv[0, :, 0, 0], table.tokens)
+    index = table.last_output_index + 1
+    tok = sample(h, table.settings, index, self.valid_vocab)
+    new = SlotTable(
+      model=DecodeState(pos=table.model.pos + 1, conv=h.reshape(1, -1, 1, 1)),
+      tokens=tok,
+      last_output_index=index,
+      settings=table.settings,
+    )
+    return new, self._emit(h, tok, index, table.settings)

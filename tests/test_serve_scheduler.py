@@ -1,0 +1,128 @@
+"""serve.engine's scheduling over the numpy fake of its slot functions (tests/fake_slots.py): requests
+arriving at any time, longer than a chunk, with several choices, cancelled in the queue, during their prefill
+or while decoding, each get exactly the tokens the fake gives them decoded alone; the queue is bounded and
+every slot comes free. The same engine over the compiled model: tests/test_serve_engine.py."""
+
+import fake_slots
+import numpy as np
+import pytest
+import serve_fixtures as sf
+from serve_fixtures import GPT2_VOCAB
+
+from serve.engine import QueueFull, Request
+
+
+@pytest.fixture
+def engine():
+  return sf.fake_engine(n_slots=8, prefill_batch=2, max_queue=64, prefill_chunks_per_step=1)
+
+
+def _specs(seed, n):
+  rng = np.random.default_rng(seed)
+  settings = [dict(temperature=0.0), dict(temperature=0.9, top_k=5), dict(temperature=1.0, top_p=0.7)]
+  return [
+    dict(
+      prompt_ids=rng.integers(0, GPT2_VOCAB, int(rng.integers(1, 400))).tolist(),
+      max_tokens=int(rng.integers(1, 30)),
+      seed=int(rng.integers(0, 2**64, dtype=np.uint64)),
+      **settings[i % len(settings)],
+    )
+    for i in range(n)
+  ]
+
+
+def _alone(spec):
+  keys = ("temperature", "top_k", "top_p", "seed")
+  return fake_slots.reference(
+    spec["prompt_ids"], spec["max_tokens"], GPT2_VOCAB, **{k: spec[k] for k in keys if k in spec}
+  )
+
+
+def test_the_fake_decodes_as_its_reference():
+  # The reference the tests below compare with is the fake's own model: greedy follows the top candidate,
+  # sampling depends on the seed, and settings filter it as they say.
+  prompt = [3, 1, 4, 1, 5]
+  greedy = fake_slots.reference(prompt, 6, GPT2_VOCAB)
+  h = fake_slots.consume(0, prompt[0])
+  for t in prompt[1:]:
+    h = fake_slots.consume(h, t)
+  assert greedy[0] == fake_slots.candidates(h, GPT2_VOCAB)[0]
+  draws = {tuple(fake_slots.reference(prompt, 6, GPT2_VOCAB, temperature=1.0, seed=s)) for s in range(8)}
+  assert len(draws) > 4
+  assert fake_slots.reference(prompt, 6, GPT2_VOCAB, temperature=1.0, top_k=1, seed=3) == greedy
+  assert fake_slots.reference(prompt, 6, GPT2_VOCAB, temperature=1.0, top_p=1e-6, seed=3) == greedy
+
+
+def test_requests_arriving_at_any_time_get_their_tokens_alone(engine):
+  specs = _specs(0, 24)
+  reqs = [Request(**s) for s in specs]
+  for r in reqs[:10]:
+    engine.submit(r)
+  for _ in range(5):  # later requests join while earlier ones prefill and decode
+    engine.step()
+  for r in reqs[10:]:
+    engine.submit(r)
+    engine.step()
+  engine.run_until_idle()
+  for s, r in zip(specs, reqs):
+    assert r.progress.output_ids == _alone(s), s
+    assert r.progress.finish_reason == "length" and r.progress.done.is_set()
+  assert engine.active_slots == 0 and not engine.reserved and not engine.pending
+
+
+def test_choices_of_one_prompt_share_its_prefill_and_follow_their_seeds(engine):
+  prompt = list(range(300))  # three chunks
+  siblings = [Request(prompt_ids=prompt, max_tokens=9, temperature=1.0, seed=s) for s in (2, 3)]
+  lead = Request(prompt_ids=prompt, max_tokens=9, temperature=1.0, seed=1, siblings=siblings)
+  before = engine.fns.calls["prefill"]
+  engine.generate([lead])
+  assert engine.fns.calls["prefill"] - before == 3  # one prefill row for the three choices
+  for r, s in zip([lead, *siblings], (1, 2, 3)):
+    assert r.progress.output_ids == fake_slots.reference(prompt, 9, GPT2_VOCAB, temperature=1.0, seed=s)
+
+
+def test_stop_ids_end_a_request_at_the_first_one(engine):
+  base = _alone(dict(prompt_ids=[5, 6, 7], max_tokens=12))
+  stop = base[4]
+  req = Request(prompt_ids=[5, 6, 7], max_tokens=12, stop_ids=[stop])
+  engine.generate([req])
+  assert req.progress.output_ids == base[: base.index(stop) + 1] and req.progress.finish_reason == "stop"
+
+
+def test_cancels_in_the_queue_in_prefill_and_decoding_free_everything(engine):
+  long = lambda p: Request(prompt_ids=p, max_tokens=1000)
+  decoding = [engine.submit(long([i])) for i in range(8)]
+  for _ in range(6):
+    engine.step()
+  assert engine.active_slots == 8
+  queued = [engine.submit(long(list(range(500)))) for _ in range(4)]
+  engine.cancel(decoding[0])
+  engine.step()  # the freed slot starts the first queued prompt's 4-chunk prefill
+  assert engine.prefill is not None and engine.prefill.next_chunk < engine.prefill.n_chunks
+  in_prefill = engine.prefill.reqs[0]
+  engine.cancel(in_prefill)
+  bystander = Request(prompt_ids=[9, 9], max_tokens=3)
+  engine.submit(bystander)
+  for r in decoding[1:] + queued:
+    engine.cancel(r)
+  engine.run_until_idle()
+  assert all(r.progress.finish_reason == "cancelled" for r in decoding + queued)
+  assert bystander.progress.output_ids == _alone(dict(prompt_ids=[9, 9], max_tokens=3))
+  assert engine.active_slots == 0 and engine.queue_depth == 0 and not engine.reserved
+  assert all(r is None for r in engine.slot_req) and not engine.pending and engine.prefill is None
+
+
+def test_queue_bound_and_cancel_free_slots(engine):
+  long = lambda: Request(prompt_ids=[1, 2], max_tokens=1000, temperature=0.0)
+  reqs = [engine.submit(long()) for _ in range(8 + 64)]  # 8 slots + a queue of 64
+  with pytest.raises(QueueFull):
+    engine.submit(long())
+  for _ in range(6):
+    engine.step()
+  assert engine.active_slots == 8 and engine.queue_depth == 64
+  for r in reqs:
+    engine.cancel(r)
+  engine.run_until_idle()
+  assert engine.active_slots == 0 and engine.queue_depth == 0
+  assert all(r.progress.finish_reason == "cancelled" and r.progress.done.is_set() for r in reqs)
+  assert not engine.reserved and not engine.pending and engine.prefill is None
