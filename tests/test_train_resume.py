@@ -115,11 +115,14 @@ def test_extended_run_keeps_its_schedule(data_dir, tmp_path):
   assert summary["start_step"] == 8
 
 
-def test_rbg_run_resumes_bit_identically_and_refuses_another_prng(data_dir, tmp_path):
+def test_rbg_run_resumes_bit_identically_and_refuses_another_prng(data_dir, tmp_path, capsys):
   ref, out = tmp_path / "ref", tmp_path / "resumed"
   schedule = ["--prng", "rbg", "--optimizer.total_steps", "4"]
   _train(data_dir, ref, "--steps", "4", *schedule)
+  # Threefry runs of this file compiled the same config's step: the PRNG is part of the program.
+  assert "train step compiled in" in capsys.readouterr().out
   _train(data_dir, out, "--steps", "2", *schedule)
+  assert "train step reused (compiled by an earlier run in this process)" in capsys.readouterr().out
   summary = _train(data_dir, out, "--steps", "4", *schedule)
   assert summary["start_step"] == 2
   assert [r["loss"] for r in _rows(out)] == [r["loss"] for r in _rows(ref)]  # bit-identical, steps 1-4

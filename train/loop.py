@@ -184,16 +184,23 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
   # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
   with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
     mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
-    opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
-    abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch)
+    key = _step_key(rc, mesh, seq_len, weighted, carry_batch, prng_impl)
     t0 = time.perf_counter()
-    lowered = _lower(rc, opt, mesh, abstract, seq_len, weighted)
-    lower_s = time.perf_counter() - t0
-  if tc.target:
-    return _target_report(tc, lowered, lower_s)
-  compiled = lowered.compile()
+    if tc.target or key not in _COMPILED:
+      opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
+      abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch)
+      lowered = _lower(rc, opt, mesh, abstract, seq_len, weighted)
+      lower_s = time.perf_counter() - t0
+      if tc.target:
+        return _target_report(tc, lowered, lower_s)
+      _remember(key, (opt, abstract, lowered.compile()))
+      how = "compiled"
+    else:
+      _COMPILED[key] = _COMPILED.pop(key)  # most recently used last
+      how = "reused (compiled by an earlier run in this process)"
+  opt, abstract, compiled = _COMPILED[key]
   compile_s = time.perf_counter() - t0
-  log0(f"train step compiled in {compile_s:.1f} s; {describe_memory(compiled)}")
+  log0(f"train step {how} in {compile_s:.1f} s; {describe_memory(compiled)}")
   if tc.compile_only:
     return RunSummary(compile_s=compile_s, memory=_memory_bytes(compiled))
 
@@ -248,6 +255,36 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     if sample is not None:
       summary["sample"] = sample
   return summary
+
+
+# The train steps compiled by the last few runs of this process, by everything their program depends on: a
+# later run with the same model, optimizer, shapes, mesh and PRNG (a resumed or extended run, a sweep over
+# seeds or data in one process) takes the executable as it is instead of tracing and compiling it again.
+_COMPILED: dict = {}  # key -> (optimizer, abstract train state, compiled step), least recently used first
+_MAX_COMPILED = 4
+
+
+def _step_key(rc: RunConfig, mesh, seq_len: int, weighted: bool, carry_batch: int, prng_impl: str) -> tuple:
+  tc = rc.train
+  return (
+    rc.model,
+    rc.optimizer,
+    mesh,
+    tc.global_batch,
+    seq_len,
+    tc.micro_batches,
+    tc.z_loss,
+    weighted,
+    carry_batch,
+    prng_impl,
+    jax.config.jax_default_matmul_precision,  # type: ignore[attr-defined]  # a flag JAX declares at run time
+  )
+
+
+def _remember(key: tuple, entry: tuple):
+  _COMPILED[key] = entry
+  while len(_COMPILED) > _MAX_COMPILED:
+    del _COMPILED[next(iter(_COMPILED))]
 
 
 def _train_steps(compiled, state, it, start, tc, to_global, log, evaluate, save, profile):
