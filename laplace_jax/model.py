@@ -32,6 +32,8 @@ the init RNG's split follows it.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -212,8 +214,12 @@ class LaplaceLM(nn.Module):
 # ---- pure functions -----------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: LaplaceConfig, rng) -> dict:
-  """Parameters as a plain nested dict: embed, final_norm_scale, lm_head, layers/{name: [L, ...]}."""
+  """Parameters as a plain nested dict: embed, final_norm_scale, lm_head, layers/{name: [L, ...]}.
+
+  Compiled, as the trainer's and the server's initialisations are: one program draws the values (run op by
+  op instead, the normals' last bits differ from the compiled draw's) and draws them in one call."""
   tokens = jnp.zeros((1, cfg.chunk_size), jnp.int32)
   return LaplaceLM(cfg).init(rng, tokens)["params"]
 
