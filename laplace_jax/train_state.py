@@ -5,11 +5,57 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 from flax import struct
+
+from laplace_jax.state import DecodeState
 
 # A leaf: a jax.Array, a host numpy array (a batch before it is put on the mesh) or a jax.ShapeDtypeStruct
 # (the abstract state and batch the step is compiled for).
 Array = Any
+
+
+@struct.dataclass
+class Carry:
+  """State passing's carried state: each row's recurrent state after its last token, batch-major (the row
+  axis first, so every leaf shards with the batch's rows). Attention layers carry nothing (each training
+  segment starts their context afresh), so it holds the GLA matrices, the conv windows and the position."""
+
+  pos: Array  # int32 [B]: tokens the row's state has consumed (where the conv rings' next slot is)
+  conv: Array  # f32 [B, L, conv_size, D]: every layer's short-conv ring
+  gla: Array | None = None  # f32 [B, L_G, H, d_k, d_v]: the GLA layers' matrices (None: no GLA layer)
+
+  if TYPE_CHECKING:
+
+    def replace(self, **updates: Any) -> Carry: ...
+
+  @classmethod
+  def from_state(cls, state: DecodeState) -> Carry:
+    """The model's carry (model.init_carry / forward_carry's DecodeState) with each leaf's row axis first."""
+    if state.kv is not None or state.ring is not None:
+      raise ValueError("a training carry holds no attention state: pass model.init_carry's DecodeState.")
+    first = jax.tree.map(lambda x, a: jnp.moveaxis(x, a, 0), state, state.batch_axes())
+    return cls(pos=first.pos, conv=first.conv, gla=first.gla)
+
+  def to_state(self) -> DecodeState:
+    """The inverse of from_state: the model's DecodeState layout."""
+    state = DecodeState(pos=self.pos, conv=self.conv, gla=self.gla)
+    return jax.tree.map(lambda x, a: jnp.moveaxis(x, 0, a), state, state.batch_axes())
+
+  def to_dict(self) -> dict[str, Array]:
+    """The checkpoint's form: {"pos", "conv"[, "gla"]} (carry.pos, carry.conv, carry.gla in a checkpoint)."""
+    out = {"pos": self.pos, "conv": self.conv}
+    if self.gla is not None:
+      out["gla"] = self.gla
+    return out
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Array]) -> Carry:
+    if not isinstance(d, dict) or not {"pos", "conv"} <= set(d) <= {"pos", "conv", "gla"}:
+      got = sorted(d) if isinstance(d, dict) else type(d).__name__
+      raise ValueError(f"a carry is {{pos, conv[, gla]}}: got {got}.")
+    return cls(pos=d["pos"], conv=d["conv"], gla=d.get("gla"))
 
 
 @struct.dataclass
@@ -21,10 +67,7 @@ class TrainState:
   step: Array  # int32 []: updates applied (a skipped step does not count)
   rng: Array  # uint32 [2] (threefry; [4] under rbg): key data of the run's seed
   bad_steps: Array  # int32 []: consecutive non-finite steps (0 after a good one)
-  # State passing only: each row's recurrent state after its last token (train_step.init_carry), batch-major
-  # and sharded with the batch's rows: {"gla": f32 [B, L_gla, H, K, V], "conv": f32 [B, L, conv, D],
-  # "pos": int32 [B]}. Treated as an opaque pytree here.
-  carry: Any = None
+  carry: Carry | None = None  # state passing only (train_step.init_carry), sharded with the batch's rows
 
   if TYPE_CHECKING:  # made by flax.struct.dataclass; declared here for type checkers
 
@@ -41,13 +84,14 @@ class TrainState:
       "bad_steps": self.bad_steps,
     }
     if self.carry is not None:
-      tree["carry"] = self.carry
+      tree["carry"] = self.carry.to_dict()
     return tree
 
   @classmethod
   def from_tree(cls, tree: dict) -> TrainState:
     """The inverse of to_tree (a restored checkpoint's train_state)."""
-    return cls(**tree)
+    carry = tree.get("carry")
+    return cls(**{**tree, "carry": None if carry is None else Carry.from_dict(carry)})
 
 
 @struct.dataclass
@@ -60,7 +104,7 @@ class Batch:
   # int32 [B, K]: only these positions are scored (targets and weights read there; the LM head runs there
   # alone). None: every position.
   positions: Array | None = None
-  carry: Any = None  # state passing: the rows' carried state (TrainState.carry), set by the step
+  carry: Carry | None = None  # state passing: the rows' carried state (TrainState.carry), set by the step
 
   if TYPE_CHECKING:
 

@@ -1,15 +1,15 @@
 """The training step: token-weighted loss, micro-batch accumulation, skip on non-finite, AOT compile on a mesh.
 
-    state: TrainState(params, opt_state, step, rng, bad_steps, carry=None | batch-major carry)
+    state: TrainState(params, opt_state, step, rng, bad_steps, carry=None | Carry)
     batch: Batch(inputs, targets, weights=None, positions=None, carry=None)
 (laplace_jax/train_state.py gives every field's shape and dtype.)
 
 State passing (truncated BPTT): row b of every batch continues row b's token stream of the previous step,
 so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
-segment boundary) and stores the state after its last token. The carry is batch-major so that it shards,
-and splits into micro-batches, exactly as the batch's rows do; it is part of the state and so of every
-checkpoint, in the model's DecodeState's stored form (to_dict's flat keys: the checkpoints' carry.gla,
-...). A non-finite step resets it to zero (its states may hold the NaN).
+segment boundary) and stores the state after its last token. The carry (`Carry`) is batch-major so that it
+shards, and splits into micro-batches, exactly as the batch's rows do; it is part of the state and so of every
+checkpoint (carry.pos, carry.conv, carry.gla). A non-finite step resets it to zero (its states may hold the
+NaN).
 
 `compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
 so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.
@@ -30,8 +30,7 @@ from laplace_jax import fsdp, model, sharding
 from laplace_jax import optimizer as optim
 from laplace_jax.config import LaplaceConfig
 from laplace_jax.counts import param_shapes
-from laplace_jax.state import DecodeState
-from laplace_jax.train_state import Batch, TrainState
+from laplace_jax.train_state import Batch, Carry, TrainState
 
 F32 = jnp.float32
 
@@ -50,20 +49,9 @@ class StepConfig:
       raise ValueError(f"z_loss={self.z_loss!r}: expected a weight >= 0 (0 disables it).")
 
 
-def init_carry(cfg: LaplaceConfig, batch: int) -> dict:
-  """The zero carry of `batch` rows, batch-major (model.init_carry's leaves with their batch axis first)."""
-  return _batch_major(model.init_carry(cfg, batch))
-
-
-def _batch_major(carry: DecodeState) -> dict:
-  """The model's carry as the train state holds it: flat (to_dict), every leaf's batch axis moved first."""
-  return jax.tree.map(lambda x, a: jnp.moveaxis(x, a, 0), carry, carry.batch_axes()).to_dict()
-
-
-def _model_layout(carry: dict) -> DecodeState:
-  """The inverse of _batch_major: back to the model's DecodeState."""
-  state = DecodeState.from_dict(carry)
-  return jax.tree.map(lambda x, a: jnp.moveaxis(x, 0, a), state, state.batch_axes())
+def init_carry(cfg: LaplaceConfig, batch: int) -> Carry:
+  """The zero carry of `batch` rows (model.init_carry's, batch-major)."""
+  return Carry.from_state(model.init_carry(cfg, batch))
 
 
 def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
@@ -75,7 +63,7 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   carry = None
   pos_BxK = batch.positions
   if batch.carry is not None:
-    logits_BxTxV, carry = model.forward_carry(params, batch.inputs, _model_layout(batch.carry), cfg=cfg)
+    logits_BxTxV, carry = model.forward_carry(params, batch.inputs, batch.carry.to_state(), cfg=cfg)
     logits_BxTxV = logits_BxTxV.astype(F32)
     if pos_BxK is not None:
       logits_BxTxV = jnp.take_along_axis(logits_BxTxV, pos_BxK[..., None], axis=1)
@@ -91,7 +79,7 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
   aux: dict[str, Any] = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
   if carry is not None:
-    aux["carry"] = jax.lax.stop_gradient(_batch_major(carry))
+    aux["carry"] = jax.lax.stop_gradient(Carry.from_state(carry))
   return ce + z_loss * z, aux
 
 

@@ -37,14 +37,14 @@ def test_two_segments_with_carried_state_equal_the_full_sequence():
     step_cfg=ts.StepConfig(micro_batches=micro_batches),
   )
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=B)
-  assert set(state.carry) == {"gla", "conv", "pos"} and state.carry["gla"].shape[0] == B
+  assert set(state.carry.to_dict()) == {"gla", "conv", "pos"} and state.carry.gla.shape[0] == B
   tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (B, 2 * T + 1)).astype(np.int32)
   losses = []
   for s in range(2):
     seg = tokens[:, s * T : (s + 1) * T + 1]
     state, m = step(state, ts.Batch(inputs=seg[:, :-1], targets=seg[:, 1:]))
     losses.append(float(m["loss"]))
-  assert np.asarray(state.carry["pos"]).tolist() == [2 * T] * B  # batch-major like every carry leaf
+  assert np.asarray(state.carry.pos).tolist() == [2 * T] * B  # batch-major like every carry leaf
   ce = _per_token_ce(jax.device_get(state.params), tokens, CFG)
   np.testing.assert_allclose(losses, [ce[:, :T].mean(), ce[:, T:].mean()], rtol=2e-5)
   # Without the carry the second segment scores differently (the test can tell the two apart).
@@ -60,13 +60,15 @@ def test_attention_layers_carry_nothing():
   opt = optax.adam(1e-2)
   step = ts.compile_train_step(cfg, opt, mesh, global_batch=8, seq_len=16, state_passing=True)
   state = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0, carry_batch=8)
-  assert set(state.carry) == {"gla", "conv", "pos"} and state.carry["gla"].shape[1] == 1  # one GLA layer
+  assert (
+    set(state.carry.to_dict()) == {"gla", "conv", "pos"} and state.carry.gla.shape[1] == 1
+  )  # one GLA layer
   assert set(ts.init_carry(CFG.replace(mixers="A"), 2)) == {"conv", "pos"}
   tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
   for _ in range(2):
     state, m = step(state, ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:]))
     assert np.isfinite(float(m["loss"]))
-  assert float(np.abs(np.asarray(state.carry["conv"])).max()) > 0
+  assert float(np.abs(np.asarray(state.carry.conv)).max()) > 0
 
 
 def test_carry_must_match_the_batch():
@@ -163,15 +165,15 @@ def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
   opt = optax.sgd(0.0)
   abstract = ts.abstract_train_state(CFG, opt, mesh, carry_batch=8)
   state = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=8)
-  conv = np.random.default_rng(3).normal(size=state.carry["conv"].shape).astype(np.float32)
-  old = state.replace(carry={"gla": state.carry["gla"], "conv": conv})
+  conv = np.random.default_rng(3).normal(size=state.carry.conv.shape).astype(np.float32)
+  old = {**state.to_tree(), "carry": {"gla": state.carry.gla, "conv": conv}}  # the tree such checkpoints hold
   with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:
-    ck.save(3, old.to_tree(), force=True)
+    ck.save(3, old, force=True)
   restored, note = resume.restore_train_state(checkpoint.Checkpointer(tmp_path / "ckpt"), abstract)
   assert restored.step == 3 and "pos = 0" in note
-  pos = restored.train_state.carry["pos"]
-  assert np.asarray(pos).tolist() == [0] * 8 and pos.sharding == abstract.carry["pos"].sharding
-  np.testing.assert_array_equal(restored.train_state.carry["conv"], conv)
+  pos = restored.train_state.carry.pos
+  assert np.asarray(pos).tolist() == [0] * 8 and pos.sharding == abstract.carry.pos.sharding
+  np.testing.assert_array_equal(restored.train_state.carry.conv, conv)
   with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:  # a checkpoint with carry.pos restores as saved
     ck.save(4, state.to_tree(), force=True)
   restored, note = resume.restore_train_state(checkpoint.Checkpointer(tmp_path / "ckpt"), abstract)
@@ -183,5 +185,5 @@ def test_a_carry_saved_before_pos_resumes_exactly_with_pos_zero(tmp_path):
   with checkpoint.Checkpointer(tmp_path / "ckpt") as ck:
     restored, note = resume.restore_train_state(ck, abstract)
   assert restored.step == 3 and "pos = 0" in note
-  assert np.asarray(restored.train_state.carry["pos"]).tolist() == [0] * 8
-  np.testing.assert_array_equal(restored.train_state.carry["conv"], conv)
+  assert np.asarray(restored.train_state.carry.pos).tolist() == [0] * 8
+  np.testing.assert_array_equal(restored.train_state.carry.conv, conv)

@@ -256,7 +256,7 @@ def test_checkpoint_from_before_the_typed_state_restores_and_resumes(tmp_path):
   ):
     assert a.sharding == s.sharding, jax.tree_util.keystr(path)
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
-  assert int(got.step) == 1 and got.carry["gla"].shape[0] == 8
+  assert int(got.step) == 1 and got.carry.gla.shape[0] == 8
   got, m_got = step(got, _fixture_batch(1))
   want, m_want = step(want, _fixture_batch(1))
   assert int(got.step) == int(want.step) == 2 and not bool(m_got["skipped"])

@@ -221,7 +221,13 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   losses, t0 = [], time.perf_counter()
   for i in range(cell.steps):
     b = next(stream)
-    state, metrics = step(state, train_step.Batch(**b, positions=recall.scored_positions(b["weights"])))
+    batch = train_step.Batch(
+      inputs=b["inputs"],
+      targets=b["targets"],
+      weights=b["weights"],
+      positions=recall.scored_positions(b["weights"]),
+    )
+    state, metrics = step(state, batch)
     if i % 10 == 9 or i == cell.steps - 1:
       losses.append((i + 1, float(metrics["loss"])))
       if bar:
