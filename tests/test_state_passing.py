@@ -63,7 +63,7 @@ def test_attention_layers_carry_nothing():
   assert (
     set(state.carry.to_dict()) == {"gla", "conv", "pos"} and state.carry.gla.shape[1] == 1
   )  # one GLA layer
-  assert set(ts.init_carry(CFG.replace(mixers="A"), 2)) == {"conv", "pos"}
+  assert set(ts.init_carry(CFG.replace(mixers="A"), 2).to_dict()) == {"conv", "pos"}
   tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
   for _ in range(2):
     state, m = step(state, ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:]))
