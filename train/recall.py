@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -202,6 +203,14 @@ def cells_of(grid: dict, sections, seeds=(0,), patterns=PATTERNS) -> list[Cell]:
   return list(dict.fromkeys(dataclasses.replace(c, seed=s, state_passing=sp) for s in seeds for c in cells))
 
 
+@functools.lru_cache(maxsize=8)
+def _optimizer_and_step(cfg, ocfg: optim.OptimizerConfig):
+  """One optimizer and jitted step per (model, optimizer config), so cells that share both (every seed of a
+  cell; the smoke grid's passkey cell after its pattern's MQAR cell) trace and compile the step once."""
+  opt = optim.make_optimizer(ocfg)
+  return opt, jit_step(cfg, opt)
+
+
 def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   """Train one cell through the library's train step (each batch scored at its answer positions only);
   returns (params, cfg, {final_loss, train_s, losses})."""
@@ -210,12 +219,11 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   ocfg = optim.OptimizerConfig(
     total_steps=cell.steps, warmup_steps=max(1, cell.steps // 20), adamw_lr=adamw_lr, muon_lr=grid["muon_lr"]
   )
-  opt = optim.make_optimizer(ocfg)
+  opt, step = _optimizer_and_step(cfg, ocfg)
   # state passing: each row's recurrent state after its previous batch starts its next (train_step's carry)
   state = train_step.init_train_state(
     cfg, opt, cell.seed, carry_batch=cell.batch if cell.state_passing else 0
   )
-  step = jit_step(cfg, opt)
   stream = recall.RecallStream(cell.task, seq_len=cfg.max_seq_len, global_batch=cell.batch, seed=cell.seed)
   bar = progress_bar(progress, cell.steps, f"{cell.pattern:>3} {cell.task} d{cell.width}")
   losses, t0 = [], time.perf_counter()
