@@ -244,6 +244,13 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
+  return _forward_jit(params, tokens_BxT, cfg, positions_BxK)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, positions_BxK):
+  # Compiled once per config and shape (inlined when forward is traced inside a caller's jit); the checks
+  # above run on the host first, where the tokens are concrete.
   logits, _ = LaplaceLM(cfg).apply({"params": params}, tokens_BxT, positions_BxK=positions_BxK)
   return logits
 
