@@ -214,12 +214,20 @@ class LaplaceLM(nn.Module):
 # ---- pure functions -----------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: LaplaceConfig, rng) -> dict:
   """Parameters as a plain nested dict: embed, final_norm_scale, lm_head, layers/{name: [L, ...]}.
 
   Compiled, as the trainer's and the server's initialisations are: one program draws the values (run op by
   op instead, the normals' last bits differ from the compiled draw's) and draws them in one call."""
+  return _init_params_jit(cfg, platform.backend(), rng)
+
+
+# The module-level jits below take the platform whose choices they trace (platform.backend(), which
+# `platform.lowering_for` sets) as a static argument: a program traced for the CPU is never reused for a
+# lowering under another target.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_params_jit(cfg: LaplaceConfig, backend: str, rng) -> dict:
+  del backend  # the cache key
   tokens = jnp.zeros((1, cfg.chunk_size), jnp.int32)
   return LaplaceLM(cfg).init(rng, tokens)["params"]
 
@@ -244,13 +252,14 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
-  return _forward_jit(params, tokens_BxT, cfg, positions_BxK)
+  return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxK)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, positions_BxK):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, backend: str, positions_BxK):
   # Compiled once per config and shape (inlined when forward is traced inside a caller's jit); the checks
   # above run on the host first, where the tokens are concrete.
+  del backend  # the cache key
   logits, _ = LaplaceLM(cfg).apply({"params": params}, tokens_BxT, positions_BxK=positions_BxK)
   return logits
 
@@ -380,7 +389,10 @@ def prefill_chunk(params, state: DecodeState, tokens_BxC, lengths_B, *, cfg: Lap
   return LaplaceLM(cfg).apply({"params": params}, tokens_BxC, state, mask_BxC, last_only=True)
 
 
-_prefill_chunk_jit = jax.jit(prefill_chunk, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def _prefill_chunk_jit(params, state, tokens_BxC, lengths_B, *, cfg: LaplaceConfig, backend: str):
+  del backend  # the cache key (see _init_params_jit)
+  return prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=cfg)
 
 
 def prefill(params, state: DecodeState, tokens_BxT, lengths_B=None, *, cfg: LaplaceConfig):
@@ -405,6 +417,8 @@ def prefill(params, state: DecodeState, tokens_BxT, lengths_B=None, *, cfg: Lapl
     n_B = np.clip(lengths - c * C, 0, C).astype(np.int32)
     if not n_B.any():
       break
-    logits, state = _prefill_chunk_jit(params, state, tokens[:, c * C : (c + 1) * C], n_B, cfg=cfg)
+    logits, state = _prefill_chunk_jit(
+      params, state, tokens[:, c * C : (c + 1) * C], n_B, cfg=cfg, backend=platform.backend()
+    )
     last_logits = jnp.where(jnp.asarray(n_B > 0)[:, None], logits, last_logits)
   return last_logits, state
