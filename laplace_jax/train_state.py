@@ -44,18 +44,16 @@ class Carry:
     return jax.tree.map(lambda x, a: jnp.moveaxis(x, 0, a), state, state.batch_axes())
 
   def to_dict(self) -> dict[str, Array]:
-    """The checkpoint's form: {"pos", "conv"[, "gla"]} (carry.pos, carry.conv, carry.gla in a checkpoint)."""
-    out = {"pos": self.pos, "conv": self.conv}
-    if self.gla is not None:
-      out["gla"] = self.gla
-    return out
+    """The checkpoint's form, DecodeState.to_dict's keys: {"pos", "conv"[, "gla"]} (carry.pos, ... on disk)."""
+    return DecodeState(pos=self.pos, conv=self.conv, gla=self.gla).to_dict()
 
   @classmethod
   def from_dict(cls, d: dict[str, Array]) -> Carry:
-    if not isinstance(d, dict) or not {"pos", "conv"} <= set(d) <= {"pos", "conv", "gla"}:
-      got = sorted(d) if isinstance(d, dict) else type(d).__name__
-      raise ValueError(f"a carry is {{pos, conv[, gla]}}: got {got}.")
-    return cls(pos=d["pos"], conv=d["conv"], gla=d.get("gla"))
+    """The inverse of to_dict (DecodeState.from_dict's checks, and no attention tables)."""
+    state = DecodeState.from_dict(d)
+    if state.kv is not None or state.ring is not None:
+      raise ValueError(f"a stored carry has keys {sorted(d)}: expected pos, conv and gla only.")
+    return cls(pos=state.pos, conv=state.conv, gla=state.gla)
 
 
 @struct.dataclass

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from laplace_jax.state import DecodeState
-from serve.slots import N_TOP, PrefillRows, PromptScores, SlotSettings, SlotTable, StepOutput
+from serve.slots import N_TOP, PrefillRows, PromptScores, SlotSettings, SlotTable, StepOutput, host_settings
 
 CANDIDATES = 16
 # The logits of the candidates, most likely first: a softmax over them is far from one-hot, so sampling,
@@ -95,15 +95,17 @@ def reference(prompt, max_tokens: int, valid_vocab: int, *, temperature=0.0, top
   h = np.zeros((1,), np.int64)
   for t in prompt:
     h = consume(h, t)
-  s = SlotSettings.inert(1, 1)
-  s = dataclasses.replace(
-    s,
-    temperature=np.float32([temperature]),
-    top_k=np.int32([top_k]),
-    top_p=np.float32([top_p]),
-    seed=np.uint32([seed & 0xFFFFFFFF]),
-    seed_hi=np.uint32([seed >> 32]),
+  row = SlotSettings(
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    seed=seed & 0xFFFFFFFF,
+    seed_hi=seed >> 32,
+    max_tokens=max_tokens,
+    stop_ids=[],
+    logprobs=-1,
   )
+  s = host_settings([row], 1, 1)  # as the engine builds an insert's settings
   out = []
   for i in range(max_tokens):
     tok = sample(h, s, np.int64([i]), valid_vocab)
@@ -125,8 +127,9 @@ class FakeSlots:
     self.valid_vocab = valid_vocab
     self.state_shape = jax.eval_shape(lambda: self._state(1))
     self.axes = self.state_shape.batch_axes()
-    self.state_bytes_per_slot = 12  # pos (4 bytes) and the hash (8)
-    self.table_bytes = n_slots * (self.state_bytes_per_slot + 4 * 10 + 4 * n_stop)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    self.state_bytes_per_slot = nbytes(self._state(1))
+    self.table_bytes = nbytes(self.empty_table())
     self.calls = {"prefill": 0, "insert": 0, "generate": 0}
 
   @staticmethod
