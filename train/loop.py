@@ -184,6 +184,12 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
   # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
   with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
     mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
+    counts = param_counts(cfg)
+    log0(
+      f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
+      f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
+      f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)"
+    )
     key = _step_key(rc, mesh, seq_len, weighted, carry_batch, prng_impl)
     t0 = time.perf_counter()
     if tc.target or key not in _COMPILED:
@@ -317,12 +323,6 @@ def _train_steps(compiled, state, it, start, tc, to_global, log, evaluate, save,
 def _lower(rc: RunConfig, opt, mesh, abstract, seq_len: int, weighted: bool):
   """The train step lowered for the mesh (and, under lowering_for, the target's choices)."""
   tc, cfg = rc.train, rc.model
-  counts = param_counts(cfg)
-  log0(
-    f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
-    f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
-    f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)"
-  )
   return ts.lower_train_step(
     cfg,
     opt,
