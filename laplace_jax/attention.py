@@ -2,7 +2,7 @@
 
 Layout as in gla.py: q, k, v, o [B, T, H, hd]. Scores and softmax in fp32, scale hd**-0.5.
   rope(x_BxTxHxd, pos_BxT)                          rotate (first half, second half) pairs by pos·base^(−2i/hd)
-  causal_attention(q, k, v)                         a whole sequence from position 0 (training, eval)
+  causal_attention(q, k, v[, segment])              a whole sequence from position 0 (training, eval)
   cached_attention(q, k, v, k_cache, v_cache, pos_B, n_B) -> (o, k_cache, v_cache)
       T new tokens per row at positions pos_B … pos_B+T−1, of which the first n_B are real: their keys and
       values are written into the caches [B, S, H, hd] (padding is dropped), then every query attends to
@@ -49,10 +49,13 @@ def _attend(q_BxTxHxd, k_BxSxHxd, v_BxSxHxd, visible_BxTxS, kv_layout: str = "bs
   )
 
 
-def causal_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd):
-  """Softmax attention of each position over positions <= it; returns o [B, T, H, hd] fp32."""
+def causal_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, segment_BxT=None):
+  """Softmax attention of each position over positions <= it (of its own segment, where `segment_BxT`
+  numbers a packed row's segments: laplace_jax/segments.py); returns o [B, T, H, hd] fp32."""
   B, T = q_BxTxHxd.shape[:2]
   visible = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+  if segment_BxT is not None:
+    visible = visible & (segment_BxT[:, :, None] == segment_BxT[:, None, :])
   return _attend(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, visible)
 
 

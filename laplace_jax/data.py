@@ -9,14 +9,16 @@ A prepared data directory holds:
 API (the trainer's side):
   make_train_iterator(data_dir, *, seq_len, global_batch_size, seed=0, process_index=None,
                       process_count=None, split="train", prefetch=2, vocab_size=None,
-                      contiguous=False) -> TrainIterator
+                      contiguous=False, segment_ids=False) -> TrainIterator
       endless; next() -> {"inputs": int32 [B_local, T], "targets": int32 [B_local, T]} with
-      B_local = global_batch_size // process_count. `.get_state()` / `.set_state(state)` take JSON-able
+      B_local = global_batch_size // process_count, and with segment_ids=True "segment_ids": int32
+      [B_local, T], the document of each input (below). `.get_state()` / `.set_state(state)` take JSON-able
       dicts (it is a grain DatasetIterator, so grain's and Orbax's checkpoint handlers accept it);
       `.last_wait_s` is how long the last next() blocked: the "input wait" to log. Use it as a
       context manager or call `.close()` to stop its prefetch thread (it is also stopped at exit).
   make_eval_batches(data_dir, *, seq_len, global_batch_size, process_index=None, process_count=None,
-                    split="val", max_batches=None, vocab_size=None) -> list of the same dicts
+                    split="val", max_batches=None, vocab_size=None, segment_ids=False)
+      -> list of the same dicts
       the held-out split in stored order, EOS-joined and packed into full global batches; identical on
       every call and for any process count, so build it once and reuse it.
   load_manifest(data_dir) -> dict;  check_vocab(manifest, vocab_size)
@@ -32,6 +34,12 @@ state is, per row, the index of its current document and the offset inside it.
 `contiguous=True` (state passing): consecutive examples of a row overlap by one token, x_n = s[nT : nT+T+1],
 so each step's inputs continue exactly where the row's previous inputs stopped (the last target of one step
 is the first input of the next) and a state carried across steps has read every token before.
+
+Segment ids (packed rows computed per document: laplace_jax/segments.py). The EOS between two documents is
+the first input of the one that follows (its beginning-of-sequence token), so an input's id is the index of
+the document it belongs to in its row's stream, counting that EOS as the next document's: every target is
+then predicted from its own document only, and no loss position needs masking. Ids increase along a row and
+across its examples (a document cut by an example boundary keeps its id on both sides).
 """
 
 from __future__ import annotations
@@ -155,11 +163,17 @@ class _PackedRows(grain.DatasetIterator):
   """B_local rows, each packing its own document stream into (seq_len+1)-token examples."""
 
   def __init__(
-    self, rows: list[grain.MapDataset], seq_len: int, eos_id: int, layout: dict, contiguous: bool = False
+    self,
+    rows: list[grain.MapDataset],
+    seq_len: int,
+    eos_id: int,
+    layout: dict,
+    contiguous: bool = False,
+    segment_ids: bool = False,
   ):
     super().__init__()
     self._rows, self._width, self._eos, self._layout = rows, seq_len + 1, eos_id, layout
-    self._contiguous = contiguous
+    self._contiguous, self._segment_ids = contiguous, segment_ids
     self._pos = [[0, 0] for _ in rows]  # per row: [document index within the row, offset in doc+EOS]
     self._cache: list[tuple[int, np.ndarray] | None] = [None] * len(rows)
 
@@ -174,12 +188,16 @@ class _PackedRows(grain.DatasetIterator):
 
   def __next__(self) -> dict[str, np.ndarray]:
     x_BxW = np.empty((len(self._rows), self._width), np.int32)
+    seg_BxW = np.empty_like(x_BxW)
     for r, pos in enumerate(self._pos):
       filled = 0
       while filled < self._width:
         doc = self._doc(r, pos[0])
         take = min(len(doc) - pos[1], self._width - filled)
         x_BxW[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
+        seg_BxW[r, filled : filled + take] = pos[0]
+        if pos[1] + take == len(doc):  # its closing EOS opens the next document
+          seg_BxW[r, filled + take - 1] = pos[0] + 1
         filled += take
         pos[1] += take
         if pos[1] == len(doc):
@@ -189,7 +207,10 @@ class _PackedRows(grain.DatasetIterator):
           pos[1] -= 1
         else:
           pos[0], pos[1] = pos[0] - 1, len(self._doc(r, pos[0] - 1)) - 1
-    return {"inputs": np.ascontiguousarray(x_BxW[:, :-1]), "targets": np.ascontiguousarray(x_BxW[:, 1:])}
+    batch = {"inputs": np.ascontiguousarray(x_BxW[:, :-1]), "targets": np.ascontiguousarray(x_BxW[:, 1:])}
+    if self._segment_ids:
+      batch["segment_ids"] = np.ascontiguousarray(seg_BxW[:, :-1])
+    return batch
 
   def get_state(self) -> dict[str, Any]:
     return {"layout": dict(self._layout), "rows": [list(p) for p in self._pos]}
@@ -273,9 +294,11 @@ def make_train_iterator(
   prefetch: int = 2,
   vocab_size: int | None = None,
   contiguous: bool = False,
+  segment_ids: bool = False,
 ) -> TrainIterator:
   """This process's endless stream of packed batches (see the module docstring); `prefetch` batches
-  are built ahead on a background thread (0: build on demand); `contiguous`: rows continue across steps."""
+  are built ahead on a background thread (0: build on demand); `contiguous`: rows continue across steps;
+  `segment_ids`: each batch also holds its inputs' document ids (the stream itself is the same)."""
   if seq_len <= 0:
     raise ValueError(f"seq_len={seq_len} must be a positive number of tokens")
   if not 0 <= seed < 2**32:
@@ -301,7 +324,7 @@ def make_train_iterator(
   }
   if contiguous:  # a layout key only when set, so states saved before the option still restore
     layout["contiguous"] = True
-  packed = _PackedRows(rows, seq_len, int(manifest["eos_id"]), layout, contiguous)
+  packed = _PackedRows(rows, seq_len, int(manifest["eos_id"]), layout, contiguous, segment_ids)
   return TrainIterator(_ThreadPrefetch(packed, prefetch))
 
 
@@ -318,8 +341,10 @@ def make_eval_batches(
   split: str = "val",
   max_batches: int | None = None,
   vocab_size: int | None = None,
+  segment_ids: bool = False,
 ) -> list[dict[str, np.ndarray]]:
-  """The held-out split in stored order, EOS-joined, packed into full global batches; this process's rows."""
+  """The held-out split in stored order, EOS-joined, packed into full global batches; this process's rows.
+  `segment_ids`: each batch also holds its inputs' document ids (the module docstring's convention)."""
   p, n = _resolve_processes(process_index, process_count, global_batch_size)
   manifest = load_manifest(data_dir)
   if vocab_size is not None:
@@ -327,13 +352,14 @@ def make_eval_batches(
   docs = _documents(data_dir, manifest, split)
   width, eos = seq_len + 1, np.array([manifest["eos_id"]], np.int32)
   want = None if max_batches is None else max_batches * global_batch_size * width
-  pieces, have = [], 0
+  pieces, ids, have = [], [], 0
   for i in range(len(docs)):
     if want is not None and have >= want:
       break
     pieces += [docs[i].astype(np.int32), eos]
+    ids += [np.full(len(pieces[-2]), i, np.int32), np.array([i + 1], np.int32)]
     have += len(pieces[-2]) + 1
-  tokens = np.concatenate(pieces)
+  tokens, doc_ids = np.concatenate(pieces), np.concatenate(ids)
   n_batches = len(tokens) // (global_batch_size * width)
   if max_batches is not None:
     n_batches = min(n_batches, max_batches)
@@ -344,8 +370,14 @@ def make_eval_batches(
       "`python -m train.prepare` with a larger --val_fraction"
     )
   b_local = global_batch_size // n
-  x_NxBxW = tokens[: n_batches * global_batch_size * width].reshape(n_batches, global_batch_size, width)
-  x_NxBxW = x_NxBxW[:, p * b_local : (p + 1) * b_local]
-  return [
-    {"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])} for x in x_NxBxW
+  cut = lambda a: a[: n_batches * global_batch_size * width].reshape(n_batches, global_batch_size, width)[
+    :, p * b_local : (p + 1) * b_local
   ]
+  batches = [
+    {"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])}
+    for x in cut(tokens)
+  ]
+  if segment_ids:
+    for b, s in zip(batches, cut(doc_ids)):
+      b["segment_ids"] = np.ascontiguousarray(s[:, :-1])
+  return batches

@@ -5,6 +5,9 @@ Layout: q, k [B, T, H, K]; v, o [B, T, H, V]; state [B, H, K, V] fp32; g_gamma [
 
     S_t = exp(g_gamma) * S_{t-1} + k_t v_t^T,      o_t = scale * q_t^T S_t
 
+Packed rows: `reset` [B, T] (True where a token begins a new segment) drops the state before that token,
+S_t = k_t v_t^T, so each segment of a row is computed exactly as if it ran alone from a zero state.
+
 Three forms: `chunk_simple_gla` (training / prefill: intra-chunk work in parallel, a scan over a static
 number of chunks for the state), `recurrent_simple_gla_step` (one decode token) and
 `naive_recurrent_simple_gla` (the token-by-token reference the tests compare against).
@@ -19,7 +22,7 @@ import numpy as np
 F32 = jnp.float32
 
 
-def _check(q, k, v, g_gamma, initial_state, mask):
+def _check(q, k, v, g_gamma, initial_state, mask, reset=None):
   """Shape/dtype/sign validation with messages that name the value and the fix."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
@@ -47,21 +50,39 @@ def _check(q, k, v, g_gamma, initial_state, mask):
     )
   if mask is not None and mask.shape != (B, T):
     raise ValueError(f"mask has shape {mask.shape}: expected [B, T] = {(B, T)}.")
+  if reset is not None and (reset.shape != (B, T) or reset.dtype != jnp.bool_):
+    raise ValueError(f"reset is {reset.dtype}{list(reset.shape)}: expected bool [B, T] = {[B, T]}.")
 
 
-def _chunk_terms(q_, k_, v_, b):
+def _chunk_terms(q_, k_, v_, b, r=None):
   """One chunk's pieces, for any leading dims ([..., C, ·], b [..., C]): the intra-chunk output
   Σ_{j<=i} exp(b_i - b_j)(q_i·k_j) v_j, the state contribution U = Σ_j exp(b_last - b_j) k_j v_j^T, the
   chunk's total decay exp(b_last), and the decayed queries exp(b_i) q_i that read the incoming state.
 
+  `r` [..., C] (int, broadcastable to b): the number of segment starts in the chunk up to each position,
+  inclusive. Then j feeds i only within one segment (r_j == r_i), U holds the last segment's tokens only,
+  and a chunk with a start neither decays nor passes on the incoming state, which only the positions before
+  its first start read: every term is dropped by a select, never by a large negative decay.
+
   The exponent is masked *before* exp, so the (positive) upper triangle never overflows; nothing is ever
   divided by a cumulative decay."""
   C = b.shape[-1]
-  decay = jnp.exp(jnp.where(jnp.tril(jnp.ones((C, C), bool)), b[..., :, None] - b[..., None, :], -jnp.inf))
+  causal = jnp.tril(jnp.ones((C, C), bool))
+  if r is not None:
+    causal = causal & (r[..., :, None] == r[..., None, :])
+  decay = jnp.exp(jnp.where(causal, b[..., :, None] - b[..., None, :], -jnp.inf))
   o_intra = jnp.einsum("...ij,...jv->...iv", jnp.einsum("...ik,...jk->...ij", q_, k_) * decay, v_)
   b_last = b[..., -1:]
-  u = jnp.einsum("...jk,...jv->...kv", k_ * jnp.exp(b_last - b)[..., None], v_)
-  return o_intra, u, jnp.exp(b_last[..., 0]), q_ * jnp.exp(b)[..., None]
+  w_j = jnp.exp(b_last - b)
+  d = jnp.exp(b_last[..., 0])
+  q_dec = q_ * jnp.exp(b)[..., None]
+  if r is not None:
+    r_last = r[..., -1:]
+    w_j = jnp.where(r == r_last, w_j, 0.0)
+    d = jnp.where(r_last[..., 0] == 0, d, 0.0)
+    q_dec = jnp.where((r == 0)[..., None], q_dec, 0.0)
+  u = jnp.einsum("...jk,...jv->...kv", k_ * w_j[..., None], v_)
+  return o_intra, u, d, q_dec
 
 
 def _read(q_dec, s):
@@ -69,7 +90,7 @@ def _read(q_dec, s):
   return jnp.einsum("...ik,...kv->...iv", q_dec, s)
 
 
-def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll):
+def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll, r_Bx1xNxC=None):
   """Every chunk's whole work inside one scan step (cache-sized working set): [B,H,N,C,·] -> (o, S)."""
 
   def step(s, xs):
@@ -77,16 +98,18 @@ def _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll):
     return d_BxH[..., None, None] * s + u, o_intra + _read(q_dec, s)
 
   n_first = lambda x: jnp.moveaxis(x, 2, 0)
+  xs = (q_, k_, v_, b_BxHxNxC) + (() if r_Bx1xNxC is None else (r_Bx1xNxC,))
   s, o_NxBxHxCxV = jax.lax.scan(
-    step, s0, tuple(map(n_first, (q_, k_, v_, b_BxHxNxC))), unroll=0 if unroll else 1
+    step, s0, tuple(map(n_first, xs)), unroll=0 if unroll else 1
   )  # 0: all chunks (True leaves one chunk a loop)
   return jnp.moveaxis(o_NxBxHxCxV, 0, 2), s
 
 
-def _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll):
+def _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll, r_Bx1xNxC=None):
   """Every chunk's intra-chunk work at once, then the only sequential part, S_n = d_n S_{n-1} + U_n over a
   static number of chunks, which emits each chunk's incoming state S_{n-1} for the readout."""
-  o_intra, u_BxHxNxKxV, d_BxHxN, q_dec = _chunk_terms(q_, k_, v_, b_BxHxNxC)
+  o_intra, u_BxHxNxKxV, d_BxHxN, q_dec = _chunk_terms(q_, k_, v_, b_BxHxNxC, r_Bx1xNxC)
+  d_BxHxN = jnp.broadcast_to(d_BxHxN, u_BxHxNxKxV.shape[:3])
 
   def step(s_prev, xs):
     d_BxH, u = xs
@@ -108,6 +131,7 @@ def chunk_simple_gla(
   initial_state=None,
   chunk_size=128,
   mask=None,
+  reset=None,
   unroll=False,
   form="parallel",
 ):
@@ -115,13 +139,15 @@ def chunk_simple_gla(
 
   `mask` [B, T] (optional, True = real token) skips positions entirely: no decay, no contribution, so a
   right-padded chunk leaves the state exactly as its valid prefix would (the output there is meaningless).
+  `reset` [B, T] (optional, True = the token begins a segment; see the module doc) restarts the state there
+  from zero, inside a chunk too; a masked position never resets.
   `unroll=True` unrolls the chunk scan statically (a fixed graph for ahead-of-time compilers).
   `form`: "parallel" does every chunk's intra-chunk attention at once and scans only the state (fastest on
   GPUs: 2× the "scan" form on an H200); "scan" does each chunk's whole work inside the scan step, keeping the
   working set cache-sized (constant time per token on CPUs, where "parallel" slows as T grows). Same math.
   """
   g_gamma = jnp.asarray(g_gamma)
-  _check(q, k, v, g_gamma, initial_state, mask)
+  _check(q, k, v, g_gamma, initial_state, mask, reset)
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = int(chunk_size)
@@ -156,11 +182,16 @@ def chunk_simple_gla(
     g_BxTxH = padt(jnp.where(mask[..., None], g_gamma.astype(F32), 0.0))
     b_BxHxNxC = jnp.cumsum(jnp.moveaxis(g_BxTxH.reshape(B, N, C, H), 3, 1), axis=-1)
 
+  r_Bx1xNxC = None
+  if reset is not None:  # segment starts so far in each chunk, inclusive (padding never starts one)
+    starts = padt(reset if mask is None else reset & mask).reshape(B, 1, N, C)
+    r_Bx1xNxC = jnp.cumsum(starts.astype(jnp.int32), axis=-1)
+
   s0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
   if form == "scan":
-    o, final_state = _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll)
+    o, final_state = _chunks_in_scan(q_, k_, v_, b_BxHxNxC, s0, unroll, r_Bx1xNxC)
   else:
-    o, final_state = _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll)
+    o, final_state = _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll, r_Bx1xNxC)
   o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, V)[:, :T]
   return o.astype(out_dtype), final_state
 
@@ -179,16 +210,19 @@ def recurrent_simple_gla_step(q, k, v, g_gamma, state, *, scale=None):
   return o.astype(v.dtype), s
 
 
-def naive_recurrent_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None):
-  """Token-by-token reference (a scan over T of `recurrent_simple_gla_step`): (o, final_state)."""
+def naive_recurrent_simple_gla(q, k, v, g_gamma, *, scale=None, initial_state=None, reset=None):
+  """Token-by-token reference (a scan over T of `recurrent_simple_gla_step`; the state zeroed before a
+  token whose `reset` is True): (o, final_state)."""
   g_gamma = jnp.asarray(g_gamma)
-  _check(q, k, v, g_gamma, initial_state, None)
+  _check(q, k, v, g_gamma, initial_state, None, reset)
   B, T, H, K = q.shape
   s0 = jnp.zeros((B, H, K, v.shape[-1]), F32) if initial_state is None else initial_state.astype(F32)
+  reset = jnp.zeros((B, T), bool) if reset is None else reset
 
-  def step(s, qkv):
-    o, s = recurrent_simple_gla_step(*qkv, g_gamma, s, scale=scale)
+  def step(s, xs):
+    *qkv, r_B = xs
+    o, s = recurrent_simple_gla_step(*qkv, g_gamma, jnp.where(r_B[:, None, None, None], 0.0, s), scale=scale)
     return s, o
 
-  s, o_TxBxHxV = jax.lax.scan(step, s0, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
+  s, o_TxBxHxV = jax.lax.scan(step, s0, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, reset)))
   return jnp.moveaxis(o_TxBxHxV, 0, 1), s

@@ -11,9 +11,9 @@ piece names (laplace_jax/state.py). A piece's parameters sit at the layer's own 
 tree is the flat layers/{name: [L, ...]} every checkpoint holds.
 
 At call time a piece takes the layer's whole decode state (a DecodeState, or None: a sequence from position 0)
-and its row `idx` in its own table (model.table_row), and returns (output, the state with only its own field
-replaced). A state whose field is None (a training carry has no attention cache) also means: start from
-position 0.
+and its row `idx` in its own table (model.table_row), the row mask, and the packed rows' Segments (None: one
+sequence per row; laplace_jax/segments.py), and returns (output, the state with only its own field replaced).
+A state whose field is None (a training carry has no attention cache) also means: start from position 0.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 
 from laplace_jax import attention, gla, gla_decode, platform, short_conv, window_attention
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays
+from laplace_jax.segments import Segments
 from laplace_jax.sharding import BATCH_AXES
 from laplace_jax.state import DecodeState, KVCache
 
@@ -119,17 +120,18 @@ class ShortConv(LayerPart):
     return jax.ShapeDtypeStruct((batch, cfg.conv_size, cfg.d_model), F32)
 
   @nn.compact
-  def __call__(self, h_BxTxD, state, idx, mask_BxT):
+  def __call__(self, h_BxTxD, state, idx, mask_BxT, segments: Segments | None = None):
     w = self.make_params()
     kernel, bias = w["conv_kernel"].astype(jnp.dtype(self.cfg.compute_dtype)), w["conv_bias"]
     B, T, _ = h_BxTxD.shape
+    offset = None if segments is None else segments.offset
     if not self.has_state(state):
-      return short_conv.conv_sequence(h_BxTxD, kernel, bias)[0], state
+      return short_conv.conv_sequence(h_BxTxD, kernel, bias, offset_BxT=offset)[0], state
     if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
       out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state.conv, idx, state.pos)
       return out, state.replace(conv=table)
     out, ring = short_conv.conv_sequence(
-      h_BxTxD, kernel, bias, state.conv[idx], state.pos, lengths(mask_BxT, B, T)
+      h_BxTxD, kernel, bias, state.conv[idx], state.pos, lengths(mask_BxT, B, T), offset
     )
     return out, state.replace(conv=jax.lax.dynamic_update_index_in_dim(state.conv, ring, idx, 0))
 
@@ -157,7 +159,7 @@ class GLAMixer(LayerPart):
     return jax.ShapeDtypeStruct((batch, cfg.n_heads, cfg.d_k, cfg.d_v), F32)
 
   @nn.compact
-  def __call__(self, u_BxTxD, state, idx, mask_BxT):
+  def __call__(self, u_BxTxD, state, idx, mask_BxT, segments: Segments | None = None):
     cfg, w = self.cfg, self.make_params()
     B, T, _ = u_BxTxD.shape
     H, K, V = cfg.n_heads, cfg.d_k, cfg.d_v
@@ -167,7 +169,7 @@ class GLAMixer(LayerPart):
     v_BxTxHxV = v.reshape(B, T, H, V)
     g_gamma = jnp.asarray(log_decays(cfg))
     table = state.gla if self.has_state(state) else None  # every GLA layer's state [L_gla, B, H, K, V]
-    if T == 1 and table is not None and mask_BxT is None:
+    if T == 1 and table is not None and mask_BxT is None and segments is None:
       # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
       o1, table = gla_decode.gla_decode_layer(
         q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma, table, idx
@@ -183,6 +185,7 @@ class GLAMixer(LayerPart):
         g_gamma,
         initial_state=s0,
         mask=mask_BxT,
+        reset=None if segments is None else segments.start,
         chunk_size=min(cfg.chunk_size, T),
         unroll=unroll,
         form=form,
@@ -234,26 +237,30 @@ class AttentionMixer(LayerPart):
     return KVCache(k=kv, v=kv)
 
   @nn.compact
-  def __call__(self, u_BxTxD, state, idx, mask_BxT):
+  def __call__(self, u_BxTxD, state, idx, mask_BxT, segments: Segments | None = None):
     cfg, w = self.cfg, self.make_params()
     B, T, _ = u_BxTxD.shape
     H, hd = cfg.attn_n_heads, cfg.attn_head_dim
     q, k, v = jnp.split(matmul(u_BxTxD, w["w_qkv"], cfg).reshape(B, T, 3 * H, hd), 3, axis=2)
     cached = self.has_state(state)
-    pos_B = state.pos if cached else jnp.zeros((B,), jnp.int32)
-    pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
+    if segments is not None:  # packed rows (no cache: model.LaplaceLM refuses one): positions per segment
+      assert not cached
+      pos_BxT = segments.offset
+    else:
+      pos_B = state.pos if cached else jnp.zeros((B,), jnp.int32)
+      pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
     q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
     if cached:
       o, state = self.attend_cached(
         q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None
       )
     else:
-      o = self.attend_sequence(q, k, v)
+      o = self.attend_sequence(q, k, v, None if segments is None else segments.index)
     return matmul(o.reshape(B, T, H * hd), w["w_o"], cfg), state
 
-  def attend_sequence(self, q, k, v):
-    """A sequence from position 0."""
-    return attention.causal_attention(q, k, v)
+  def attend_sequence(self, q, k, v, segment_BxT=None):
+    """A sequence from position 0 (its segments apart, if numbered)."""
+    return attention.causal_attention(q, k, v, segment_BxT)
 
   def attend_cached(self, q, k, v, state: DecodeState, idx, n_B, decoding):
     """After state.pos consumed tokens, over this piece's KVCache (row `idx` of its k and v), which it extends."""
@@ -303,8 +310,8 @@ class WindowAttentionMixer(AttentionMixer):
   def with_cache(self, state: DecodeState, cache: KVCache) -> DecodeState:
     return state.replace(ring=cache)
 
-  def attend_sequence(self, q, k, v):
-    return window_attention.window_attention(q, k, v, self.cfg.window)
+  def attend_sequence(self, q, k, v, segment_BxT=None):
+    return window_attention.window_attention(q, k, v, self.cfg.window, segment_BxT)
 
   def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):
     return window_attention.ring_decode_attention(q, k, v, k_tables, v_tables, idx, pos_B)

@@ -41,6 +41,7 @@ import numpy as np
 
 from laplace_jax import fsdp, mixers, platform
 from laplace_jax.config import MIXERS, LaplaceConfig, layers_scanned
+from laplace_jax.segments import Segments
 from laplace_jax.state import DecodeState
 
 F32 = jnp.float32
@@ -111,7 +112,7 @@ class Block(nn.Module):
   slot: int = 0
 
   @nn.compact
-  def __call__(self, carry, group_idx, mask_BxT):
+  def __call__(self, carry, group_idx, mask_BxT, segments=None):
     x_BxTxD, state = carry
     cfg, pattern = self.cfg, self.cfg.mixers
     layer_idx = table_row(pattern, group_idx, self.slot)  # its row in the conv table (every layer's)
@@ -124,8 +125,8 @@ class Block(nn.Module):
         nn.share_scope(self, part)  # its parameters at the layer's level: layers/{name}, as checkpoints hold
 
     h = mixers.batch_sharded(_layer_norm(x_BxTxD, norms["ln1_scale"], cfg.norm_eps))
-    u, state = conv(h, state, layer_idx, mask_BxT)
-    mixed, state = mixer(nn.silu(u), state, mix_idx, mask_BxT)
+    u, state = conv(h, state, layer_idx, mask_BxT, segments)
+    mixed, state = mixer(nn.silu(u), state, mix_idx, mask_BxT, segments)
     x = x_BxTxD + mixed.astype(x_BxTxD.dtype)
     if ffn is not None:
       x = mixers.batch_sharded(x + ffn(_layer_norm(x, norms["ln2_scale"], cfg.norm_eps)).astype(x.dtype))
@@ -152,10 +153,10 @@ class Group(nn.Module):
   cfg: LaplaceConfig
 
   @nn.compact
-  def __call__(self, carry, group_idx, mask_BxT):
+  def __call__(self, carry, group_idx, mask_BxT, segments=None):
     block = _layer(self.cfg, self.is_initializing(), layers_scanned(self.cfg, platform.backend()))
     for i, letter in enumerate(self.cfg.mixers):
-      carry, _ = block(self.cfg, letter, i, name=f"block{i}")(carry, group_idx, mask_BxT)
+      carry, _ = block(self.cfg, letter, i, name=f"block{i}")(carry, group_idx, mask_BxT, segments)
     return carry, None
 
 
@@ -168,8 +169,25 @@ class LaplaceLM(nn.Module):
   cfg: LaplaceConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, state=None, mask_BxT=None, last_only=False, positions_BxK=None):
+  def __call__(
+    self,
+    tokens_BxT,
+    state=None,
+    mask_BxT=None,
+    last_only=False,
+    positions_BxK=None,
+    segment_ids_BxT=None,
+    first_start_B=None,
+  ):
     cfg = self.cfg
+    segments = None
+    if segment_ids_BxT is not None:
+      if state is not None and (state.kv is not None or state.ring is not None):
+        raise ValueError(
+          "segment_ids with a decode state that holds attention caches: packed rows are for training and "
+          "evaluation (model.forward, forward_carry); serve each sequence in its own slot instead."
+        )
+      segments = Segments.from_ids(segment_ids_BxT, None if state is None else state.pos, first_start_B)
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     top = model_param_specs(cfg)
     embed = self.param("embed", *top["embed"], pdt)
@@ -186,12 +204,12 @@ class LaplaceLM(nn.Module):
       body,
       variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(0, nn.broadcast),
+      in_axes=(0, nn.broadcast, nn.broadcast),
       out_axes=0,
       length=cfg.n_groups,
       unroll=1 if scan else 0,
     )(*args, name="layers")
-    (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT)
+    (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT, segments)
     over_B = None
     if new_state is not None:
       n_B = jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)
@@ -246,22 +264,39 @@ def _check_tokens(tokens, cfg):
     )
 
 
-def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None):
+def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None, segment_ids_BxT=None):
   """Training/eval forward from a zero state: logits [B, T, V] in fp32, or [B, K, V] at `positions_BxK`
-  only (tasks scored at a few positions per row skip the LM head elsewhere)."""
+  only (tasks scored at a few positions per row skip the LM head elsewhere). `segment_ids_BxT` (integers):
+  a packed row's documents, each computed exactly as if alone in its row (laplace_jax/segments.py)."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
-  return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxK)
+  _check_segment_ids(segment_ids_BxT, jnp.shape(tokens_BxT))
+  return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxK, segment_ids_BxT)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, backend: str, positions_BxK):
+def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, backend: str, positions_BxK, segment_ids_BxT):
   # Compiled once per config and shape (inlined when forward is traced inside a caller's jit); the checks
   # above run on the host first, where the tokens are concrete.
   del backend  # the cache key
-  logits, _ = LaplaceLM(cfg).apply({"params": params}, tokens_BxT, positions_BxK=positions_BxK)
+  logits, _ = LaplaceLM(cfg).apply(
+    {"params": params}, tokens_BxT, positions_BxK=positions_BxK, segment_ids_BxT=segment_ids_BxT
+  )
   return logits
+
+
+def _check_segment_ids(segment_ids_BxT, token_shape) -> None:
+  if segment_ids_BxT is None:
+    return
+  shape, dtype = jnp.shape(segment_ids_BxT), getattr(segment_ids_BxT, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(segment_ids_BxT).dtype
+  if tuple(shape) != tuple(token_shape) or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(
+      f"segment_ids are {dtype}{list(shape)}: expected integer ids of the tokens' shape {list(token_shape)}, "
+      "one per token (the document it belongs to)."
+    )
 
 
 def table_row(pattern: str, group_idx, slot: int, letter: str | None = None):
@@ -299,13 +334,22 @@ def init_carry(cfg: LaplaceConfig, batch_size: int) -> DecodeState:
   return _zero_state(cfg, batch_size, None, carried_only=True)
 
 
-def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig):
+def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig, segment_ids_BxT=None, first_start_B=None):
   """Training forward from a carried state (state passing): (logits [B, T, V] fp32, the carry after the
-  last token). `carry` is init_carry's DecodeState; gradients do not flow into it (the segment boundary)."""
+  last token). `carry` is init_carry's DecodeState; gradients do not flow into it (the segment boundary).
+  With `segment_ids_BxT` every segment after the row's first starts afresh, and the first continues the
+  carry unless `first_start_B` (bool [B]) says a new document begins at the row's first token."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
-  return LaplaceLM(cfg).apply({"params": params}, tokens_BxT, jax.lax.stop_gradient(carry))
+  _check_segment_ids(segment_ids_BxT, jnp.shape(tokens_BxT))
+  return LaplaceLM(cfg).apply(
+    {"params": params},
+    tokens_BxT,
+    jax.lax.stop_gradient(carry),
+    segment_ids_BxT=segment_ids_BxT,
+    first_start_B=first_start_B,
+  )
 
 
 def init_state(cfg: LaplaceConfig, batch_size: int, max_len: int | None = None) -> DecodeState:

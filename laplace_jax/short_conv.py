@@ -6,9 +6,11 @@ decode state: a ring of the last W inputs per layer, written one row per token i
 Ring layout (fp32): [B, W, D] per layer, stacked [L, B, W, D] in the decode state. After pos_B tokens, slot s
 holds the input of the newest consumed position p ≡ s (mod W) (window_attention.slot_positions); slots whose
 p would be negative hold zeros (a fresh state), which is the zero padding a sequence starts with.
-  conv_sequence(h, kernel, bias, ring, pos_B, n_B) -> (out [B, T, D], ring)
+  conv_sequence(h, kernel, bias, ring, pos_B, n_B, offset_BxT) -> (out [B, T, D], ring)
       T tokens per row after pos_B consumed ones, the first n_B real (a right-padded prefill chunk; a row with
       n_B = 0 keeps its ring exactly). ring None: a sequence from position 0 (training), no ring returned.
+      offset_BxT (packed rows, laplace_jax/segments.py): tokens before each one in its segment; a tap never
+      reaches further back, and the returned ring holds zeros for inputs before the last segment's start.
   conv_decode(h, kernel, bias, table, layer, pos_B) -> (out [B, 1, D], table)
       one token per row: written into slot pos mod W of ring `layer` of the table (an in-range one-row
       scatter), then the ring read once with the taps rotated by pos per row (selects on the [W, D] kernel:
@@ -25,7 +27,7 @@ from laplace_jax.window_attention import slot_positions
 F32 = jnp.float32
 
 
-def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=None):
+def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=None, offset_BxT=None):
   """See the module doc. Output in h's dtype; the returned ring is fp32 (the ring's dtype)."""
   B, T, D = h_BxTxD.shape
   W = kernel_WxD.shape[0]
@@ -36,13 +38,21 @@ def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=
     order_BxW = jnp.mod(pos_B[:, None] + jnp.arange(W)[None], W)
     past_BxWxD = jnp.take_along_axis(ring_BxWxD, order_BxW[:, :, None], axis=1)
   ext = jnp.concatenate([past_BxWxD.astype(dt), h_BxTxD], axis=1)  # [B, W+T, D]; pos p at p−pos+W
-  out = sum(ext[:, 1 + i : 1 + i + T] * kernel_WxD[i].astype(dt) for i in range(W)) + bias_D.astype(dt)
+  tap = lambda i: ext[:, 1 + i : 1 + i + T]  # the input W−1−i tokens back
+  if offset_BxT is not None:  # within its segment only: lag W−1−i at most the token's offset
+    tap = lambda i, tap=tap: jnp.where((offset_BxT >= W - 1 - i)[..., None], tap(i), 0)
+  out = sum(tap(i) * kernel_WxD[i].astype(dt) for i in range(W)) + bias_D.astype(dt)
   if ring_BxWxD is None:
     return out, None
   # New ring by gather: slot s takes the newest real position p'_s ≡ s (mod W), at index p'_s − pos + W.
-  j_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None] + W
+  p_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None]  # row-relative
   ext32 = jnp.concatenate([past_BxWxD, h_BxTxD.astype(F32)], axis=1)
-  return out, jnp.take_along_axis(ext32, j_BxW[:, :, None], axis=1).astype(ring_BxWxD.dtype)
+  ring = jnp.take_along_axis(ext32, (p_BxW + W)[:, :, None], axis=1)
+  if offset_BxT is not None:  # inputs from before the last real token's segment read as a fresh state's
+    last_B = jnp.maximum(n_B - 1, 0)
+    began_B = last_B - jnp.take_along_axis(offset_BxT, last_B[:, None], axis=1)[:, 0]
+    ring = jnp.where((p_BxW >= began_B[:, None])[..., None], ring, 0.0)
+  return out, ring.astype(ring_BxWxD.dtype)
 
 
 def conv_decode(h_Bx1xD, kernel_WxD, bias_D, table, layer, pos_B):

@@ -25,18 +25,22 @@ class Carry:
   pos: Array  # int32 [B]: tokens the row's state has consumed (where the conv rings' next slot is)
   conv: Array  # f32 [B, L, conv_size, D]: every layer's short-conv ring
   gla: Array | None = None  # f32 [B, L_G, H, d_k, d_v]: the GLA layers' matrices (None: no GLA layer)
+  # int32 [B]: the segment id of the row's last input (packed documents: a next input with another id begins
+  # a new document, laplace_jax/segments.py). None: the run has no segment ids.
+  segment: Array | None = None
 
   if TYPE_CHECKING:
 
     def replace(self, **updates: Any) -> Carry: ...
 
   @classmethod
-  def from_state(cls, state: DecodeState) -> Carry:
-    """The model's carry (model.init_carry / forward_carry's DecodeState) with each leaf's row axis first."""
+  def from_state(cls, state: DecodeState, segment: Array | None = None) -> Carry:
+    """The model's carry (model.init_carry / forward_carry's DecodeState) with each leaf's row axis first,
+    and the rows' last segment ids (packed documents only)."""
     if state.kv is not None or state.ring is not None:
       raise ValueError("a training carry holds no attention state: pass model.init_carry's DecodeState.")
     first = jax.tree.map(lambda x, a: jnp.moveaxis(x, a, 0), state, state.batch_axes())
-    return cls(pos=first.pos, conv=first.conv, gla=first.gla)
+    return cls(pos=first.pos, conv=first.conv, gla=first.gla, segment=segment)
 
   def to_state(self) -> DecodeState:
     """The inverse of from_state: the model's DecodeState layout."""
@@ -44,16 +48,18 @@ class Carry:
     return jax.tree.map(lambda x, a: jnp.moveaxis(x, 0, a), state, state.batch_axes())
 
   def to_dict(self) -> dict[str, Array]:
-    """The checkpoint's form, DecodeState.to_dict's keys: {"pos", "conv"[, "gla"]} (carry.pos, ... on disk)."""
-    return DecodeState(pos=self.pos, conv=self.conv, gla=self.gla).to_dict()
+    """The checkpoint's form, DecodeState.to_dict's keys: {"pos", "conv"[, "gla"][, "segment"]} (carry.pos,
+    ... on disk)."""
+    d = DecodeState(pos=self.pos, conv=self.conv, gla=self.gla).to_dict()
+    return d if self.segment is None else {**d, "segment": self.segment}
 
   @classmethod
   def from_dict(cls, d: dict[str, Array]) -> Carry:
     """The inverse of to_dict (DecodeState.from_dict's checks, and no attention tables)."""
-    state = DecodeState.from_dict(d)
+    state = DecodeState.from_dict({k: v for k, v in d.items() if k != "segment"})
     if state.kv is not None or state.ring is not None:
-      raise ValueError(f"a stored carry has keys {sorted(d)}: expected pos, conv and gla only.")
-    return cls(pos=state.pos, conv=state.conv, gla=state.gla)
+      raise ValueError(f"a stored carry has keys {sorted(d)}: expected pos, conv, gla and segment only.")
+    return cls(pos=state.pos, conv=state.conv, gla=state.gla, segment=d.get("segment"))
 
 
 @struct.dataclass
@@ -103,6 +109,9 @@ class Batch:
   # alone). None: every position.
   positions: Array | None = None
   carry: Carry | None = None  # state passing: the rows' carried state (TrainState.carry), set by the step
+  # int32 [B, T]: packed rows' document ids, each document computed as if alone (laplace_jax/segments.py).
+  # None: a row is one stream.
+  segment_ids: Array | None = None
 
   if TYPE_CHECKING:
 

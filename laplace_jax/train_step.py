@@ -1,15 +1,15 @@
 """The training step: token-weighted loss, micro-batch accumulation, skip on non-finite, AOT compile on a mesh.
 
     state: TrainState(params, opt_state, step, rng, bad_steps, carry=None | Carry)
-    batch: Batch(inputs, targets, weights=None, positions=None, carry=None)
+    batch: Batch(inputs, targets, weights=None, positions=None, carry=None, segment_ids=None)
 (laplace_jax/train_state.py gives every field's shape and dtype.)
 
 State passing (truncated BPTT): row b of every batch continues row b's token stream of the previous step,
 so the step starts that row from its carried recurrent state (stop_gradient: no gradient crosses the
 segment boundary) and stores the state after its last token. The carry (`Carry`) is batch-major so that it
 shards, and splits into micro-batches, exactly as the batch's rows do; it is part of the state and so of every
-checkpoint (carry.pos, carry.conv, carry.gla). A non-finite step resets it to zero (its states may hold the
-NaN).
+checkpoint (carry.pos, carry.conv, carry.gla; carry.segment with segment ids). A non-finite step resets it to
+zero (its states may hold the NaN).
 
 `compile_train_step` lowers and compiles the step once, with explicit in/out shardings and the state donated,
 so a run never recompiles; `abstract_train_state` gives the state's shapes and shardings without allocating.
@@ -49,9 +49,11 @@ class StepConfig:
       raise ValueError(f"z_loss={self.z_loss!r}: expected a weight >= 0 (0 disables it).")
 
 
-def init_carry(cfg: LaplaceConfig, batch: int) -> Carry:
-  """The zero carry of `batch` rows (model.init_carry's, batch-major)."""
-  return Carry.from_state(model.init_carry(cfg, batch))
+def init_carry(cfg: LaplaceConfig, batch: int, segmented: bool = False) -> Carry:
+  """The zero carry of `batch` rows (model.init_carry's, batch-major); `segmented`: with the rows' last
+  segment ids (packed documents), 0."""
+  segment = jnp.zeros((batch,), jnp.int32) if segmented else None
+  return Carry.from_state(model.init_carry(cfg, batch), segment)
 
 
 def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
@@ -59,16 +61,34 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
 
   A batch with a carry (state passing) starts from it, and aux["carry"] is the state after the batch. A batch
   with positions [B, K] scores those positions only (targets and weights read there): recall tasks answer
-  at a few positions per row, and the LM head's cost falls by T/K."""
+  at a few positions per row, and the LM head's cost falls by T/K. A batch with segment ids computes each
+  packed document as if alone in its row."""
   carry = None
-  pos_BxK = batch.positions
+  pos_BxK, seg_BxT = batch.positions, batch.segment_ids
   if batch.carry is not None:
-    logits_BxTxV, carry = model.forward_carry(params, batch.inputs, batch.carry.to_state(), cfg=cfg)
+    first_start_B = None
+    if seg_BxT is not None:  # a row whose first input's id is not its previous step's last begins anew
+      if batch.carry.segment is None:
+        raise ValueError(
+          "a batch with segment ids and a carry without them: make the train state with "
+          "init_train_state(..., segmented=True) (its carry keeps each row's last segment id)."
+        )
+      first_start_B = seg_BxT[:, 0] != batch.carry.segment
+    logits_BxTxV, carry = model.forward_carry(
+      params,
+      batch.inputs,
+      batch.carry.to_state(),
+      cfg=cfg,
+      segment_ids_BxT=seg_BxT,
+      first_start_B=first_start_B,
+    )
     logits_BxTxV = logits_BxTxV.astype(F32)
     if pos_BxK is not None:
       logits_BxTxV = jnp.take_along_axis(logits_BxTxV, pos_BxK[..., None], axis=1)
   else:
-    logits_BxTxV = model.forward(params, batch.inputs, cfg=cfg, positions_BxK=pos_BxK).astype(F32)
+    logits_BxTxV = model.forward(
+      params, batch.inputs, cfg=cfg, positions_BxK=pos_BxK, segment_ids_BxT=seg_BxT
+    ).astype(F32)
   targets_BxT = batch.targets
   w_BxT = (jnp.ones(targets_BxT.shape, F32) if batch.weights is None else batch.weights).astype(F32)
   if pos_BxK is not None:  # [B, K] from here on
@@ -79,7 +99,9 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
   aux: dict[str, Any] = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
   if carry is not None:
-    aux["carry"] = jax.lax.stop_gradient(Carry.from_state(carry))
+    assert batch.carry is not None
+    segment_B = batch.carry.segment if seg_BxT is None else seg_BxT[:, -1]
+    aux["carry"] = jax.lax.stop_gradient(Carry.from_state(carry, segment_B))
   return ce + z_loss * z, aux
 
 
@@ -186,9 +208,14 @@ def train_step(
 
 
 def init_train_state(
-  cfg: LaplaceConfig, optimizer: optax.GradientTransformation, seed: int, carry_batch: int = 0
+  cfg: LaplaceConfig,
+  optimizer: optax.GradientTransformation,
+  seed: int,
+  carry_batch: int = 0,
+  segmented: bool = False,
 ) -> TrainState:
-  """`carry_batch` > 0: state passing, a zero carry for that many rows (the global batch)."""
+  """`carry_batch` > 0: state passing, a zero carry for that many rows (the global batch), with the rows'
+  last segment ids if `segmented` (packed documents)."""
   key = jax.random.key(seed)
   params = model.init_params(cfg, key)
   return TrainState(
@@ -197,7 +224,7 @@ def init_train_state(
     step=jnp.zeros((), jnp.int32),
     rng=jax.random.key_data(key),
     bad_steps=jnp.zeros((), jnp.int32),
-    carry=init_carry(cfg, carry_batch) if carry_batch else None,
+    carry=init_carry(cfg, carry_batch, segmented) if carry_batch else None,
   )
 
 
@@ -218,10 +245,15 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
 
 
 def abstract_train_state(
-  cfg: LaplaceConfig, optimizer, mesh: Mesh | None = None, seed: int = 0, carry_batch: int = 0
+  cfg: LaplaceConfig,
+  optimizer,
+  mesh: Mesh | None = None,
+  seed: int = 0,
+  carry_batch: int = 0,
+  segmented: bool = False,
 ) -> TrainState:
   """ShapeDtypeStructs of the train state (with shardings when a mesh is given); allocates nothing."""
-  shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed, carry_batch))
+  shapes = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed, carry_batch, segmented))
   if mesh is None:
     return shapes
   shards = train_state_shardings(shapes, mesh)
@@ -229,21 +261,30 @@ def abstract_train_state(
 
 
 def init_train_state_on_mesh(
-  cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int, carry_batch: int = 0
+  cfg: LaplaceConfig, optimizer, mesh: Mesh, seed: int, carry_batch: int = 0, segmented: bool = False
 ) -> TrainState:
   """Create the train state directly in its sharded layout (no full copy on one device)."""
-  shards = jax.tree.map(lambda s: s.sharding, abstract_train_state(cfg, optimizer, mesh, seed, carry_batch))
-  return jax.jit(lambda: init_train_state(cfg, optimizer, seed, carry_batch), out_shardings=shards)()
+  abstract = abstract_train_state(cfg, optimizer, mesh, seed, carry_batch, segmented)
+  shards = jax.tree.map(lambda s: s.sharding, abstract)
+  return jax.jit(
+    lambda: init_train_state(cfg, optimizer, seed, carry_batch, segmented), out_shardings=shards
+  )()
 
 
 def abstract_batch(
-  global_batch: int, seq_len: int, mesh: Mesh | None = None, *, weighted: bool = False
+  global_batch: int,
+  seq_len: int,
+  mesh: Mesh | None = None,
+  *,
+  weighted: bool = False,
+  segmented: bool = False,
 ) -> Batch:
-  """Batch shapes; `weighted` adds per-token loss weights (recall tasks score only their answers)."""
+  """Batch shapes; `weighted` adds per-token loss weights (recall tasks score only their answers),
+  `segmented` the packed rows' document ids."""
   sh = None if mesh is None else NamedSharding(mesh, sharding.batch_spec((global_batch, seq_len), mesh))
   tok = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sh)
   weights = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32, sharding=sh) if weighted else None
-  return Batch(inputs=tok, targets=tok, weights=weights)
+  return Batch(inputs=tok, targets=tok, weights=weights, segment_ids=tok if segmented else None)
 
 
 def compile_train_step(
@@ -258,6 +299,7 @@ def compile_train_step(
   abstract_state=None,
   weighted: bool = False,
   state_passing: bool = False,
+  segmented: bool = False,
 ) -> Any:
   """Lower and compile the step ahead of time for these shapes and shardings; returns the executable.
 
@@ -273,6 +315,7 @@ def compile_train_step(
     abstract_state=abstract_state,
     weighted=weighted,
     state_passing=state_passing,
+    segmented=segmented,
   ).compile()
 
 
@@ -288,6 +331,7 @@ def lower_train_step(
   abstract_state=None,
   weighted: bool = False,
   state_passing: bool = False,
+  segmented: bool = False,
 ) -> Any:
   """The step lowered (not compiled) from abstract shapes: `.as_text()` is its StableHLO, `.compile()` the
   executable. Inside `platform.lowering_for(target)` it records the choices made for that target."""
@@ -300,7 +344,7 @@ def lower_train_step(
     )
   if abstract_state is None:
     abstract_state = abstract_train_state(
-      cfg, optimizer, mesh, carry_batch=global_batch if state_passing else 0
+      cfg, optimizer, mesh, carry_batch=global_batch if state_passing else 0, segmented=segmented
     )
   state = abstract_state
   if state.carry is not None and jax.tree.leaves(state.carry)[0].shape[0] != global_batch:
@@ -308,7 +352,12 @@ def lower_train_step(
       f"the state's carry holds {jax.tree.leaves(state.carry)[0].shape[0]} rows but the "
       f"global batch has {global_batch}: state passing carries one state per row."
     )
-  batch = abstract_batch(global_batch, seq_len, mesh, weighted=weighted)
+  if state.carry is not None and segmented != (state.carry.segment is not None):
+    raise ValueError(
+      f"segmented={segmented} with a carry {'without' if segmented else 'with'} segment ids: make the state "
+      f"with abstract_train_state(..., segmented={segmented}), as the batches are."
+    )
+  batch = abstract_batch(global_batch, seq_len, mesh, weighted=weighted, segmented=segmented)
   state_sh = jax.tree.map(lambda s: s.sharding, state)
   batch_sh = jax.tree.map(lambda s: s.sharding, batch)
 

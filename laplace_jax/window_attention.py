@@ -2,7 +2,7 @@
 included — positions t−W+1 … t. Its decode state is a ring of the last W keys and values, constant in size.
 
 Layout as in attention.py: q, k, v, o [B, T, H, hd], RoPE applied by the caller; scores and softmax in fp32.
-  window_attention(q, k, v, window)                       a whole sequence from position 0 (training, eval).
+  window_attention(q, k, v, window[, segment])            a whole sequence from position 0 (training, eval).
       T is cut into blocks of min(W, T) queries; each block attends to its own keys and the previous block's,
       masked causal and to the window: O(T·W) work and memory, never a [T, T] mask.
   ring_chunk_attention(q, k, v, k_ring, v_ring, pos_B, n_B) -> (o, k_ring, v_ring)
@@ -33,8 +33,9 @@ def _attend_rings(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS):
   return _attend(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS, kv_layout="bhsd")
 
 
-def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int):
-  """Each position attends to positions max(0, t−W+1) … t; returns o [B, T, H, hd] fp32. Banded by blocks."""
+def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int, segment_BxT=None):
+  """Each position attends to positions max(0, t−W+1) … t (of its own segment, where `segment_BxT` numbers
+  a packed row's segments: laplace_jax/segments.py); returns o [B, T, H, hd] fp32. Banded by blocks."""
   B, T, H, d = q_BxTxHxd.shape
   if not isinstance(window, int) or window < 1:
     raise ValueError(f"window={window!r}: expected a positive integer number of tokens.")
@@ -49,7 +50,12 @@ def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int):
   near = (k_pos <= q_pos) & (q_pos - k_pos < window)
   first = jnp.arange(N)[:, None, None] == 0
   visible_NxCx2C = near[None] & ~(first & (k_pos < 0)[None])  # block 0 has no previous block
-  visible = jnp.broadcast_to(visible_NxCx2C, (B, N, C, 2 * C)).reshape(B * N, C, 2 * C)
+  visible = jnp.broadcast_to(visible_NxCx2C, (B, N, C, 2 * C))
+  if segment_BxT is not None:  # the previous block's segment numbers beside the block's own, as for keys
+    seg = jnp.pad(segment_BxT, [(0, 0), (0, N * C - T)], constant_values=-1).reshape(B, N, C)
+    seg2 = jnp.concatenate([jnp.pad(seg, [(0, 0), (1, 0), (0, 0)], constant_values=-1)[:, :-1], seg], axis=2)
+    visible = visible & (seg[..., :, None] == seg2[..., None, :])
+  visible = visible.reshape(B * N, C, 2 * C)
   flat = lambda x: x.reshape(B * N, *x.shape[2:])
   o = _attend(flat(q), flat(k2), flat(v2), visible)  # [B·N, C, H, d]
   return o.reshape(B, N * C, H, -1)[:, :T]

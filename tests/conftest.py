@@ -61,6 +61,7 @@ FILE_SECONDS = {
   "test_train_program.py": 60,
   "test_recall_program.py": 58,
   "test_state_passing.py": 38,
+  "test_segments.py": 36,
   "test_serve_patterns.py": 34,
   "test_window_attention.py": 28,
   "test_gla.py": 27,

@@ -136,19 +136,52 @@ def test_deterministic_by_seed(corpus):
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_resume_from_state_matches_uninterrupted(corpus, prefetch):
   path = corpus[0]
-  with _train(path, prefetch=prefetch) as it:
+  with _train(path, prefetch=prefetch, segment_ids=True) as it:
     straight = _take(it, 40)
-  with _train(path, prefetch=prefetch) as it:
+  with _train(path, prefetch=prefetch, segment_ids=True) as it:
     _take(it, 17)
     state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
     _take(it, 5)  # run on past the save
-  with _train(path, prefetch=prefetch) as resumed:
+  with _train(path, prefetch=prefetch, segment_ids=True) as resumed:
     _take(resumed, 2)
     resumed.set_state(state)
     rest = _take(resumed, 23)
   for want, got in zip(straight[17:], rest):
-    np.testing.assert_array_equal(want["inputs"], got["inputs"])
-    np.testing.assert_array_equal(want["targets"], got["targets"])
+    assert want.keys() == got.keys() == {"inputs", "targets", "segment_ids"}
+    for key in want:
+      np.testing.assert_array_equal(want[key], got[key])
+
+
+def _check_segments(inputs, ids):
+  """A new id exactly where an input is EOS (it opens the next document), and each segment's other
+  tokens from one document (token // 100 names it)."""
+  np.testing.assert_array_equal(ids[:, 1:] != ids[:, :-1], inputs[:, 1:] == EOS)
+  for row, seg in zip(inputs, ids):
+    for s in np.unique(seg):
+      assert len({int(t) // 100 for t in row[seg == s] if t != EOS}) <= 1
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_segment_ids_mark_each_document_and_leave_the_stream(corpus, contiguous):
+  path = corpus[0]
+  with _train(path, contiguous=contiguous) as it:
+    plain = _take(it, 12)
+  with _train(path, contiguous=contiguous, segment_ids=True) as it:
+    segmented = _take(it, 12)
+  last = None
+  for a, b in zip(plain, segmented):
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    np.testing.assert_array_equal(a["targets"], b["targets"])
+    _check_segments(b["inputs"], b["segment_ids"])
+    if last is not None:  # a row's ids go on rising across its examples
+      first = b["segment_ids"][:, 0]
+      assert (first >= last).all()
+      if contiguous:  # the next step's first input is this one's last target: same document unless EOS
+        np.testing.assert_array_equal(first == last, b["inputs"][:, 0] != EOS)
+    last = b["segment_ids"][:, -1]
+  evals = data.make_eval_batches(path, seq_len=8, global_batch_size=4, segment_ids=True, process_count=1)
+  for b in evals:
+    _check_segments(b["inputs"], b["segment_ids"])
 
 
 def test_grain_checkpoint_handler_restores_the_stream(corpus, tmp_path):

