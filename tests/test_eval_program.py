@@ -90,6 +90,19 @@ def test_eval_cli_equals_the_loops_held_out_loss(trained, tmp_path, capsys):
   np.testing.assert_allclose(
     whole["bits_per_byte"], whole["loss"] * whole["tokens"] / np.log(2) / whole["bytes"], rtol=1e-9
   )
+  # documents apart (the default) or a window read as one stream: the same for each window's first document,
+  # which has nothing before it either way; the later ones differ
+  later = whole["tokens_later_documents"]
+  assert 0 < later < whole["tokens"] and whole["segment_ids"]
+  n_first = whole["tokens"] - later
+  mean = (whole["loss_first_document"] * n_first + whole["loss_later_documents"] * later) / whole["tokens"]
+  np.testing.assert_allclose(mean, whole["loss"], rtol=1e-6)
+  part = dict(seq_len=64, global_batch=8, mesh_fsdp=8, max_batches=6)
+  apart = train_eval.evaluate(summary["export"], data_dir, **part)
+  stream = train_eval.evaluate(summary["export"], data_dir, **part, segment_ids=False)
+  assert stream["tokens_later_documents"] == apart["tokens_later_documents"] > 0
+  np.testing.assert_allclose(stream["loss_first_document"], apart["loss_first_document"], rtol=1e-5)
+  assert abs(stream["loss_later_documents"] - apart["loss_later_documents"]) > 1e-3
   assert (
     train_eval.main(["--checkpoint", summary["export"], "--data_dir", str(data_dir), "--json", str(out)]) == 2
   )

@@ -197,6 +197,20 @@ def test_field_newer_than_the_checkpoint_counts_as_its_default():
     resume.reconcile(load_config(["--optimizer.muon_ns_dtype", "bfloat16"]), saved, where="x")
 
 
+def test_run_saved_before_segment_ids_keeps_them_off():
+  """A run saved before train.segment_ids existed read packed rows as one stream: it resumes so (a note says
+  why), and asking for segment ids is a change to allow like any other."""
+  saved = resume.run_config_dict(load_config([]))
+  del saved["train"]["segment_ids"]
+  rc, notes = resume.reconcile(load_config([]), saved, where="x")
+  assert rc.train.segment_ids is False and any("train.segment_ids=False" in n for n in notes)
+  with pytest.raises(ValueError, match=r"train.segment_ids: saved False, now True"):
+    resume.reconcile(load_config(["--segment_ids"]), saved, where="x")
+  allow = ["--segment_ids", "--allow_changes", "train.segment_ids"]
+  assert resume.reconcile(load_config(allow), saved, where="x")[0].train.segment_ids is True
+  assert resume.reconcile(load_config([]), resume.run_config_dict(load_config([])), where="x")[1] == []
+
+
 def test_drop_rows_after_keeps_earlier_rows_in_order(tmp_path):
   p = tmp_path / "metrics.jsonl"
   rows = [{"step": 1, "loss": 3.0}, {"step": 2, "eval_loss": 2.5}, {"step": 3, "loss": 2.0}]

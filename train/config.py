@@ -105,6 +105,11 @@ class TrainConfig:
   """state passing (truncated BPTT): each batch row is one contiguous token stream that continues across
   steps, and each step starts the row from its recurrent state at the end of the previous step (GLA states
   and conv windows; no gradient across the boundary)"""
+  segment_ids: bool = True
+  """packed documents apart: each document of a row computed as if alone (the GLA state, conv window and
+  attention restart where the next begins; segment ids from the data pipeline, text data only); off (e.g.
+  --no_segment_ids): a row is one stream, read across its documents. A run saved before the option keeps
+  it off"""
 
   def __post_init__(self):
     for f in (

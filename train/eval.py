@@ -10,7 +10,10 @@ cross-entropy) runs over it, so with --max_batches equal to the run's --eval_bat
 held-out loss. Without --max_batches it covers the whole split: the last, partial batch is padded and its
 padding weighted 0. Bits per byte = Σ loss / ln 2 over the UTF-8 bytes of the scored tokens' text (EOS
 separators excluded; GPT-2 data only). The model's config is the one saved with the export; --preset
-checks it against a preset and refuses a checkpoint of another config.
+checks it against a preset and refuses a checkpoint of another config. Documents are scored apart, each as if
+alone in its window (segment ids, as a run trains by default; --no_segment_ids reads a window as one stream, as
+a run trained with --no_segment_ids evaluates), and the loss is also split by whether a token's document is
+the first of its window or a later one (`loss_first_document`, `loss_later_documents`).
 
     python -m train.eval --by_position --checkpoint RUN/export/step_N --data_dir DIR [--json F] [--png F]
 
@@ -53,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--simulate_devices", type=int, default=0, help="CPU only: simulate this many devices")
   ap.add_argument("--preset", help="refuse the checkpoint unless its config is this preset's")
   ap.add_argument(
+    "--segment_ids",
+    action=cli.Toggle,
+    default=True,
+    help="score each document of a window as if alone (--no_segment_ids: a window is one stream)",
+  )
+  ap.add_argument(
     "--by_position",
     action="store_true",
     help="held-out loss per position bucket (powers of two), one stream per document",
@@ -76,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_batches: int):
-  """The loop's held-out packing; with max_batches 0 the tail too, as a padded batch with zero weights."""
+def split_batches(
+  data_dir, split: str, *, seq_len: int, global_batch: int, max_batches: int, segment_ids: bool = True
+):
+  """The loop's held-out packing; with max_batches 0 the tail too, as a padded batch with zero weights.
+  Each batch also holds its inputs' document ids (laplace_jax/data.py's convention; padding: −1); dropped
+  again without `segment_ids` once the split by document order is taken from them (key "first_document")."""
   import numpy as np
 
   from laplace_jax import data
@@ -98,25 +111,40 @@ def split_batches(data_dir, split: str, *, seq_len: int, global_batch: int, max_
       max_batches=max_batches,
       process_index=0,
       process_count=1,
+      segment_ids=True,
     )
-    return [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full], manifest
-  docs = data._documents(data_dir, manifest, split)
-  eos = np.array([manifest["eos_id"]], np.int32)
-  tokens = np.concatenate([p for i in range(len(docs)) for p in (docs[i].astype(np.int32), eos)])
-  width = seq_len + 1
-  n_windows = -(-len(tokens) // width)
-  n_batches = -(-n_windows // global_batch)
-  total = n_batches * global_batch * width
-  padded = np.zeros(total, np.int32)
-  padded[: len(tokens)] = tokens
-  valid = np.zeros(total, bool)
-  valid[: len(tokens)] = True
-  x = padded.reshape(n_batches, global_batch, width)
-  v = valid.reshape(n_batches, global_batch, width)
-  return [
-    {"inputs": x[i, :, :-1], "targets": x[i, :, 1:], "weights": v[i, :, 1:].astype(np.float32)}
-    for i in range(n_batches)
-  ], manifest
+    batches = [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full]
+  else:
+    docs = data._documents(data_dir, manifest, split)
+    eos = np.array([manifest["eos_id"]], np.int32)
+    tokens = np.concatenate([p for i in range(len(docs)) for p in (docs[i].astype(np.int32), eos)])
+    # the document of each token, its closing EOS counted as the next one's (data.py's convention)
+    ids = np.concatenate([np.repeat([i, i + 1], [len(docs[i]), 1]) for i in range(len(docs))])
+    width = seq_len + 1
+    n_windows = -(-len(tokens) // width)
+    n_batches = -(-n_windows // global_batch)
+    total = n_batches * global_batch * width
+    padded, seg = np.zeros(total, np.int32), np.full(total, -1, np.int32)
+    padded[: len(tokens)], seg[: len(tokens)] = tokens, ids
+    valid = np.zeros(total, bool)
+    valid[: len(tokens)] = True
+    x, s = padded.reshape(n_batches, global_batch, width), seg.reshape(n_batches, global_batch, width)
+    v = valid.reshape(n_batches, global_batch, width)
+    batches = [
+      {
+        "inputs": x[i, :, :-1],
+        "targets": x[i, :, 1:],
+        "weights": v[i, :, 1:].astype(np.float32),
+        "segment_ids": s[i, :, :-1],
+      }
+      for i in range(n_batches)
+    ]
+  for b in batches:  # the scored token's document is its window's first (no start before it) or a later one
+    seg = b["segment_ids"]
+    b["first_document"] = seg == seg[:, :1]
+    if not segment_ids:
+      del b["segment_ids"]
+  return batches, manifest
 
 
 def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024, reset_every=0) -> dict:
@@ -233,6 +261,7 @@ def evaluate(
   mesh_data=1,
   mesh_fsdp=0,
   preset=None,
+  segment_ids=True,
 ) -> dict:
   import jax
 
@@ -252,22 +281,36 @@ def evaluate(
       f"devices; use a multiple of {mesh.devices.size}."
     )
   batches, manifest = split_batches(
-    data_dir, split, seq_len=seq_len, global_batch=global_batch, max_batches=max_batches
+    data_dir,
+    split,
+    seq_len=seq_len,
+    global_batch=global_batch,
+    max_batches=max_batches,
+    segment_ids=segment_ids,
   )
   data.check_vocab(manifest, cfg.vocab_size)
   shards = jax.tree.map(lambda a: a.sharding, params)
-  batch_sh = jax.tree.map(lambda s: s.sharding, ts.abstract_batch(global_batch, seq_len, mesh, weighted=True))
-  fn = jax.jit(lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1], in_shardings=(shards, batch_sh))
+  abstract = ts.abstract_batch(global_batch, seq_len, mesh, weighted=True, segmented=segment_ids)
+  batch_sh = jax.tree.map(lambda s: s.sharding, abstract)
+
+  def split_sums(p, b, first):  # one forward (the two losses differ only in their weights), two sums
+    return [ts.loss_sums(p, b.replace(weights=b.weights * (first == f)), cfg=cfg)[1] for f in (True, False)]
+
+  fn = jax.jit(split_sums, in_shardings=(shards, batch_sh, batch_sh.inputs))
   ce = tok = 0.0
   n_bytes = 0
+  by_order = {True: [0.0, 0.0], False: [0.0, 0.0]}  # first document of its window or not: [Σ ce, Σ tokens]
   byte_len = _byte_counter(manifest)
   with jax.set_mesh(mesh):
     for b in batches:
-      aux = fn(params, jax.device_put(ts.Batch(**b), batch_sh))
-      ce, tok = ce + float(aux["ce"]), tok + float(aux["tokens"])
+      first = jax.device_put(b.pop("first_document"), batch_sh.inputs)
+      for sums, aux in zip(by_order.values(), fn(params, jax.device_put(ts.Batch(**b), batch_sh), first)):
+        sums[0], sums[1] = sums[0] + float(aux["ce"]), sums[1] + float(aux["tokens"])
       if byte_len:
         n_bytes += byte_len(b["targets"][b["weights"] > 0])
+  ce, tok = by_order[True][0] + by_order[False][0], by_order[True][1] + by_order[False][1]
   loss = ce / max(tok, 1.0)
+  order_loss = {k: s[0] / s[1] if s[1] else None for k, s in by_order.items()}
   return {
     "checkpoint": str(path),
     "data_dir": str(data_dir),
@@ -282,6 +325,10 @@ def evaluate(
     "batches": len(batches),
     "mixers": cfg.mixers,
     "mesh": dict(mesh.shape),
+    "segment_ids": segment_ids,
+    "loss_first_document": order_loss[True],
+    "loss_later_documents": order_loss[False],
+    "tokens_later_documents": int(by_order[False][1]),
   }
 
 
@@ -347,6 +394,7 @@ def main(argv=None) -> int:
       mesh_data=args.mesh_data,
       mesh_fsdp=args.mesh_fsdp,
       preset=args.preset,
+      segment_ids=args.segment_ids,
     )
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

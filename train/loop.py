@@ -69,6 +69,11 @@ def check_recall_vocab(spec: str, vocab_size: int):
     )
 
 
+def segmented(tc: TrainConfig) -> bool:
+  """Whether the run's batches hold segment ids: packed text documents (a recall example is one row)."""
+  return tc.segment_ids and not tc.data_source
+
+
 def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
   """The training stream: a recall task (--data_source) or the prepared text in --data_dir."""
   if tc.data_source:
@@ -87,6 +92,7 @@ def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
     seed=tc.seed,
     vocab_size=vocab_size,
     contiguous=tc.state_passing,
+    segment_ids=segmented(tc),
   )
 
 
@@ -108,6 +114,7 @@ def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = 
     max_batches=tc.eval_batches or None,
     vocab_size=vocab_size,
     split=split,
+    segment_ids=segmented(tc),
   )
 
 
@@ -189,12 +196,15 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
       f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "
       f"{counts['adamw'] / 1e6:.2f}M); mesh {dict(mesh.shape)} over {jax.device_count()} "
       f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)"
+      + ("" if tc.data_source else f"; packed documents {'apart' if segmented(tc) else 'read as one stream'}")
     )
     key = _step_key(rc, mesh, seq_len, weighted, carry_batch, prng_impl)
     t0 = time.perf_counter()
     if tc.target or key not in _COMPILED:
       opt = optim.make_optimizer(rc.optimizer, mesh=mesh)
-      abstract = ts.abstract_train_state(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch)
+      abstract = ts.abstract_train_state(
+        cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch, segmented=segmented(tc)
+      )
       lowered = _lower(rc, opt, mesh, abstract, seq_len, weighted)
       lower_s = time.perf_counter() - t0
       if tc.target:
@@ -219,10 +229,14 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
   if latest is not None:
     state, start = _resume(ckpt, abstract, it, out)
   else:
-    state, start = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch), 0
+    state = ts.init_train_state_on_mesh(
+      cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch, segmented=segmented(tc)
+    )
+    start = 0
   summary = RunSummary(start_step=start, first_loss=None, last_loss=None, eval_loss=None, compile_s=compile_s)
   batch_sh = jax.tree.map(
-    lambda s: s.sharding, ts.abstract_batch(tc.global_batch, seq_len, mesh, weighted=weighted)
+    lambda s: s.sharding,
+    ts.abstract_batch(tc.global_batch, seq_len, mesh, weighted=weighted, segmented=segmented(tc)),
   )
   to_global = lambda b: jax.tree.map(
     lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, ts.Batch(**b)
@@ -281,6 +295,7 @@ def _step_key(rc: RunConfig, mesh, seq_len: int, weighted: bool, carry_batch: in
     tc.micro_batches,
     tc.z_loss,
     weighted,
+    segmented(tc),
     carry_batch,
     prng_impl,
     jax.config.jax_default_matmul_precision,  # type: ignore[attr-defined]  # a flag JAX declares at run time
@@ -333,6 +348,7 @@ def _lower(rc: RunConfig, opt, mesh, abstract, seq_len: int, weighted: bool):
     lr_schedule=optim.lr_schedule(rc.optimizer.adamw_lr, rc.optimizer),  # reported as "lr"
     abstract_state=abstract,
     weighted=weighted,
+    segmented=segmented(tc),
   )
 
 

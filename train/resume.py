@@ -50,6 +50,9 @@ _TRAIN_ALLOWED = (
 _MODEL_ALLOWED = ("remat", "unroll_chunks", "gla_form", "scan_layers")
 ALLOWED = frozenset([f"train.{f}" for f in _TRAIN_ALLOWED] + [f"model.{f}" for f in _MODEL_ALLOWED])
 SCHEDULE = ("optimizer.total_steps", "optimizer.warmup_steps")  # derived from --steps unless set
+# Fields whose runs saved before they existed ran otherwise than their default says: such a run resumes with
+# the value it had (unless the flag is given, which is then a change like any other).
+BEFORE_IT_EXISTED = {"train.segment_ids": False}
 
 
 def run_config_dict(rc: RunConfig) -> dict:
@@ -112,13 +115,24 @@ def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, lis
         + ", ".join(f"{k} {v}" for k, v in changed.items())
         + "); a new one needs --optimizer.total_steps N --allow_changes optimizer.total_steps"
       )
+  for key, old in BEFORE_IT_EXISTED.items():
+    section, name = key.split(".")
+    if section in saved and name not in saved[section] and key not in rc.explicit:
+      if getattr(getattr(rc, section), name) != old:
+        rc = dataclasses.replace(rc, **{section: dataclasses.replace(getattr(rc, section), **{name: old})})
+        notes.append(
+          f"kept {key}={old!r}: the run was saved before the option existed (set --{name} "
+          f"--allow_changes {key} to change it)"
+        )
   now = run_config_dict(rc)
   diffs = []
   for section, values in saved.items():
     if section not in now:
       continue
-    # A field newer than the checkpoint counts as saved with its default (what the run used).
+    # A field newer than the checkpoint counts as saved with its default (what the run used), or with the
+    # value runs had before it existed.
     defaults = {f.name: f.default for f in dataclasses.fields(_SECTIONS[section])}
+    defaults |= {k.split(".")[1]: v for k, v in BEFORE_IT_EXISTED.items() if k.split(".")[0] == section}
     for name in sorted(set(values) | set(now[section])):
       key = f"{section}.{name}"
       old = values.get(name, json.loads(json.dumps(defaults.get(name, "<absent>"))))
