@@ -62,6 +62,7 @@ FILE_SECONDS = {
   "test_recall_program.py": 58,
   "test_state_passing.py": 38,
   "test_segments.py": 36,
+  "test_context_parallel.py": 6,
   "test_serve_patterns.py": 34,
   "test_window_attention.py": 28,
   "test_gla.py": 27,
