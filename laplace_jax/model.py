@@ -187,6 +187,11 @@ class LaplaceLM(nn.Module):
           "segment_ids with a decode state that holds attention caches: packed rows are for training and "
           "evaluation (model.forward, forward_carry); serve each sequence in its own slot instead."
         )
+      if jnp.shape(segment_ids_BxT) != jnp.shape(tokens_BxT):
+        raise ValueError(
+          f"segment_ids have shape {list(jnp.shape(segment_ids_BxT))}: expected the tokens' shape "
+          f"{list(jnp.shape(tokens_BxT))}, one id per token (the document it belongs to)."
+        )
       segments = Segments.from_ids(segment_ids_BxT, None if state is None else state.pos, first_start_B)
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     top = model_param_specs(cfg)
@@ -271,7 +276,6 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None, segme
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
-  _check_segment_ids(segment_ids_BxT, jnp.shape(tokens_BxT))
   return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxK, segment_ids_BxT)
 
 
@@ -284,19 +288,6 @@ def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, backend: str, positions
     {"params": params}, tokens_BxT, positions_BxK=positions_BxK, segment_ids_BxT=segment_ids_BxT
   )
   return logits
-
-
-def _check_segment_ids(segment_ids_BxT, token_shape) -> None:
-  if segment_ids_BxT is None:
-    return
-  shape, dtype = jnp.shape(segment_ids_BxT), getattr(segment_ids_BxT, "dtype", None)
-  if dtype is None:
-    dtype = np.asarray(segment_ids_BxT).dtype
-  if tuple(shape) != tuple(token_shape) or not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(
-      f"segment_ids are {dtype}{list(shape)}: expected integer ids of the tokens' shape {list(token_shape)}, "
-      "one per token (the document it belongs to)."
-    )
 
 
 def table_row(pattern: str, group_idx, slot: int, letter: str | None = None):
@@ -342,7 +333,6 @@ def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig, segment_ids_
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   _check_tokens(tokens_BxT, cfg)
-  _check_segment_ids(segment_ids_BxT, jnp.shape(tokens_BxT))
   return LaplaceLM(cfg).apply(
     {"params": params},
     tokens_BxT,
