@@ -188,16 +188,17 @@ class _PackedRows(grain.DatasetIterator):
 
   def __next__(self) -> dict[str, np.ndarray]:
     x_BxW = np.empty((len(self._rows), self._width), np.int32)
-    seg_BxW = np.empty_like(x_BxW)
+    seg_BxW = np.empty_like(x_BxW) if self._segment_ids else None
     for r, pos in enumerate(self._pos):
       filled = 0
       while filled < self._width:
         doc = self._doc(r, pos[0])
         take = min(len(doc) - pos[1], self._width - filled)
         x_BxW[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
-        seg_BxW[r, filled : filled + take] = pos[0]
-        if pos[1] + take == len(doc):  # its closing EOS opens the next document
-          seg_BxW[r, filled + take - 1] = pos[0] + 1
+        if seg_BxW is not None:
+          seg_BxW[r, filled : filled + take] = pos[0]
+          if pos[1] + take == len(doc):  # its closing EOS opens the next document
+            seg_BxW[r, filled + take - 1] = pos[0] + 1
         filled += take
         pos[1] += take
         if pos[1] == len(doc):
@@ -208,7 +209,7 @@ class _PackedRows(grain.DatasetIterator):
         else:
           pos[0], pos[1] = pos[0] - 1, len(self._doc(r, pos[0] - 1)) - 1
     batch = {"inputs": np.ascontiguousarray(x_BxW[:, :-1]), "targets": np.ascontiguousarray(x_BxW[:, 1:])}
-    if self._segment_ids:
+    if seg_BxW is not None:
       batch["segment_ids"] = np.ascontiguousarray(seg_BxW[:, :-1])
     return batch
 
@@ -331,6 +332,21 @@ def make_train_iterator(
 # ---- held-out evaluation -------------------------------------------------------------------------
 
 
+def joined_documents(docs, eos_id: int, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens, document ids) of `docs` in order, each followed by EOS (the held-out packing), stopping once
+  `max_tokens` are reached; an id counts each closing EOS as the next document's (the module docstring's
+  convention), so ids[i] is the document of tokens[i] read as an input."""
+  pieces, ids, have = [], [], 0
+  for i in range(len(docs)):
+    if max_tokens is not None and have >= max_tokens:
+      break
+    doc = np.asarray(docs[i]).astype(np.int32)
+    pieces += [doc, np.array([eos_id], np.int32)]
+    ids += [np.full(len(doc), i, np.int32), np.array([i + 1], np.int32)]
+    have += len(doc) + 1
+  return np.concatenate(pieces), np.concatenate(ids)
+
+
 def make_eval_batches(
   data_dir,
   *,
@@ -350,16 +366,9 @@ def make_eval_batches(
   if vocab_size is not None:
     check_vocab(manifest, vocab_size)
   docs = _documents(data_dir, manifest, split)
-  width, eos = seq_len + 1, np.array([manifest["eos_id"]], np.int32)
+  width = seq_len + 1
   want = None if max_batches is None else max_batches * global_batch_size * width
-  pieces, ids, have = [], [], 0
-  for i in range(len(docs)):
-    if want is not None and have >= want:
-      break
-    pieces += [docs[i].astype(np.int32), eos]
-    ids += [np.full(len(pieces[-2]), i, np.int32), np.array([i + 1], np.int32)]
-    have += len(pieces[-2]) + 1
-  tokens, doc_ids = np.concatenate(pieces), np.concatenate(ids)
+  tokens, doc_ids = joined_documents(docs, int(manifest["eos_id"]), want)
   n_batches = len(tokens) // (global_batch_size * width)
   if max_batches is not None:
     n_batches = min(n_batches, max_batches)

@@ -116,10 +116,7 @@ def split_batches(
     batches = [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full]
   else:
     docs = data._documents(data_dir, manifest, split)
-    eos = np.array([manifest["eos_id"]], np.int32)
-    tokens = np.concatenate([p for i in range(len(docs)) for p in (docs[i].astype(np.int32), eos)])
-    # the document of each token, its closing EOS counted as the next one's (data.py's convention)
-    ids = np.concatenate([np.repeat([i, i + 1], [len(docs[i]), 1]) for i in range(len(docs))])
+    tokens, ids = data.joined_documents(docs, int(manifest["eos_id"]))
     width = seq_len + 1
     n_windows = -(-len(tokens) // width)
     n_batches = -(-n_windows // global_batch)
