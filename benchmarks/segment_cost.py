@@ -10,11 +10,10 @@ of random lengths per row; one device; the suite's XLA flags are not applied (XL
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import numpy as np
+from step_timing import time_alternately
 
 from laplace_jax import optimizer as optim
 from laplace_jax import sharding
@@ -39,19 +38,16 @@ def main(argv=None):
     steps[seg] = ts.compile_train_step(cfg, opt, mesh, global_batch=a.batch, seq_len=a.seq_len, segmented=seg)
     states[seg] = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0)
   rng = np.random.default_rng(0)
-  times = {False: [], True: []}
-  for r in range(a.rounds + 2):
+
+  def round_batches(r):
     tok = rng.integers(0, VOCAB_SIZE, (a.batch, a.seq_len + 1)).astype(np.int32)
     cuts = np.sort(rng.integers(1, a.seq_len, (a.batch, a.docs - 1)), axis=1)
     ids = (np.arange(a.seq_len)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
-    for seg in (False, True) if r % 2 else (True, False):
-      batch = ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:], segment_ids=ids if seg else None)
-      t0 = time.perf_counter()
-      states[seg], m = steps[seg](states[seg], batch)
-      jax.block_until_ready((states[seg], m))
-      if r >= 2:
-        times[seg].append(time.perf_counter() - t0)
-  plain, seg = statistics.median(times[False]), statistics.median(times[True])
+    plain = ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:])
+    return {False: plain, True: plain.replace(segment_ids=ids)}
+
+  medians = time_alternately(steps, states, round_batches, a.rounds)
+  plain, seg = medians[False], medians[True]
   print(
     f"{a.preset} at {a.batch} x {a.seq_len}, {a.docs} documents per row, on {jax.default_backend()}: plain "
     f"{plain * 1e3:.1f} ms, segment ids {seg * 1e3:.1f} ms, ratio {seg / plain:.3f} (median of {a.rounds} "

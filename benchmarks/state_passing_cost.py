@@ -9,11 +9,10 @@ Prints the median step time of each and their ratio (state passing / plain). Ran
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import numpy as np
+from step_timing import time_alternately
 
 from laplace_jax import optimizer as optim
 from laplace_jax import sharding
@@ -39,17 +38,14 @@ def main(argv=None):
     )
     states[sp] = ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0, carry_batch=a.batch if sp else 0)
   rng = np.random.default_rng(0)
-  times = {False: [], True: []}
-  for r in range(a.rounds + 2):
+
+  def round_batches(r):
     tok = rng.integers(0, VOCAB_SIZE, (a.batch, a.seq_len + 1)).astype(np.int32)
     batch = ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:])
-    for sp in (False, True) if r % 2 else (True, False):
-      t0 = time.perf_counter()
-      states[sp], m = steps[sp](states[sp], batch)
-      jax.block_until_ready((states[sp], m))
-      if r >= 2:
-        times[sp].append(time.perf_counter() - t0)
-  plain, sp = statistics.median(times[False]), statistics.median(times[True])
+    return {False: batch, True: batch}
+
+  medians = time_alternately(steps, states, round_batches, a.rounds)
+  plain, sp = medians[False], medians[True]
   print(
     f"{a.preset} at {a.batch} x {a.seq_len} on {jax.default_backend()}: plain {plain * 1e3:.1f} ms, "
     f"state passing {sp * 1e3:.1f} ms, ratio {sp / plain:.3f} (median of {a.rounds} alternating steps)"
