@@ -4,7 +4,7 @@ reduce-scattered in fp32, written out (shard_map) rather than left to a partitio
 Inside `jax.shard_map` over the ("data", "fsdp") mesh, each device holds its FSDP shard of every parameter
 and its own rows of the batch. `gather(w_shard, dim, dtype)` casts the shard to the compute dtype and
 all-gathers it over "fsdp"; its backward casts the full-weight gradient (this device's partial sum) to fp32,
-reduce-scatters it over "fsdp" and sums the shard over "data". Per device, a micro-batch with remat then
+reduce-scatters it over "fsdp" and sums the shard over "data" (and "context", when rows are split there). Per device, a micro-batch with remat then
 moves 2 gathers of 2·P bytes and one reduce-scatter of 4·P bytes, each ·(N−1)/N sent and as much received:
 the floor of this design (docs/BENCHMARKS.md).
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax import platform
-from laplace_jax.sharding import DATA, FSDP
+from laplace_jax.sharding import FSDP, replica_axes
 
 _BITS = {2: jnp.uint16, 4: jnp.uint32}
 
@@ -48,7 +48,8 @@ def _gather_fwd(w_shard, dim, dtype):
 
 def _gather_bwd(dim, dtype, residual, g_full):
   g = jax.lax.psum_scatter(g_full.astype(jnp.float32), FSDP, scatter_dimension=dim, tiled=True)
-  return (jax.lax.psum(g, DATA).astype(residual.dtype),)
+  # summed over the devices holding the same shard: "data", and "context" (each device saw a span of the rows)
+  return (jax.lax.psum(g, replica_axes(jax.sharding.get_abstract_mesh())).astype(residual.dtype),)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)

@@ -14,6 +14,8 @@ At call time a piece takes the layer's whole decode state (a DecodeState, or Non
 and its row `idx` in its own table (model.table_row), the row mask, and the packed rows' Segments (None: one
 sequence per row; laplace_jax/segments.py), and returns (output, the state with only its own field replaced).
 A state whose field is None (a training carry has no attention cache) also means: start from position 0.
+Traced on a span of a row split over the "context" axis (context_parallel.span()), the conv, the GLA and the
+window layers take what enters the span from the devices before it (laplace_jax/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, gla, gla_decode, platform, short_conv, window_attention
+from laplace_jax import attention, context_parallel, gla, gla_decode, platform, short_conv, window_attention
 from laplace_jax.config import LaplaceConfig, gla_form_for_backend, log_decays
 from laplace_jax.segments import Segments
-from laplace_jax.sharding import BATCH_AXES
+from laplace_jax.sharding import BATCH_AXES, CONTEXT
 from laplace_jax.state import DecodeState, KVCache
 
 F32 = jnp.float32
@@ -125,6 +127,9 @@ class ShortConv(LayerPart):
     kernel, bias = w["conv_kernel"].astype(jnp.dtype(self.cfg.compute_dtype)), w["conv_bias"]
     B, T, _ = h_BxTxD.shape
     offset = None if segments is None else segments.offset
+    sp = context_parallel.span()
+    if sp is not None:
+      return self.on_span(h_BxTxD, kernel, bias, state, idx, offset, sp)
     if not self.has_state(state):
       return short_conv.conv_sequence(h_BxTxD, kernel, bias, offset_BxT=offset)[0], state
     if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
@@ -133,6 +138,20 @@ class ShortConv(LayerPart):
     out, ring = short_conv.conv_sequence(
       h_BxTxD, kernel, bias, state.conv[idx], state.pos, lengths(mask_BxT, B, T), offset
     )
+    return out, state.replace(conv=jax.lax.dynamic_update_index_in_dim(state.conv, ring, idx, 0))
+
+  def on_span(self, h_BxTxD, kernel, bias, state, idx, offset, sp):
+    """A span of a row split over devices: the taps before it read the previous span's last inputs (span
+    0: the carried ring's, or zeros); the ring after the row comes from the last span."""
+    past = context_parallel.previous_tail(h_BxTxD.astype(F32), self.cfg.conv_size, sp)
+    if not self.has_state(state):
+      return short_conv.conv_sequence(h_BxTxD, kernel, bias, offset_BxT=offset, past_BxWxD=past)[0], state
+    B, T, _ = h_BxTxD.shape
+    ring = state.conv[idx]
+    past = jnp.where(sp.index == 0, short_conv.ring_in_order(ring, state.pos), past)
+    pos_B, n_B = state.pos + sp.index * T, jnp.full((B,), T, jnp.int32)
+    out, ring = short_conv.conv_sequence(h_BxTxD, kernel, bias, ring, pos_B, n_B, offset, past)
+    ring = context_parallel.from_last(ring, sp)
     return out, state.replace(conv=jax.lax.dynamic_update_index_in_dim(state.conv, ring, idx, 0))
 
 
@@ -178,18 +197,35 @@ class GLAMixer(LayerPart):
     else:
       s0 = None if table is None else table[idx]
       form, unroll = gla_form_for_backend(cfg, platform.backend())
-      o_BxTxHxV, s_new = gla.chunk_simple_gla(
-        q_BxTxHxK,
-        k_BxTxHxK,
-        v_BxTxHxV,
-        g_gamma,
-        initial_state=s0,
-        mask=mask_BxT,
-        reset=None if segments is None else segments.start,
-        chunk_size=min(cfg.chunk_size, T),
-        unroll=unroll,
-        form=form,
-      )
+      reset = None if segments is None else segments.start
+      chunk = min(cfg.chunk_size, T)
+      sp = context_parallel.span()
+      if sp is not None:  # a span of a row split over devices: one (decay, state) pair per span crosses
+        o_BxTxHxV, s_new = context_parallel.chunk_simple_gla_context(
+          q_BxTxHxK,
+          k_BxTxHxK,
+          v_BxTxHxV,
+          g_gamma,
+          axis_name=CONTEXT,
+          initial_state=s0,
+          reset=reset,
+          chunk_size=chunk,
+          unroll=unroll,
+          form=form,
+        )
+      else:
+        o_BxTxHxV, s_new = gla.chunk_simple_gla(
+          q_BxTxHxK,
+          k_BxTxHxK,
+          v_BxTxHxV,
+          g_gamma,
+          initial_state=s0,
+          mask=mask_BxT,
+          reset=reset,
+          chunk_size=chunk,
+          unroll=unroll,
+          form=form,
+        )
       if table is not None:
         table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
 
@@ -243,23 +279,26 @@ class AttentionMixer(LayerPart):
     H, hd = cfg.attn_n_heads, cfg.attn_head_dim
     q, k, v = jnp.split(matmul(u_BxTxD, w["w_qkv"], cfg).reshape(B, T, 3 * H, hd), 3, axis=2)
     cached = self.has_state(state)
+    sp = context_parallel.span()
     if segments is not None:  # packed rows (no cache: model.LaplaceLM refuses one): positions per segment
       assert not cached
       pos_BxT = segments.offset
     else:
       pos_B = state.pos if cached else jnp.zeros((B,), jnp.int32)
-      pos_BxT = pos_B[:, None] + jnp.arange(T)[None]
+      pos_BxT = pos_B[:, None] + jnp.arange(T)[None] + (0 if sp is None else sp.index * T)
     q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
     if cached:
       o, state = self.attend_cached(
         q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None
       )
     else:
-      o = self.attend_sequence(q, k, v, None if segments is None else segments.index)
+      o = self.attend_sequence(q, k, v, None if segments is None else segments.index, sp)
     return matmul(o.reshape(B, T, H * hd), w["w_o"], cfg), state
 
-  def attend_sequence(self, q, k, v, segment_BxT=None):
-    """A sequence from position 0 (its segments apart, if numbered)."""
+  def attend_sequence(self, q, k, v, segment_BxT=None, sp=None):
+    """A sequence from position 0 (its segments apart, if numbered); `sp`: a span of it (refused here,
+    model.LaplaceLM says why)."""
+    assert sp is None
     return attention.causal_attention(q, k, v, segment_BxT)
 
   def attend_cached(self, q, k, v, state: DecodeState, idx, n_B, decoding):
@@ -310,7 +349,9 @@ class WindowAttentionMixer(AttentionMixer):
   def with_cache(self, state: DecodeState, cache: KVCache) -> DecodeState:
     return state.replace(ring=cache)
 
-  def attend_sequence(self, q, k, v, segment_BxT=None):
+  def attend_sequence(self, q, k, v, segment_BxT=None, sp=None):
+    if sp is not None:
+      return context_parallel.window_attention_on_span(q, k, v, self.cfg.window, segment_BxT, sp)
     return window_attention.window_attention(q, k, v, self.cfg.window, segment_BxT)
 
   def decode(self, q, k, v, k_tables, v_tables, idx, pos_B):

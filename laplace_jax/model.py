@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import fsdp, mixers, platform
+from laplace_jax import context_parallel, fsdp, mixers, platform
 from laplace_jax.config import MIXERS, LaplaceConfig, layers_scanned
 from laplace_jax.segments import Segments
 from laplace_jax.state import DecodeState
@@ -181,6 +181,9 @@ class LaplaceLM(nn.Module):
   ):
     cfg = self.cfg
     segments = None
+    sp = context_parallel.span()  # a span of each row, the row split over the "context" axis
+    if sp is not None:
+      _check_span(cfg, state, mask_BxT, last_only, positions_BxK)
     if segment_ids_BxT is not None:
       if state is not None and (state.kv is not None or state.ring is not None):
         raise ValueError(
@@ -192,7 +195,11 @@ class LaplaceLM(nn.Module):
           f"segment_ids have shape {list(jnp.shape(segment_ids_BxT))}: expected the tokens' shape "
           f"{list(jnp.shape(tokens_BxT))}, one id per token (the document it belongs to)."
         )
-      segments = Segments.from_ids(segment_ids_BxT, None if state is None else state.pos, first_start_B)
+      pos_B = None if state is None else state.pos
+      if sp is None:
+        segments = Segments.from_ids(segment_ids_BxT, pos_B, first_start_B)
+      else:
+        segments = context_parallel.span_segments(segment_ids_BxT, pos_B, first_start_B, sp)
     pdt, cdt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     top = model_param_specs(cfg)
     embed = self.param("embed", *top["embed"], pdt)
@@ -217,7 +224,11 @@ class LaplaceLM(nn.Module):
     (x, new_state), _ = scanned((x, state), jnp.arange(cfg.n_groups), mask_BxT, segments)
     over_B = None
     if new_state is not None:
-      n_B = jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)
+      n_B = (
+        jnp.full(x.shape[:1], x.shape[1] * (1 if sp is None else sp.count))
+        if mask_BxT is None
+        else mask_BxT.sum(1)
+      )
       new_state = new_state.replace(pos=new_state.pos + n_B.astype(jnp.int32))
       if new_state.kv is not None:  # full attention: the cache dropped some of this row's keys
         over_B = new_state.pos > new_state.cache_len
@@ -232,6 +243,23 @@ class LaplaceLM(nn.Module):
     head = self.param("lm_head", *top["lm_head"], pdt)
     logits = mixers.batch_sharded(jnp.dot(x.astype(cdt), head.astype(cdt), preferred_element_type=F32))
     return logits, new_state
+
+
+def _check_span(cfg: LaplaceConfig, state, mask_BxT, last_only, positions_BxK) -> None:
+  """What a row split over the "context" axis supports: training and evaluation forwards of G and S layers."""
+  if "A" in cfg.mixers:
+    raise ValueError(
+      f"mixers={cfg.mixers!r} has full attention layers ('A'), which need every earlier key of the row: "
+      "context parallelism (a 'context' mesh axis) splits the row over devices, so it runs G and S layers "
+      "only. Train this pattern without --mesh_context, or use sliding-window layers ('S')."
+    )
+  if mask_BxT is not None or last_only or positions_BxK is not None:
+    raise ValueError(
+      "a row split over the 'context' axis runs whole training rows: no padding mask, last-token logits or "
+      "scored positions (recall tasks' `positions`); run those without a context axis."
+    )
+  if state is not None and (state.kv is not None or state.ring is not None):
+    raise ValueError("a row split over the 'context' axis takes a training carry only, not a decode state.")
 
 
 # ---- pure functions -----------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The one place that builds device meshes and partition specs.
 
-Mesh axes are ("data", "fsdp"). Parameters and optimizer state are FSDP-sharded over "fsdp" (replicated
-over "data"); batches and decode states are split over every device, ("data", "fsdp") on their batch dim.
+Mesh axes are ("data", "fsdp"), and "context" after them when a row's sequence is split over devices
+(make_mesh(context=N), N > 1: context parallelism, laplace_jax/context_parallel.py). Parameters and optimizer
+state are FSDP-sharded over "fsdp" (replicated over "data" and "context"); batches and decode states are split
+over ("data", "fsdp") on their batch dim, and a batch's token arrays over "context" on their sequence dim.
 Which dimension of a leaf goes over "fsdp":
   - never the stacked layer axis (dim 0 of anything under "layers"), since the model scans over it;
   - Muon matrices (layers/{w_qkvg, w_out, w1, w2, w3}, or any leaf given to `matrix_spec`) always shard
@@ -25,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
 
-DATA, FSDP = "data", "fsdp"
-BATCH_AXES = (DATA, FSDP)  # batch dims are split over every device
+DATA, FSDP, CONTEXT = "data", "fsdp", "context"
+BATCH_AXES = (DATA, FSDP)  # batch dims are split over these axes (every device but the context axis's)
 MIN_SHARD_ELEMENTS = 2**16  # 256 KiB of fp32: smaller non-Muon leaves are replicated
 _SIMULATE_HINT = (
   "To simulate N CPU devices, call laplace_jax.platform.simulate_cpu_devices(N) (or set JAX_NUM_CPU_DEVICES=N "
@@ -38,28 +40,47 @@ def _is_pos_int(v) -> bool:
   return bool(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1)
 
 
-def make_mesh(data: int = 1, fsdp: int | None = None, devices: Sequence[Any] | None = None) -> Mesh:
-  """A ("data", "fsdp") mesh over the first data·fsdp devices; fsdp=None takes all devices left."""
+def make_mesh(
+  data: int = 1, fsdp: int | None = None, devices: Sequence[Any] | None = None, context: int = 1
+) -> Mesh:
+  """A ("data", "fsdp") mesh over the first data·fsdp devices, ("data", "fsdp", "context") over
+  data·fsdp·context when context > 1; fsdp=None takes all devices left."""
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   if not _is_pos_int(data):
     raise ValueError(f"make_mesh(data={data!r}): expected a positive integer number of data replicas.")
+  if not _is_pos_int(context):
+    raise ValueError(f"make_mesh(context={context!r}): expected a positive integer (1: no context axis).")
   if fsdp is None:
-    if n % data:
+    if n % (data * context):
       raise ValueError(
-        f"make_mesh(data={data}): {n} devices do not split into {data} data replicas; "
-        f"pass a data size that divides {n}, or fsdp explicitly."
+        f"make_mesh(data={data}, context={context}): {n} devices do not split into {data * context} "
+        f"groups; pass data and context sizes whose product divides {n}, or fsdp explicitly."
       )
-    fsdp = n // data
+    fsdp = n // (data * context)
   if not _is_pos_int(fsdp):
     raise ValueError(f"make_mesh(fsdp={fsdp!r}): expected a positive integer FSDP size.")
-  if data * fsdp > n:
+  if data * fsdp * context > n:
     raise ValueError(
-      f"make_mesh(data={data}, fsdp={fsdp}) needs {data * fsdp} devices but {n} are present "
-      f"({jax.default_backend()}). Use a smaller mesh. {_SIMULATE_HINT}"
+      f"make_mesh(data={data}, fsdp={fsdp}, context={context}) needs {data * fsdp * context} devices but "
+      f"{n} are present ({jax.default_backend()}). Use a smaller mesh. {_SIMULATE_HINT}"
     )
-  axis_types = (jax.sharding.AxisType.Auto,) * 2  # jit propagates shardings (pjit style)
-  return jax.make_mesh((int(data), int(fsdp)), (DATA, FSDP), axis_types, devices=devices[: int(data * fsdp)])
+  shape, names = (int(data), int(fsdp)), (DATA, FSDP)
+  if context > 1:
+    shape, names = (*shape, int(context)), (*names, CONTEXT)
+  axis_types = (jax.sharding.AxisType.Auto,) * len(shape)  # jit propagates shardings (pjit style)
+  return jax.make_mesh(shape, names, axis_types, devices=devices[: math.prod(shape)])
+
+
+def context_size(mesh: Mesh) -> int:
+  """Devices each row's sequence is split over (1: the mesh has no context axis)."""
+  return mesh.shape.get(CONTEXT, 1)
+
+
+def replica_axes(mesh) -> tuple[str, ...]:
+  """The axes parameters are replicated over and their gradients summed over: "data", and "context" when
+  the mesh (a Mesh or the abstract mesh traced under) has it."""
+  return (DATA, CONTEXT) if CONTEXT in mesh.axis_names else (DATA,)
 
 
 # ---- parameters and optimizer state -------------------------------------------------------------
@@ -198,6 +219,21 @@ def _batch_axis_spec(shape, mesh: Mesh, dim: int, what: str) -> P:
 def batch_spec(shape: Sequence[int], mesh: Mesh, *, batch_dim: int = 0) -> P:
   """Batch arrays [B, ...] split over every device along `batch_dim`."""
   return _batch_axis_spec(shape, mesh, batch_dim, "batch")
+
+
+def token_spec(shape: Sequence[int], mesh: Mesh, what: str = "tokens") -> P:
+  """A batch's per-token arrays [B, T]: rows split as batch_spec's, and the sequence over "context" when
+  the mesh has that axis (each device a contiguous span of T / context tokens)."""
+  spec = _batch_axis_spec(shape, mesh, 0, what)
+  n = context_size(mesh)
+  if n == 1:
+    return spec
+  if len(shape) != 2 or shape[1] % n:
+    raise ValueError(
+      f"{what}: shape {tuple(shape)} does not split its sequence (dim 1) over the {n} devices of the "
+      f"'{CONTEXT}' axis. Use a sequence length that is a multiple of {n}."
+    )
+  return P(spec[0], CONTEXT)
 
 
 def batch_shardings(tree, mesh: Mesh, *, batch_dim: int = 0):

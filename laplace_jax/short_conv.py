@@ -6,11 +6,13 @@ decode state: a ring of the last W inputs per layer, written one row per token i
 Ring layout (fp32): [B, W, D] per layer, stacked [L, B, W, D] in the decode state. After pos_B tokens, slot s
 holds the input of the newest consumed position p ≡ s (mod W) (window_attention.slot_positions); slots whose
 p would be negative hold zeros (a fresh state), which is the zero padding a sequence starts with.
-  conv_sequence(h, kernel, bias, ring, pos_B, n_B, offset_BxT) -> (out [B, T, D], ring)
+  conv_sequence(h, kernel, bias, ring, pos_B, n_B, offset_BxT, past_BxWxD) -> (out [B, T, D], ring)
       T tokens per row after pos_B consumed ones, the first n_B real (a right-padded prefill chunk; a row with
       n_B = 0 keeps its ring exactly). ring None: a sequence from position 0 (training), no ring returned.
       offset_BxT (packed rows, laplace_jax/segments.py): tokens before each one in its segment; a tap never
       reaches further back, and the returned ring holds zeros for inputs before the last segment's start.
+      past_BxWxD: the W inputs before the row, oldest first, in place of the ring's (context parallelism:
+      the previous span's last inputs, laplace_jax/context_parallel.py); the ring, if given, is still returned.
   conv_decode(h, kernel, bias, table, layer, pos_B) -> (out [B, 1, D], table)
       one token per row: written into slot pos mod W of ring `layer` of the table (an in-range one-row
       scatter), then the ring read once with the taps rotated by pos per row (selects on the [W, D] kernel:
@@ -27,16 +29,19 @@ from laplace_jax.window_attention import slot_positions
 F32 = jnp.float32
 
 
-def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=None, offset_BxT=None):
+def conv_sequence(
+  h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=None, offset_BxT=None, past_BxWxD=None
+):
   """See the module doc. Output in h's dtype; the returned ring is fp32 (the ring's dtype)."""
   B, T, D = h_BxTxD.shape
   W = kernel_WxD.shape[0]
   dt = h_BxTxD.dtype
-  if ring_BxWxD is None:
+  if past_BxWxD is not None:
+    past_BxWxD = past_BxWxD.astype(F32)
+  elif ring_BxWxD is None:
     past_BxWxD = jnp.zeros((B, W, D), F32)
-  else:  # the ring in position order, oldest first: position pos − W + j sits in slot (pos + j) mod W
-    order_BxW = jnp.mod(pos_B[:, None] + jnp.arange(W)[None], W)
-    past_BxWxD = jnp.take_along_axis(ring_BxWxD, order_BxW[:, :, None], axis=1)
+  else:
+    past_BxWxD = ring_in_order(ring_BxWxD, pos_B)
   ext = jnp.concatenate([past_BxWxD.astype(dt), h_BxTxD], axis=1)  # [B, W+T, D]; pos p at p−pos+W
   tap = lambda i: ext[:, 1 + i : 1 + i + T]  # the input W−1−i tokens back
   if offset_BxT is not None:  # within its segment only: lag W−1−i at most the token's offset
@@ -53,6 +58,13 @@ def conv_sequence(h_BxTxD, kernel_WxD, bias_D, ring_BxWxD=None, pos_B=None, n_B=
     began_B = last_B - jnp.take_along_axis(offset_BxT, last_B[:, None], axis=1)[:, 0]
     ring = jnp.where((p_BxW >= began_B[:, None])[..., None], ring, 0.0)
   return out, ring.astype(ring_BxWxD.dtype)
+
+
+def ring_in_order(ring_BxWxD, pos_B):
+  """The ring's inputs in position order, oldest first: position pos − W + j sits in slot (pos + j) mod W."""
+  W = ring_BxWxD.shape[1]
+  order_BxW = jnp.mod(pos_B[:, None] + jnp.arange(W)[None], W)
+  return jnp.take_along_axis(ring_BxWxD, order_BxW[:, :, None], axis=1)
 
 
 def conv_decode(h_Bx1xD, kernel_WxD, bias_D, table, layer, pos_B):

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax import fsdp, model, sharding
+from laplace_jax import context_parallel, fsdp, model, sharding
 from laplace_jax import optimizer as optim
 from laplace_jax.config import LaplaceConfig
 from laplace_jax.counts import param_shapes
@@ -101,6 +101,9 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
   if carry is not None:
     assert batch.carry is not None
     segment_B = batch.carry.segment if seg_BxT is None else seg_BxT[:, -1]
+    sp = context_parallel.span()
+    if sp is not None and segment_B is not None:  # the row's last id, on the last span
+      segment_B = context_parallel.from_last(segment_B, sp)
     aux["carry"] = jax.lax.stop_gradient(Carry.from_state(carry, segment_B))
   return ce + z_loss * z, aux
 
@@ -109,9 +112,12 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0,
   """grad_fn(params, microbatch) -> ((loss_sum, aux sums), grads) with FSDP written out: per device, the
   weights are gathered in the compute dtype where they are used (each layer's inside its remat) and the
   gradients reduce-scattered in fp32 (laplace_jax/fsdp.py). Same results as the unsharded value_and_grad.
-  `carry`: the micro-batch holds a carry and aux returns the new one, per device's rows (not summed)."""
+  `carry`: the micro-batch holds a carry and aux returns the new one, per device's rows (not summed).
+  With a "context" mesh axis each device computes a span of its rows (laplace_jax/context_parallel.py), and
+  the sums run over that axis too."""
   specs = sharding.param_specs(params, mesh)
   top_shapes = param_shapes(cfg)["model"]
+  summed = sharding.BATCH_AXES + ((sharding.CONTEXT,) if sharding.context_size(mesh) > 1 else ())
 
   def local_loss(p, mb):
     p = {**p, **fsdp.gather_tree({k: p[k] for k in top_shapes}, top_shapes, cfg.compute_dtype)}
@@ -122,24 +128,43 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0,
     # Sharded leaves come back reduce-scattered (fsdp.gather's backward); whole ones (norm scales, conv,
     # biases: ≈0.02% of laplace-3b) hold this device's partial sum.
     grads = jax.tree.map(
-      lambda g, spec: g if any(spec) else jax.lax.psum(g, sharding.BATCH_AXES),
+      lambda g, spec: g if any(spec) else jax.lax.psum(g, summed),
       grads,
       specs,
       is_leaf=lambda x: isinstance(x, P),
     )
     new_carry = aux.pop("carry", None)
-    loss, aux = jax.lax.psum((loss, aux), sharding.BATCH_AXES)
+    loss, aux = jax.lax.psum((loss, aux), summed)
     return (loss, aux if new_carry is None else {**aux, "carry": new_carry}), grads
 
   aux_spec = {"ce": P(), "z": P(), "tokens": P(), "carry": P(sharding.BATCH_AXES)} if carry else P()
-  # check_vma=False: the model's scans start from zero carries that the per-device type check would need
-  # marked as varying; the collectives here are written out, so nothing relies on it.
-  return jax.shard_map(
-    per_device,
-    mesh=mesh,
-    in_specs=(specs, P(sharding.BATCH_AXES)),
-    out_specs=((P(), aux_spec), specs),
-    check_vma=False,
+
+  def grad_fn(p, mb: Batch):
+    # check_vma=False: the model's scans start from zero carries that the per-device type check would need
+    # marked as varying; the collectives here are written out, so nothing relies on it.
+    return jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(specs, batch_partition_specs(mb, mesh)),
+      out_specs=((P(), aux_spec), specs),
+      check_vma=False,
+    )(p, mb)
+
+  return grad_fn
+
+
+def batch_partition_specs(batch: Batch, mesh: Mesh) -> Batch:
+  """Each field's PartitionSpec: rows over the batch axes; per-token fields' sequence over "context" when
+  the mesh has it (a carry, and scored positions, hold whole rows)."""
+  rows = P(sharding.BATCH_AXES)
+  tok = sharding.token_spec(batch.inputs.shape, mesh)
+  return Batch(
+    inputs=tok,
+    targets=tok,
+    weights=None if batch.weights is None else tok,
+    positions=None if batch.positions is None else rows,
+    carry=None if batch.carry is None else rows,
+    segment_ids=None if batch.segment_ids is None else tok,
   )
 
 
@@ -160,11 +185,13 @@ def train_step(
   grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(p, mb, cfg=cfg, z_loss=step_cfg.z_loss), has_aux=True)
   micro = optim.split_microbatches(batch, step_cfg.micro_batches)  # [m, B/m, ...], rows interleaved
   if mesh is not None:  # each micro-batch stays spread over every device
+    specs = batch_partition_specs(jax.tree.map(lambda x: x[0], micro), mesh)
+    pin = lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, *spec)))
     micro = jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2))))
-      ),
+      lambda spec, field: jax.tree.map(lambda x: pin(spec, x), field),
+      specs,
       micro,
+      is_leaf=lambda x: isinstance(x, P),
     )
     grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry=state.carry is not None)
   _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
@@ -281,7 +308,7 @@ def abstract_batch(
 ) -> Batch:
   """Batch shapes; `weighted` adds per-token loss weights (recall tasks score only their answers),
   `segmented` the packed rows' document ids."""
-  sh = None if mesh is None else NamedSharding(mesh, sharding.batch_spec((global_batch, seq_len), mesh))
+  sh = None if mesh is None else NamedSharding(mesh, sharding.token_spec((global_batch, seq_len), mesh))
   tok = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sh)
   weights = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32, sharding=sh) if weighted else None
   return Batch(inputs=tok, targets=tok, weights=weights, segment_ids=tok if segmented else None)
@@ -335,12 +362,21 @@ def lower_train_step(
 ) -> Any:
   """The step lowered (not compiled) from abstract shapes: `.as_text()` is its StableHLO, `.compile()` the
   executable. Inside `platform.lowering_for(target)` it records the choices made for that target."""
-  n_dev = mesh.devices.size
+  n_dev = mesh.devices.size // sharding.context_size(mesh)  # a context axis splits rows, not the batch
   if global_batch % (step_cfg.micro_batches * n_dev):
     raise ValueError(
       f"global batch {global_batch} must split into micro_batches={step_cfg.micro_batches} "
       f"× {n_dev} devices (a multiple of {step_cfg.micro_batches * n_dev}); change the batch size "
       "or the number of micro-batches."
+    )
+  n_ctx = sharding.context_size(mesh)
+  span = seq_len // n_ctx
+  if seq_len % n_ctx or span < max(cfg.conv_size, cfg.window if "S" in cfg.mixers else 1):
+    raise ValueError(
+      f"seq_len {seq_len} over a context axis of {n_ctx} devices: each device's span must be a whole "
+      f"{seq_len / n_ctx:g} tokens of at least the conv's {cfg.conv_size}"
+      + (f" and the window's {cfg.window}" if "S" in cfg.mixers else "")
+      + f"; use a multiple of {n_ctx} that is long enough, or a smaller --mesh_context."
     )
   if abstract_state is None:
     abstract_state = abstract_train_state(

@@ -201,3 +201,16 @@ def test_compile_only_reports_memory(tmp_path):
   )
   assert summary["memory"]["temp_bytes"] > 0 and summary["compile_s"] > 0
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_context_parallel_run_follows_the_unsplit_run(data_dir, reference, tmp_path):
+  """`--mesh_context 4`: each row's 64 tokens over 4 devices (data 1 × fsdp 2 × context 4), Muon and the
+  packed documents' segment ids included; the losses of its steps are the 2 × 4 run's (the same batches)."""
+  steps = 3
+  mesh = ["--mesh_data", "1", "--mesh_fsdp", "2", "--mesh_context", "4"]
+  out = tmp_path / "context"
+  args = COMMON + SCHEDULE + mesh + ["--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps)]
+  run(load_config(args + ["--save_every", "100"]))
+  got = _losses(out)
+  for s in range(1, steps + 1):
+    np.testing.assert_allclose(got[s], reference[s], rtol=2e-5, err_msg=f"step {s}")

@@ -51,7 +51,10 @@ class TrainConfig:
   mesh_data: int = 1
   """data-parallel axis size of the device mesh"""
   mesh_fsdp: int = 0
-  """FSDP axis size (0: all devices left after mesh_data)"""
+  """FSDP axis size (0: all devices left after mesh_data and mesh_context)"""
+  mesh_context: int = 1
+  """context-parallel axis size: each row's sequence split over this many devices (G and S layers; seq_len a
+  multiple of it)"""
   simulate_devices: int = 0
   """CPU only: simulate this many devices (XLA host device count); 0 keeps the real ones"""
   seed: int = 0
@@ -117,6 +120,7 @@ class TrainConfig:
       "global_batch",
       "micro_batches",
       "mesh_data",
+      "mesh_context",
       "log_every",
       "keep_checkpoints",
       "max_bad_steps",

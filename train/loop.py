@@ -190,7 +190,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
   carry_batch = tc.global_batch if tc.state_passing else 0  # state passing: one carried state per row
   # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
   with platform.lowering_for(tc.target) if tc.target else contextlib.nullcontext():
-    mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None)
+    mesh = sharding.make_mesh(data=tc.mesh_data, fsdp=tc.mesh_fsdp or None, context=tc.mesh_context)
     counts = param_counts(cfg)
     log0(
       f"model: {counts['total'] / 1e6:.2f}M parameters (Muon {counts['muon'] / 1e6:.2f}M, AdamW "

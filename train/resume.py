@@ -26,6 +26,7 @@ _TRAIN_ALLOWED = (
   "tokens_per_step",
   "mesh_data",
   "mesh_fsdp",
+  "mesh_context",
   "simulate_devices",
   "log_every",
   "eval_every",
