@@ -209,7 +209,9 @@ def test_context_parallel_run_follows_the_unsplit_run(data_dir, reference, tmp_p
   steps = 3
   mesh = ["--mesh_data", "1", "--mesh_fsdp", "2", "--mesh_context", "4"]
   out = tmp_path / "context"
-  args = COMMON + SCHEDULE + mesh + ["--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps)]
+  args = (
+    COMMON + SCHEDULE + mesh + ["--data_dir", str(data_dir), "--out_dir", str(out), "--steps", str(steps)]
+  )
   run(load_config(args + ["--save_every", "100"]))
   got = _losses(out)
   for s in range(1, steps + 1):
