@@ -28,7 +28,7 @@ The collective moves (devices − 1) states per device and layer; no activation 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,8 @@ F32 = jnp.float32
 _NONE = jnp.iinfo(jnp.int32).min // 2  # "no segment starts here": below any start position
 
 
-class Span(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Span:
   """Where this device's tokens sit in the row: span `index` (traced) of `count` (static), T_l tokens each."""
 
   count: int

@@ -65,7 +65,8 @@ def make_mesh(
       f"make_mesh(data={data}, fsdp={fsdp}, context={context}) needs {data * fsdp * context} devices but "
       f"{n} are present ({jax.default_backend()}). Use a smaller mesh. {_SIMULATE_HINT}"
     )
-  shape, names = (int(data), int(fsdp)), (DATA, FSDP)
+  shape: tuple[int, ...] = (int(data), int(fsdp))
+  names: tuple[str, ...] = (DATA, FSDP)
   if context > 1:
     shape, names = (*shape, int(context)), (*names, CONTEXT)
   axis_types = (jax.sharding.AxisType.Auto,) * len(shape)  # jit propagates shardings (pjit style)

@@ -163,7 +163,7 @@ def batch_partition_specs(batch: Batch, mesh: Mesh) -> Batch:
     targets=tok,
     weights=None if batch.weights is None else tok,
     positions=None if batch.positions is None else rows,
-    carry=None if batch.carry is None else rows,
+    carry=None if batch.carry is None else rows,  # type: ignore[arg-type]  # a spec where the Carry sits
     segment_ids=None if batch.segment_ids is None else tok,
   )
 
