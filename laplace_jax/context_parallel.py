@@ -3,7 +3,7 @@
 Inside `jax.shard_map` over a mesh with that axis (sharding.make_mesh(context=N), the train step's), each
 device holds a contiguous span of every row's tokens (device i: tokens i·T_l … (i+1)·T_l − 1), and the layer
 pieces (laplace_jax/mixers.py) exchange only what crosses a span's edge:
-  - the GLA: one (decay, state) pair per span and head, all-gathered (below);
+  - the GLA: one (decay, state) pair per span and head, scanned across the devices (below);
   - the short conv: the previous span's last conv_size inputs (`previous_tail`, a ppermute);
   - sliding-window layers: the previous span's last `window` keys and values (window ≤ T_l);
   - packed rows: each span's last segment id and last segment start (`span_segments`), so that documents,
@@ -12,18 +12,21 @@ pieces (laplace_jax/mixers.py) exchange only what crosses a span's edge:
 Full attention would need every earlier key: it is refused. `span()` says whether the code being traced runs
 on such a span.
 
-The GLA, `chunk_simple_gla_context` (axis `axis_name`). The recurrence S_t = λ S_{t−1} + k_t v_tᵀ is linear in the
-state, so a span's effect on what enters it is one pair per head: its total decay D = λ^{T_l} (0 if a segment
-starts in the span: laplace_jax/segments.py) and the state U it builds from zero. Then
+The GLA, `chunk_simple_gla_context` (axis `axis_name`). The recurrence S_t = λ S_{t−1} + k_t v_tᵀ is linear in
+the state, so a span's effect on what enters it is one pair per head: its total decay D = λ^{T_l} (0 if a
+segment starts in the span: laplace_jax/segments.py) and the state U it builds from zero. Pairs compose
+associatively, (D₁, U₁) then (D₂, U₂) = (D₁D₂, D₂U₁ + U₂). Then
 
     1. every device runs gla.chunk_simple_gla on its span from a zero state: (o_local, U), and D;
-    2. the pairs are all-gathered over the axis and combined by the exclusive scan
-       S_in_i = Σ_{j<i} (Π_{j<m<i} D_m) U_j  (the state entering span i), O(devices) states per device;
+    2. an exclusive scan of the pairs over the devices (shift by one span, then Hillis–Steele rounds at
+       distances 1, 2, 4, …: one ppermute of one pair each) gives span i the composition of spans 0 … i−1,
+       so S_in_i = D_{<i}·S_0 + U_{<i}, the state entering it;
     3. each position adds what the incoming state contributes, exp(b_t)·scale·q_tᵀ S_in (b_t: the log decay
        from the span's start to t, the same closed form as gla's), up to the span's first segment start,
-       and the final state is D·S_in + U.
+       and the final state is D·S_in + U on the last span (sent to all only when a carry keeps it).
 
-The collective moves (devices − 1) states per device and layer; no activation crosses devices.
+Each device sends and receives 1 + ⌈log₂ N⌉ states per layer (N devices on the axis), and the backward pass
+as many; no activation crosses devices.
 """
 
 from __future__ import annotations
@@ -77,10 +80,12 @@ def previous_tail(x, n: int, sp: Span):
   return _moved(lambda y: jax.lax.ppermute(y, CONTEXT, perm), x[:, x.shape[1] - n :])
 
 
-def from_last(x, sp: Span):
-  """The last span's x on every device (the row's end: what a training carry keeps); gathered, not summed,
-  so integers and every float bit arrive unchanged."""
-  return _moved(lambda y: jax.lax.all_gather(y, CONTEXT)[sp.count - 1], x)
+def from_last(x, sp: Span, axis_name: str = CONTEXT):
+  """The last span's x on every device (the row's end: what a training carry keeps). Floats by a sum with
+  the other spans' zeros (exact: x + 0 = x), integers gathered (their bits as floats would be denormals)."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jax.lax.psum(jnp.where(sp.index == sp.count - 1, x, jnp.zeros_like(x)), axis_name)
+  return _moved(lambda y: jax.lax.all_gather(y, axis_name)[sp.count - 1], x)
 
 
 def span_segments(segment_ids_BxT, pos_B, first_start_B, sp: Span) -> Segments:
@@ -133,20 +138,23 @@ def chunk_simple_gla_context(
   )
   # this span's total decay per row and head, and which of its positions still read the incoming state
   reads_BxT = jnp.ones((B, T_l), bool) if reset is None else jnp.cumsum(reset.astype(jnp.int32), axis=1) == 0
-  d_BxH = jnp.where(reads_BxT[:, -1:], jnp.exp(g_H * T_l)[None], 0.0)
+  d_local_BxH = jnp.where(reads_BxT[:, -1:], jnp.exp(g_H * T_l)[None], 0.0)
 
-  # every span's (D, U), in axis order: [n, B, H] and [n, B, H, K, V]
-  d_all = jax.lax.all_gather(d_BxH, axis_name)
-  u_all = jax.lax.all_gather(u_local, axis_name)
-  n, me = d_all.shape[0], jax.lax.axis_index(axis_name)
+  n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
   s0 = jnp.zeros_like(u_local) if initial_state is None else initial_state.astype(F32)
-
-  def enter(s_in, du):  # the state entering span j+1 from the one entering span j
-    d, u = du
-    return d[..., None, None] * s_in + u, s_in
-
-  s_end, s_in_all = jax.lax.scan(enter, s0, (d_all, u_all), length=n)  # s_in_all[j]: entering span j
-  s_in = jax.lax.dynamic_index_in_dim(s_in_all, me, 0, keepdims=False)
+  shifted = lambda x, by: jax.lax.ppermute(x, axis_name, [(j, j + by) for j in range(n - by)])
+  # exclusive scan: span i starts from span i−1's pair (span 0 from the identity: decay 1, no state) ...
+  d_BxH = jnp.where(me == 0, 1.0, shifted(d_local_BxH, 1))
+  u = shifted(u_local, 1)
+  by = 1
+  while by < n:  # ... and composes, at distance 1, 2, 4, …, the pair `by` spans earlier with its own
+    d_in, u_in = shifted(d_BxH, by), shifted(u, by)
+    has = me >= by
+    u = jnp.where(has, d_BxH[..., None, None] * u_in + u, u)
+    d_BxH = jnp.where(has, d_in * d_BxH, d_BxH)
+    by *= 2
+  s_in = d_BxH[..., None, None] * s0 + u  # the state entering this span
+  s_end = from_last(d_local_BxH[..., None, None] * s_in + u_local, Span(n, me), axis_name)
 
   # exp(b_t) for t = 0 … T_l − 1 of the span: γ·(t + 1), zero from the span's first segment start on
   decay_TxH = jnp.exp(g_H[None] * (jnp.arange(T_l, dtype=F32)[:, None] + 1))

@@ -1,6 +1,7 @@
 """The chunked GLA over a sequence split across devices (laplace_jax/context_parallel.py) equals the unsplit
 chunked GLA: outputs, final state and gradients, with segment starts inside a span, at a span's first token and
-nowhere, and with an initial state. 4 simulated devices on a `context` axis."""
+nowhere, and with an initial state, on 4 and 6 simulated devices (the scan's rounds at distances 1, 2 and
+1, 2, 4). Then the train step on a ("data", "fsdp", "context") mesh against the unsplit one."""
 
 import functools
 
@@ -16,7 +17,7 @@ from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
 from laplace_jax.context_parallel import chunk_simple_gla_context
 
-B, T, H, K, V, N_DEV = 2, 64, 3, 8, 5, 4
+B, T, H, K, V = 2, 48, 3, 8, 5
 
 
 def _inputs():
@@ -24,15 +25,16 @@ def _inputs():
   q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, d)), jnp.float32) for d in (K, K, V))
   s0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
   reset = np.zeros((B, T), bool)
-  reset[0, [5, 16, 17, 40]] = True  # inside a span, at span 1's first token and the next, inside span 2
+  reset[0, [5, 16, 17, 40]] = True  # inside spans, at a span's first token (6 devices) and the next
   return q, k, v, s0, jnp.asarray(reset)
 
 
-def test_split_sequence_equals_the_unsplit_gla(form="parallel"):
+@pytest.mark.parametrize("n_dev", [4, 6])
+def test_split_sequence_equals_the_unsplit_gla(n_dev, form="parallel"):
   """(Each span's own work is gla.chunk_simple_gla in either form; the combination is form-independent.)"""
   q, k, v, s0, reset = _inputs()
   g = jnp.log(jnp.asarray([0.5, 0.9, 0.999]))
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N_DEV]), ("context",))
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n_dev]), ("context",))
   seq = P(None, "context")
 
   @jax.jit
