@@ -1,11 +1,13 @@
 """The train step at long sequence lengths, same tokens per step: time and activation memory per token.
 
     python benchmarks/long_context.py [--preset small] [--lengths 2048 8192 16384 32768]
-        [--tokens-per-step 32768] [--steps 2] [--compute-dtype float32] [--model.FIELD V ...]
+        [--tokens-per-step 32768] [--steps 2] [--compute-dtype float32] [--mesh-context C] [--model.FIELD V ...]
 
 For each length T: global batch = tokens-per-step / T; the compiled step's temporaries per token
 (`memory_analysis()`, no run needed) and, with --steps > 0, the median step time per token on one device
 (random tokens, Muon + AdamW). Ratios are against the first length, measured in the same run.
+--mesh-context C: on C simulated CPU devices, each row's T tokens split into C spans of T/C (context
+parallelism, laplace_jax/context_parallel.py); the temporaries are then one device's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import platform
 import jax
 import numpy as np
 
+from laplace_jax import platform as lj_platform
 from laplace_jax import sharding, timing
 from laplace_jax import train_step as ts
 from laplace_jax.config import get_config
@@ -30,17 +33,23 @@ def main(argv=None):
   ap.add_argument("--tokens-per-step", type=int, default=32768)
   ap.add_argument("--steps", type=int, default=2, help="timed steps per length (0: memory only)")
   ap.add_argument("--compute-dtype", default=None)
+  ap.add_argument("--mesh-context", type=int, default=1, help="split each row over this many CPU devices")
   args, rest = ap.parse_known_args(argv)
+  if args.mesh_context > 1:
+    lj_platform.simulate_cpu_devices(args.mesh_context)  # before the first use of a device
   overrides = {k.split(".", 1)[1]: v for k, v in zip(rest[::2], rest[1::2]) if k.startswith("--model.")}
   cfg = get_config(args.preset)
   cfg = cfg.replace(**{k: type(getattr(cfg, k))(v) for k, v in overrides.items()})
   if args.compute_dtype:
     cfg = cfg.replace(compute_dtype=args.compute_dtype)
-  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  n = args.mesh_context
+  mesh = sharding.make_mesh(data=1, fsdp=1, context=n, devices=jax.devices()[:n])
   opt = make_optimizer(OptimizerConfig(total_steps=1000, warmup_steps=10))
   print(
     f"{args.preset} ({cfg.compute_dtype}, remat {cfg.remat}, gla_form {cfg.gla_form}) on "
-    f"{jax.devices()[0].device_kind} ({platform.machine()}); {args.tokens_per_step} tokens per step\n"
+    f"{jax.devices()[0].device_kind} ({platform.machine()}); {args.tokens_per_step} tokens per step"
+    + (f", each row over {n} devices (context axis)" if n > 1 else "")
+    + "\n"
   )
   print("| T | batch | temporaries MiB | bytes/token | × first | step s | µs/token | × first |")
   print("|---|---|---|---|---|---|---|---|")
@@ -57,7 +66,11 @@ def main(argv=None):
       toks = (
         np.random.default_rng(0).integers(0, min(cfg.vocab_size, VOCAB_SIZE), (B, T + 1)).astype(np.int32)
       )
-      batch = ts.Batch(inputs=toks[:, :-1], targets=toks[:, 1:])
+      batch_sh = ts.abstract_batch(B, T, mesh)
+      batch = ts.Batch(
+        inputs=jax.device_put(toks[:, :-1], batch_sh.inputs.sharding),
+        targets=jax.device_put(toks[:, 1:], batch_sh.targets.sharding),
+      )
 
       def step():
         nonlocal state

@@ -32,6 +32,7 @@ as many; no activation crosses devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,21 @@ from laplace_jax.segments import Segments
 from laplace_jax.sharding import CONTEXT
 
 F32 = jnp.float32
+SCOPE = "context_parallel"  # the named scope of every exchange here (benchmarks count its collectives)
+
+
+def _scoped(f):
+  """f traced under the SCOPE name (a scope object per call: one jax.named_scope instance, entered again
+  while open, would leave the scope on every op traced after it)."""
+
+  @functools.wraps(f)
+  def scoped(*args, **kwargs):
+    with jax.named_scope(SCOPE):
+      return f(*args, **kwargs)
+
+  return scoped
+
+
 _NONE = jnp.iinfo(jnp.int32).min // 2  # "no segment starts here": below any start position
 
 
@@ -69,6 +85,7 @@ def _moved(collective, x):
   return jax.lax.bitcast_convert_type(collective(jax.lax.bitcast_convert_type(x, F32)), x.dtype)
 
 
+@_scoped
 def previous_tail(x, n: int, sp: Span):
   """The previous span's last `n` rows of x [B, T_l, ...] (along dim 1); zeros on span 0."""
   if n > x.shape[1]:
@@ -80,6 +97,7 @@ def previous_tail(x, n: int, sp: Span):
   return _moved(lambda y: jax.lax.ppermute(y, CONTEXT, perm), x[:, x.shape[1] - n :])
 
 
+@_scoped
 def from_last(x, sp: Span, axis_name: str = CONTEXT):
   """The last span's x on every device (the row's end: what a training carry keeps). Floats by a sum with
   the other spans' zeros (exact: x + 0 = x), integers gathered (their bits as floats would be denormals)."""
@@ -88,6 +106,7 @@ def from_last(x, sp: Span, axis_name: str = CONTEXT):
   return _moved(lambda y: jax.lax.all_gather(y, axis_name)[sp.count - 1], x)
 
 
+@_scoped
 def span_segments(segment_ids_BxT, pos_B, first_start_B, sp: Span) -> Segments:
   """Segments.from_ids for this span as part of the whole row: a span's first token starts a segment when
   its id differs from the previous span's last (span 0: when `first_start_B` says so); `index` counts the
@@ -112,6 +131,7 @@ def span_segments(segment_ids_BxT, pos_B, first_start_B, sp: Span) -> Segments:
   return Segments(start=start, index=index, offset=t_BxT - began)
 
 
+@_scoped
 def chunk_simple_gla_context(
   q,
   k,
@@ -163,6 +183,7 @@ def chunk_simple_gla_context(
   return o.astype(v.dtype), s_end
 
 
+@_scoped
 def window_attention_on_span(q, k, v, window: int, segment_BxT, sp: Span):
   """window_attention.window_attention for this span of the row: its queries also see the previous span's
   last `window` keys and values (none on span 0); q, k, v [B, T_l, H, hd] with RoPE applied at the row's
