@@ -10,7 +10,9 @@ S_t = k_t v_t^T, so each segment of a row is computed exactly as if it ran alone
 
 Three forms: `chunk_simple_gla` (training / prefill: intra-chunk work in parallel, a scan over a static
 number of chunks for the state), `recurrent_simple_gla_step` (one decode token) and
-`naive_recurrent_simple_gla` (the token-by-token reference the tests compare against).
+`naive_recurrent_simple_gla` (the token-by-token reference the tests compare against). `state_after` is the
+state after the first n_B of T tokens in closed form (speculative decoding commits a row at its accepted
+length: S_n = λⁿ S_0 + Σ_{i<n} λ^{n−1−i} k_i v_iᵀ, no intermediate state kept).
 """
 
 from __future__ import annotations
@@ -194,6 +196,18 @@ def chunk_simple_gla(
     o, final_state = _chunks_in_parallel(q_, k_, v_, b_BxHxNxC, s0, unroll, r_Bx1xNxC)
   o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, V)[:, :T]
   return o.astype(out_dtype), final_state
+
+
+def state_after(state_BxHxKxV, k_BxTxHxK, v_BxTxHxV, g_gamma, n_B):
+  """The state after the first n_B (0 … T) of T new tokens per row, from `state` (fp32 [B, H, K, V])."""
+  T = k_BxTxHxK.shape[1]
+  g_H = jnp.asarray(g_gamma, F32)
+  n_B = jnp.asarray(n_B, jnp.int32)
+  lag_BxT = (n_B[:, None] - 1 - jnp.arange(T)[None]).astype(F32)  # tokens after t up to the n-th
+  w_BxTxH = jnp.where((lag_BxT >= 0)[..., None], jnp.exp(g_H * jnp.maximum(lag_BxT, 0)[..., None]), 0.0)
+  decay_BxH = jnp.exp(g_H[None] * n_B[:, None].astype(F32))
+  new = jnp.einsum("bth,bthk,bthv->bhkv", w_BxTxH, k_BxTxHxK.astype(F32), v_BxTxHxV.astype(F32))
+  return decay_BxH[..., None, None] * state_BxHxKxV.astype(F32) + new
 
 
 def recurrent_simple_gla_step(q, k, v, g_gamma, state, *, scale=None):

@@ -14,6 +14,9 @@ At call time a piece takes the layer's whole decode state (a DecodeState, or Non
 and its row `idx` in its own table (model.table_row), the row mask, and the packed rows' Segments (None: one
 sequence per row; laplace_jax/segments.py), and returns (output, the state with only its own field replaced).
 A state whose field is None (a training carry has no attention cache) also means: start from position 0.
+Given a state and several tokens, the pieces whose state is not a plain cache also sow their new inputs into
+the "intermediates" collection (conv_in, gla_k/gla_v, ring_k/ring_v) when it is collected: model.verify reads
+them to commit each row at its own accepted length.
 Traced on a span of a row split over the "context" axis (context_parallel.span()), the conv, the GLA and the
 window layers take what enters the span from the devices before it (laplace_jax/context_parallel.py).
 """
@@ -135,6 +138,7 @@ class ShortConv(LayerPart):
     if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
       out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state.conv, idx, state.pos)
       return out, state.replace(conv=table)
+    self.sow("intermediates", "conv_in", h_BxTxD)  # model.verify's drafted inputs (only when collected)
     out, ring = short_conv.conv_sequence(
       h_BxTxD, kernel, bias, state.conv[idx], state.pos, lengths(mask_BxT, B, T), offset
     )
@@ -228,6 +232,8 @@ class GLAMixer(LayerPart):
         )
       if table is not None:
         table = jax.lax.dynamic_update_index_in_dim(table, s_new.astype(table.dtype), idx, 0)
+        self.sow("intermediates", "gla_k", k_BxTxHxK)  # model.verify's drafted keys and values
+        self.sow("intermediates", "gla_v", v_BxTxHxV)
 
     # Self-augmentation: a gated skip of the value, σ(q·(a⊙k)) = ½ at initialisation.
     gate_BxTxH = jax.nn.sigmoid(
@@ -288,6 +294,9 @@ class AttentionMixer(LayerPart):
       pos_BxT = pos_B[:, None] + jnp.arange(T)[None] + (0 if sp is None else sp.index * T)
     q, k = attention.rope(q, pos_BxT, cfg.rope_base), attention.rope(k, pos_BxT, cfg.rope_base)
     if cached:
+      if self.state_field == "ring" and T > 1:  # model.verify's drafted keys and values (window layers)
+        self.sow("intermediates", "ring_k", k)
+        self.sow("intermediates", "ring_v", v)
       o, state = self.attend_cached(
         q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None
       )

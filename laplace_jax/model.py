@@ -214,7 +214,7 @@ class LaplaceLM(nn.Module):
     # checkpoints are the scanned form's; each layer reads a static slice of the stacked weights.
     scanned = nn.scan(
       body,
-      variable_axes={"params": 0},
+      variable_axes={"params": 0, "intermediates": 0},  # intermediates: model.verify's, per layer
       split_rngs={"params": True},
       in_axes=(0, nn.broadcast, nn.broadcast),
       out_axes=0,
@@ -283,7 +283,7 @@ def _init_params_jit(cfg: LaplaceConfig, backend: str, rng) -> dict:
   return LaplaceLM(cfg).init(rng, tokens)["params"]
 
 
-def _check_tokens(tokens, cfg):
+def check_tokens(tokens, cfg):
   dtype = getattr(tokens, "dtype", None) or np.asarray(tokens).dtype
   if not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"tokens have dtype {dtype}: expected integer token ids.")
@@ -303,7 +303,7 @@ def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None, segme
   a packed row's documents, each computed exactly as if alone in its row (laplace_jax/segments.py)."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
-  _check_tokens(tokens_BxT, cfg)
+  check_tokens(tokens_BxT, cfg)
   return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxK, segment_ids_BxT)
 
 
@@ -360,7 +360,7 @@ def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig, segment_ids_
   carry unless `first_start_B` (bool [B]) says a new document begins at the row's first token."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
-  _check_tokens(tokens_BxT, cfg)
+  check_tokens(tokens_BxT, cfg)
   return LaplaceLM(cfg).apply(
     {"params": params},
     tokens_BxT,
@@ -414,7 +414,7 @@ def check_state(state, cfg: LaplaceConfig, batch_size: int | None = None) -> int
   return B
 
 
-def _check_capacity(state: DecodeState, new_tokens_B) -> None:
+def check_capacity(state: DecodeState, new_tokens_B) -> None:
   """Attention layers only: raise if a row's context would outgrow the KV cache (host values only;
   under jit such rows get NaN logits instead, see LaplaceLM)."""
   S = state.cache_len
@@ -434,8 +434,8 @@ def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig):
   if jnp.ndim(tokens_B) != 1:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_B)}: expected [B], one token per sequence.")
   check_state(state, cfg, jnp.shape(tokens_B)[0])
-  _check_tokens(tokens_B, cfg)
-  _check_capacity(state, 1)
+  check_tokens(tokens_B, cfg)
+  check_capacity(state, 1)
   return LaplaceLM(cfg).apply({"params": params}, tokens_B[:, None], state, last_only=True)
 
 
@@ -445,8 +445,8 @@ def prefill_chunk(params, state: DecodeState, tokens_BxC, lengths_B, *, cfg: Lap
   A row with length 0 keeps its state exactly (its logits are meaningless)."""
   B, C = jnp.shape(tokens_BxC)
   check_state(state, cfg, B)
-  _check_tokens(tokens_BxC, cfg)
-  _check_capacity(state, lengths_B)
+  check_tokens(tokens_BxC, cfg)
+  check_capacity(state, lengths_B)
   mask_BxC = jnp.arange(C)[None, :] < jnp.asarray(lengths_B)[:, None]
   return LaplaceLM(cfg).apply({"params": params}, tokens_BxC, state, mask_BxC, last_only=True)
 
@@ -468,9 +468,9 @@ def prefill(params, state: DecodeState, tokens_BxT, lengths_B=None, *, cfg: Lapl
   lengths = np.full((B,), T, np.int32) if lengths_B is None else np.asarray(lengths_B, np.int32)
   if lengths.shape != (B,) or (lengths < 0).any() or (lengths > T).any():
     raise ValueError(f"lengths {lengths.tolist()}: expected [B]={B} values in [0, {T}].")
-  _check_tokens(tokens, cfg)
+  check_tokens(tokens, cfg)
   check_state(state, cfg, B)
-  _check_capacity(state, lengths)
+  check_capacity(state, lengths)
   C = cfg.chunk_size
   n_chunks = max(1, -(-T // C))
   tokens = np.pad(tokens, [(0, 0), (0, n_chunks * C - T)]).astype(np.int32)

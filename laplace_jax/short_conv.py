@@ -49,15 +49,29 @@ def conv_sequence(
   out = sum(tap(i) * kernel_WxD[i].astype(dt) for i in range(W)) + bias_D.astype(dt)
   if ring_BxWxD is None:
     return out, None
-  # New ring by gather: slot s takes the newest real position p'_s ≡ s (mod W), at index p'_s − pos + W.
-  p_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None]  # row-relative
-  ext32 = jnp.concatenate([past_BxWxD, h_BxTxD.astype(F32)], axis=1)
-  ring = jnp.take_along_axis(ext32, (p_BxW + W)[:, :, None], axis=1)
+  ring, p_BxW = _ring_from(past_BxWxD, h_BxTxD, pos_B, n_B)
   if offset_BxT is not None:  # inputs from before the last real token's segment read as a fresh state's
     last_B = jnp.maximum(n_B - 1, 0)
     began_B = last_B - jnp.take_along_axis(offset_BxT, last_B[:, None], axis=1)[:, 0]
     ring = jnp.where((p_BxW >= began_B[:, None])[..., None], ring, 0.0)
   return out, ring.astype(ring_BxWxD.dtype)
+
+
+def _ring_from(past_BxWxD, h_BxTxD, pos_B, n_B):
+  """The ring after the first n_B of the T inputs h that follow `past` (the W before them, oldest first), fp32,
+  and each slot's row-relative position. By gather: slot s takes the newest real position p'_s ≡ s (mod W),
+  at index p'_s − pos + W."""
+  W = past_BxWxD.shape[1]
+  p_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None]  # row-relative
+  ext32 = jnp.concatenate([past_BxWxD.astype(F32), h_BxTxD.astype(F32)], axis=1)
+  return jnp.take_along_axis(ext32, (p_BxW + W)[:, :, None], axis=1), p_BxW
+
+
+def ring_after(ring_BxWxD, pos_B, h_BxTxD, n_B):
+  """The ring after the first n_B (0 … T) of T new inputs h following pos_B consumed ones: conv_sequence's
+  ring without its outputs (speculative decoding commits each row at its accepted length)."""
+  ring, _ = _ring_from(ring_in_order(ring_BxWxD, pos_B), h_BxTxD, pos_B, jnp.asarray(n_B, jnp.int32))
+  return ring.astype(ring_BxWxD.dtype)
 
 
 def ring_in_order(ring_BxWxD, pos_B):

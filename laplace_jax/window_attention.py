@@ -85,13 +85,26 @@ def ring_chunk_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_ring_BxHxWxd, v_ring
   keys = jnp.concatenate([k_ring_BxHxWxd, k_BxHxTxd], axis=2)
   values = jnp.concatenate([v_ring_BxHxWxd, v_BxHxTxd], axis=2)
   o = _attend_rings(q_BxTxHxd.astype(dt), keys, values, visible_BxTx_WT)
-  # New rings by gather: slot s takes the chunk's token j = p'_s − pos if its newest position p'_s is new.
+  k_ring, v_ring = _rings_after(k_ring_BxHxWxd, v_ring_BxHxWxd, pos_B, k_BxHxTxd, v_BxHxTxd, n_B)
+  return o, k_ring, v_ring
+
+
+def _rings_after(k_ring_BxHxWxd, v_ring_BxHxWxd, pos_B, k_BxHxTxd, v_BxHxTxd, n_B):
+  """By gather: slot s takes the chunk's token j = p'_s − pos if its newest position p'_s is new."""
+  T, W = k_BxHxTxd.shape[2], k_ring_BxHxWxd.shape[2]
   j_BxW = slot_positions(pos_B + n_B, W) - pos_B[:, None]
   fresh = (j_BxW >= 0)[:, None, :, None]
   take = lambda x: jnp.take_along_axis(x, jnp.clip(j_BxW, 0, T - 1)[:, None, :, None], axis=2)
-  k_ring = jnp.where(fresh, take(k_BxHxTxd), k_ring_BxHxWxd)
-  v_ring = jnp.where(fresh, take(v_BxHxTxd), v_ring_BxHxWxd)
-  return o, k_ring, v_ring
+  return jnp.where(fresh, take(k_BxHxTxd), k_ring_BxHxWxd), jnp.where(fresh, take(v_BxHxTxd), v_ring_BxHxWxd)
+
+
+def rings_after(k_ring_BxHxWxd, v_ring_BxHxWxd, pos_B, k_BxTxHxd, v_BxTxHxd, n_B):
+  """The rings after the first n_B (0 … T) of T new keys and values [B, T, H, hd] following pos_B consumed
+  tokens: ring_chunk_attention's rings without its attention (speculative decoding's commit)."""
+  dt = k_ring_BxHxWxd.dtype
+  heads = lambda x: jnp.swapaxes(x, 1, 2).astype(dt)
+  n_B = jnp.asarray(n_B, jnp.int32)
+  return _rings_after(k_ring_BxHxWxd, v_ring_BxHxWxd, pos_B, heads(k_BxTxHxd), heads(v_BxTxHxd), n_B)
 
 
 def ring_decode_attention(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, layer, pos_B):
