@@ -15,9 +15,14 @@ import contextlib
 import contextvars
 import os
 
-import jax
+# JAX is imported inside the functions: the command lines read this module's constants (their flags' choices)
+# before anything loads JAX, so that --help stays quick.
 
 TARGETS = ("cpu", "gpu", "neuron")
+LOWERING_TARGETS = ("neuron",)  # what --target may name: platforms lowered for without being present
+TRN2_DEVICES = (
+  64  # simulated devices of a --target neuron lowering: a trn2.48xlarge, 16 chips x 4 logical cores
+)
 PRNG_IMPLS = ("threefry", "rbg", "unsafe_rbg")
 PRNG_CHOICES = ("auto",) + PRNG_IMPLS
 _JAX_PRNG_NAMES = {"threefry": "threefry2x32", "rbg": "rbg", "unsafe_rbg": "unsafe_rbg"}
@@ -29,12 +34,16 @@ def simulate_cpu_devices(n: int) -> None:
   """Give JAX's CPU backend `n` devices, a simulated mesh: JAX's `jax_num_cpu_devices` option in this process,
   and its environment variable for the processes this one starts. Call it before the first use of a device:
   the CPU backend keeps the count it started with."""
+  import jax
+
   os.environ[CPU_DEVICES_ENV] = str(n)
   jax.config.update("jax_num_cpu_devices", n)
 
 
 def backend() -> str:
   """The platform choices are made for: the one set by `lowering_for`, else JAX's default backend."""
+  import jax
+
   target = _TARGET.get()
   return target if target is not None else jax.default_backend()
 
@@ -69,6 +78,8 @@ def use_prng(choice: str = "auto") -> str:
   """Make `prng_impl(choice)` JAX's default PRNG (`jax_default_prng_impl`) and return its name. Call it once
   at program start, before any key is made: a key keeps the implementation it was made with, and the same
   seed draws different numbers under different implementations."""
+  import jax
+
   impl = prng_impl(choice)
   jax.config.update("jax_default_prng_impl", _JAX_PRNG_NAMES[impl])
   return impl
@@ -78,6 +89,8 @@ def use_prng(choice: str = "auto") -> str:
 def using_prng(choice: str = "auto"):
   """`use_prng(choice)` for the block, JAX's previous default restored after it (for callers in a process
   that runs more than one program, such as tests); yields the implementation's name."""
+  import jax
+
   before = jax.config.values["jax_default_prng_impl"]
   try:
     yield use_prng(choice)
@@ -87,5 +100,7 @@ def using_prng(choice: str = "auto"):
 
 def current_prng() -> str:
   """The name (as `prng_impl` spells it) of JAX's default PRNG implementation now."""
+  import jax
+
   name = jax.config.values["jax_default_prng_impl"]
   return {v: k for k, v in _JAX_PRNG_NAMES.items()}.get(name, name)

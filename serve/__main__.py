@@ -14,9 +14,9 @@ import os
 import signal
 import time
 
-from laplace_jax import cli
+from laplace_jax import cli, platform
 from laplace_jax.config import PRESETS, get_config
-from serve.engine_config import DEFAULTS, EngineConfig, slots_for
+from serve.engine_config import DEFAULTS, PARAMS_DTYPES, EngineConfig, slots_for
 from serve.protocol import Limits
 
 _FLAGS = (
@@ -59,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
   w.add_argument("--seed", type=int, default=0, help="init seed for --random_init")
   w.add_argument(
     "--prng",
-    default="auto",
-    help="JAX's PRNG implementation (--random_init weights, seeded sampling): auto (rbg on Neuron and "
-    "with --target neuron, threefry elsewhere) | threefry | rbg | unsafe_rbg, checked against "
-    "laplace_jax.platform.PRNG_CHOICES; a request's seed samples different tokens under each",
+    default=platform.PRNG_CHOICES[0],
+    choices=platform.PRNG_CHOICES,
+    help="JAX's PRNG implementation (--random_init weights, seeded sampling); auto: rbg on Neuron and "
+    "with --target neuron, threefry elsewhere. A request's seed samples different tokens under each",
   )
   w.add_argument(
     "--params_dtype",
-    default="compute",
-    choices=["compute", "param"],
+    default=PARAMS_DTYPES[0],
+    choices=PARAMS_DTYPES,
     help="serve weights cast to the preset's compute dtype, or as stored",
   )
   w.add_argument(
@@ -85,8 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
   e = p.add_argument_group("engine")
   for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue"):
     _engine_flag(e, name)
-  e.add_argument("--max_tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
-  e.add_argument("--max_prompt_tokens", type=int, default=32768, help="longest prompt accepted")
+  e.add_argument(
+    "--max_tokens",
+    type=int,
+    default=_limits_default("max_tokens"),
+    help="largest max_tokens a request may ask for",
+  )
+  e.add_argument(
+    "--max_prompt_tokens",
+    type=int,
+    default=_limits_default("max_prompt_tokens"),
+    help="longest prompt accepted",
+  )
   e.add_argument(
     "--max_choices",
     type=int,
@@ -130,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
   t = p.add_argument_group("lowering for another platform (no weights needed, nothing is served)")
   t.add_argument(
     "--target",
-    choices=["neuron"],
+    choices=platform.LOWERING_TARGETS,
     help="lower (never compile) every program the engine compiles "
     "from abstract shapes with the choices made on this platform (neuron: Trainium) on simulated "
     "CPU devices, print the conformance report (laplace_jax.neuron_check), exit 1 on a violation",
@@ -178,10 +188,6 @@ def parse_args(argv=None):
     v = getattr(args, name)
     if not lo <= v <= hi:
       p.error(f"--{name}={v}: expected an integer in [{lo}, {hi}]")
-  from laplace_jax.platform import PRNG_CHOICES
-
-  if args.prng not in PRNG_CHOICES:
-    p.error(f"argument --prng: invalid choice: {args.prng!r} (choose from {', '.join(PRNG_CHOICES)})")
   if args.state_cache_gb < 0:
     p.error(f"--state_cache_gb={args.state_cache_gb}: expected >= 0 (0 disables the state cache)")
   if args.state_cache_dir and args.state_cache_gb == 0:
@@ -189,7 +195,7 @@ def parse_args(argv=None):
   if args.hlo_dir and not args.target:
     p.error("--hlo_dir needs --target neuron (it is where the lowered programs go)")
   if args.mesh_devices is None:
-    args.mesh_devices = 64 if args.target else 1
+    args.mesh_devices = platform.TRN2_DEVICES if args.target else 1
   if not args.checkpoint and not args.random_init and not args.target:
     p.error("no weights: pass --checkpoint RUN/export/step_N (an export of python -m train) or --random_init")
   if (args.random_init or args.target) and args.preset is None:
@@ -213,7 +219,7 @@ def lower_target(args) -> int:
   """--target: lower and check the engine's programs on simulated CPU devices; 1 on any violation."""
   import jax
 
-  from laplace_jax import neuron_check, platform, tokenizer
+  from laplace_jax import neuron_check, tokenizer
 
   jax.config.update("jax_platforms", "cpu")
   platform.simulate_cpu_devices(args.mesh_devices)
@@ -265,7 +271,6 @@ def _size(n: int) -> str:
 
 def build(args):
   """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
-  from laplace_jax import platform
   from serve import loading, protocol
   from serve.chat import ChatTemplate
   from serve.engine import Engine, check_max_context

@@ -31,6 +31,9 @@ class EngineConfig:
 
 DEFAULTS = EngineConfig()
 
+PARAMS_DTYPES = ("compute", "param")
+"""how the served weights are held (`serve.loading.cast_params`): the preset's compute dtype, or as stored"""
+
 
 def slots_for(cfg) -> int:
   """The default slot count for a model: 1280 for laplace-3b, 64 otherwise."""

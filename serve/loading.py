@@ -12,6 +12,7 @@ from laplace_jax import checkpoint as ckpt
 from laplace_jax import model, sharding
 from laplace_jax import tokenizer as gpt2
 from laplace_jax.config import get_config
+from serve.engine_config import PARAMS_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +47,10 @@ def make_serving_mesh(n_devices: int | None):
   return sharding.make_mesh(data=1, fsdp=n_devices)
 
 
-def cast_params(params, cfg, how: str = "compute"):
+def cast_params(params, cfg, how: str = PARAMS_DTYPES[0]):
   """Serve the weights in the compute dtype ("compute": half the bytes read per step for bf16 presets,
   and no per-step casts) or as stored ("param")."""
-  if how not in ("compute", "param"):
+  if how not in PARAMS_DTYPES:
     raise ValueError(f"params dtype {how!r}: expected 'compute' or 'param'.")
   if how == "param":
     return params
@@ -63,7 +64,7 @@ def load_model(
   preset: str | None = None,
   seed: int = 0,
   mesh=None,
-  dtype: str = "compute",
+  dtype: str = PARAMS_DTYPES[0],
 ):
   """(params, config): an export of `python -m train` built from the config saved with it (`preset`, if
   given, must match it), else `preset`'s model with random weights from `seed`; replicated over `mesh` if

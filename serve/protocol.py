@@ -30,9 +30,9 @@ class Limits:
   model_name: str
   vocab_size: int  # ids the tokenizer knows (GPT-2: 50,257)
   eos_id: int | None
-  max_tokens: int  # cap on max_tokens per request
-  max_prompt_tokens: int
   max_stop_ids: int  # device-side stop ids per request, EOS included
+  max_tokens: int = 4096  # cap on max_tokens per request (--max_tokens)
+  max_prompt_tokens: int = 32_768  # longest prompt accepted (--max_prompt_tokens)
   max_prompts: int = 64  # prompts x n per request (the slots plus the queue)
   max_choices: int = 16  # prompts x n per request, by policy (--max_choices): one request is not the server
   max_reply_entries: int = 1 << 19  # (--max_reply_entries) see reply_entries()

@@ -93,7 +93,7 @@ class Server:
     app.router.add_get("/metrics", self.metrics)
     return app
 
-  async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+  async def start(self, host: str, port: int) -> int:
     """Start the engine thread and listen; returns the bound port (pass 0 for any free one)."""
     self.loop = asyncio.get_running_loop()
     self.allowed = allowed_hosts(host, self.extra_hosts)

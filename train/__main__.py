@@ -20,7 +20,7 @@ def _setup_jax(tc):
   from laplace_jax import platform
 
   if tc.target and not tc.simulate_devices:
-    tc = dataclasses.replace(tc, simulate_devices=64)  # a trn2.48xlarge: 16 chips x 4 logical cores (LNC=2)
+    tc = dataclasses.replace(tc, simulate_devices=platform.TRN2_DEVICES)  # LNC=2
   if tc.simulate_devices:
     platform.simulate_cpu_devices(tc.simulate_devices)
     jax.config.update("jax_platforms", "cpu")
