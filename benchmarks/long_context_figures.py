@@ -237,7 +237,6 @@ def main(argv=None) -> int:
   ap.add_argument("--markdown", action="store_true", help="also print the tables for docs/EVAL.md")
   a = ap.parse_args(argv)
   out = {
-    "issue": 18,
     "machine": a.machine,
     "passkey_commands": [],
     "passkey": [],

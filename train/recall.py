@@ -12,7 +12,7 @@ training sequence. Results go to OUT/results.json after every cell (a rerun skip
 to OUT/*.png.
 
     python -m train.recall --quick -o runs/recall-quick        # ≈30 min on a 2-core CPU
-    python -m train.recall --grid full -o runs/recall-full     # the issue's grid: an accelerator's job
+    python -m train.recall --grid full -o runs/recall-full     # the full grid: an accelerator's job
     python -m train.recall --grid longctx --set state_passing=true -o runs/longctx-sp   # to 64K
 """
 
@@ -51,7 +51,7 @@ DISTANCES = (64, 256, 1024, 4096, 16384)  # filler tokens between the key senten
 # parameters within 1% (attention spends W_qkvg + W_out's budget).
 GRIDS = {
   # A look at every section within 30 CPU minutes: (64, 4) at vocabulary 256, 1,000 x 64 sequences, AdamW
-  # 1e-3 + Muon 0.02. Too short for attention to pass the issue's 99% check (it needs ~3,000 steps here):
+  # 1e-3 + Muon 0.02. Too short for attention to pass the 99% check (it needs ~3,000 steps here):
   # read the recipe grid for numbers. Passkey: trained at 256 tokens with AdamW 3e-3 (attention answers
   # every training prompt from step ~300).
   "quick": dict(
@@ -73,7 +73,7 @@ GRIDS = {
     passkey_distances=DISTANCES,
     state_passing=False,
   ),
-  # The issue's recipe check on the CPU (~1.5 h): (64, 4) at vocabulary 256 (not the issue's 8,192: a d128
+  # The recipe check on the CPU (~1.5 h): (64, 4) at vocabulary 256 (not the full grid's 8,192: a d128
   # model learned nothing of it in 1,500 steps), 3,000 x 64 sequences, AdamW 1e-3 + Muon 0.02 (400 steps
   # at AdamW 3e-2 left attention at 25%; this recipe takes it to 99.6%); GLA's state curve beside it.
   "recipe": dict(
@@ -139,7 +139,7 @@ GRIDS = {
     passkey_distances=(8, 16),
     state_passing=False,
   ),
-  # The issue's grid (vocabulary 8,192, every Zoology setting, passkey to 16K): an accelerator's job.
+  # The full grid (vocabulary 8,192, every Zoology setting, passkey to 16K): an accelerator's job.
   "full": dict(
     width=128,
     mqar=("mqar:64,4", "mqar:128,8", "mqar:256,16", "mqar:512,64"),
