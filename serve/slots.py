@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from laplace_jax import sharding
+from laplace_jax.state import DecodeState
 from serve import sampling
 
 N_TOP = sampling.TOP_LOGPROBS
@@ -61,7 +62,7 @@ class SlotTable:
   # The model's decode state, its slot axis where `DecodeState.batch_axes` puts it (layer-major leaves
   # [L_x, S, ...]); for some mixer patterns with its own position (tokens consumed: an insert writes the
   # prefilled row's, so a reused slot starts over).
-  model: Any
+  model: DecodeState
   tokens: Array  # i32 [S] the next input token (the last one sampled)
   last_output_index: Array  # i32 [S] index within the output of the last generated token (0: the first)
   settings: SlotSettings
@@ -71,7 +72,7 @@ class SlotTable:
 class PrefillRows:
   """A prefill batch of P fresh sequences, fed chunk by chunk."""
 
-  model: Any  # the rows' decode state, as the slot table's model field
+  model: DecodeState  # the rows' decode state, as the slot table's model field
   logits: Array  # f32 [P, V] each row's logits after its last prompt token so far
 
 
@@ -416,7 +417,8 @@ def _jit(f, donate=(), out=None):
 
 def slot_table_shardings(table_shape: SlotTable, mesh) -> SlotTable:
   """Split the slot axis over every device: the model state's axis 1, axis 0 of the per-slot arrays."""
-  per_slot = sharding.batch_shardings(dataclasses.replace(table_shape, model=None), mesh)
+  rest = dataclasses.replace(table_shape, model=None)  # type: ignore[arg-type]  # the per-slot fields alone
+  per_slot = sharding.batch_shardings(rest, mesh)
   return dataclasses.replace(per_slot, model=sharding.decode_state_shardings(table_shape.model, mesh))
 
 
