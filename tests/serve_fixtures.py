@@ -16,6 +16,7 @@ from laplace_jax.tokenizer import VOCAB_SIZE as GPT2_VOCAB
 from serve import loading, protocol
 from serve.engine import Engine
 from serve.server import InThread, Server
+from serve.slots import SlotFunctions
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -32,6 +33,21 @@ def engine(params, cfg, **kw):
   eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, **kw)
   eng.warmup()
   return eng
+
+
+def reused_slots():
+  """A `make_slots` for engines that may share compiled functions: the first engine built with it makes the
+  SlotFunctions, every later one with the same arguments gets that same object (pure jitted functions,
+  nothing of an engine's state lives in them), so it neither traces nor compiles again."""
+  made = {}
+
+  def make(model, cfg, **kw):
+    key = (model, cfg, tuple(sorted(kw.items())))
+    if key not in made:
+      made[key] = SlotFunctions(model, cfg, **kw)
+    return made[key]
+
+  return make
 
 
 def fake_engine(step_s: float = 0.0, **kw):

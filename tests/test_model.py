@@ -180,10 +180,11 @@ def test_one_compile_across_prompt_lengths_1_to_1000(params):
   model.prefill(params, model.init_state(CFG, B), np.ones((B, 1), np.int32), cfg=CFG)  # warm-up
   before = len(compiles)
   lengths = np.arange(1, 1001)
+  zero = model.init_state(CFG, B)  # every call starts from it (prefill returns a new state)
   for i in range(0, 1000, B):  # every length 1…1,000 appears once, 8 prompts per call
     n = lengths[i : i + B]
     toks = rng.integers(0, CFG.vocab_size, (B, int(n.max())))
-    model.prefill(params, model.init_state(CFG, B), toks, n, cfg=CFG)
+    model.prefill(params, zero, toks, n, cfg=CFG)
   assert len(compiles) - before == 0
 
 
@@ -242,7 +243,9 @@ WINDOWED = CFG.replace(n_layers=4, mixers="GGGS", window=16)
 def test_pattern_forward_equals_prefill_then_decode(cfg):
   """The prompt (140 tokens: two prefill chunks with the state carried) then 60 decode steps; windowed
   layers with W = 16 (the window wraps many times) and W = 160 (the prompt fills part of the ring)."""
-  params = model.init_params(cfg, jax.random.key(0))
+  # The unrolled form's parameters are the scanned form's, leaf for leaf and bit for bit (test_scan_layers):
+  # GGGS-unrolled reuses GGGS's compiled initialisation.
+  params = model.init_params(cfg.replace(scan_layers=CFG.scan_layers), jax.random.key(0))
   state = _check_prefill_then_decode(params, cfg, B=2, T=200, P=140, max_len=200)
   assert state.pos.tolist() == [200, 200]
 

@@ -67,8 +67,13 @@ def test_a_non_preset_run_serves_from_its_export_alone(export):
   params, cfg = checkpoint.load_export(export)
   prompt = [464, 1110, 318]
   ids = list(prompt)
-  for _ in range(4):  # greedy continuation from the exported params, by the model itself
-    ids.append(int(np.argmax(np.asarray(model.forward(params, np.array([ids]), cfg=cfg))[0, -1, :50257])))
+  # Greedy continuation from the exported params, by the model itself: each step's forward reads the
+  # logits at the last real position of one fixed-length row (the model is causal: the zeros padded after
+  # it change nothing there), so the four steps run one compiled forward.
+  n = len(prompt) + 3
+  for _ in range(4):
+    row = np.array([ids + [0] * (n - len(ids))])
+    ids.append(int(np.argmax(np.asarray(model.forward(params, row, cfg=cfg))[0, len(ids) - 1, :50257])))
   with sf.serving(server.engine, server.tok, server.limits) as (url, _):
     st, out = sf.call(
       url,

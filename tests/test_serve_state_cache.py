@@ -141,7 +141,7 @@ def params():
   return sf.tiny(3)[1]
 
 
-def _engine(cfg, params, cache):
+def _engine(cfg, params, cache, **kw):
   return sf.engine(
     params,
     cfg,
@@ -151,13 +151,20 @@ def _engine(cfg, params, cache):
     snapshot_every=2,
     cache_min_tokens=16,
     mesh=sharding.make_mesh(data=1, fsdp=8),
+    **kw,
   )
 
 
 @pytest.fixture(scope="module")
 def engines(cfg, params):
+  """An engine with the state cache and one without, over the same compiled slot functions (the cache
+  lives in the engine; the functions are pure), so the second compiles nothing."""
   ident = state_cache.model_identity(cfg, params)
-  return _engine(cfg, params, StateCache(ident, 1 << 30)), _engine(cfg, params, None)
+  make = sf.reused_slots()
+  return (
+    _engine(cfg, params, StateCache(ident, 1 << 30), make_slots=make),
+    _engine(cfg, params, None, make_slots=make),
+  )
 
 
 def _full_state(params, cfg, ids):
@@ -271,6 +278,7 @@ def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
 
 
 def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params):
+  # Its own slot functions (not the fixture's): whatever they compile, its warm-up alone compiled.
   eng = _engine(cfg, params, StateCache(state_cache.model_identity(cfg, params), 1 << 30))
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(

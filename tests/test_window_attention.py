@@ -9,6 +9,11 @@ from decode_traffic import assert_matmul_form_on_neuron_reduces_elsewhere, passe
 from laplace_jax import platform
 from laplace_jax import window_attention as wa
 
+# Compiled, as the model runs it: one program per test's shapes instead of one per operation run eagerly.
+window_attention = jax.jit(wa.window_attention, static_argnums=3)
+ring_chunk_attention = jax.jit(wa.ring_chunk_attention)
+ring_decode_attention = jax.jit(wa.ring_decode_attention, static_argnums=5)  # the layer: a Python int
+
 
 def _reference(q, k, v, W):
   """Softmax over keys t−W+1 … t for each query t, from an explicit [T, T] mask (float64)."""
@@ -28,14 +33,14 @@ def _reference(q, k, v, W):
 )
 def test_window_attention_matches_masked_reference(T, W):
   q, k, v = jax.random.normal(jax.random.key(T), (3, 2, T, 3, 4))
-  np.testing.assert_allclose(wa.window_attention(q, k, v, W), _reference(q, k, v, W), atol=1e-5)
+  np.testing.assert_allclose(window_attention(q, k, v, W), _reference(q, k, v, W), atol=1e-5)
 
 
 def test_window_as_long_as_the_sequence_is_causal_attention():
   q, k, v = jax.random.normal(jax.random.key(1), (3, 2, 17, 2, 8))
   want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  np.testing.assert_allclose(wa.window_attention(q, k, v, 17), want, atol=1e-5)
-  np.testing.assert_allclose(wa.window_attention(q, k, v, 1000), want, atol=1e-5)
+  np.testing.assert_allclose(window_attention(q, k, v, 17), want, atol=1e-5)
+  np.testing.assert_allclose(window_attention(q, k, v, 1000), want, atol=1e-5)
 
 
 def test_window_attention_never_builds_a_quadratic_array():
@@ -54,20 +59,21 @@ def test_ring_chunks_then_decode_equal_whole_sequence():
   B, T, H, d, W = 2, 30, 2, 4, 8
   q, k, v = jax.random.normal(jax.random.key(3), (3, B, T, H, d))
   want = _reference(q, k, v, W)
+  q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)  # the chunks below are cut on the host
   kr = vr = jnp.zeros((B, H, W, d))
   pos = jnp.zeros((B,), jnp.int32)
   take = lambda x, p, n: jnp.stack(
-    [jnp.pad(x[b, p[b] : p[b] + n], [(0, n - len(x[b, p[b] : p[b] + n])), (0, 0), (0, 0)]) for b in range(B)]
+    [np.pad(x[b, p[b] : p[b] + n], [(0, n - len(x[b, p[b] : p[b] + n])), (0, 0), (0, 0)]) for b in range(B)]
   )
   for n in ([5, 3], [11, 2], [0, 6]):  # chunks of 12 padded tokens, some rows consume fewer or none
     n = jnp.array(n)
-    o, kr, vr = wa.ring_chunk_attention(take(q, pos, 12), take(k, pos, 12), take(v, pos, 12), kr, vr, pos, n)
+    o, kr, vr = ring_chunk_attention(take(q, pos, 12), take(k, pos, 12), take(v, pos, 12), kr, vr, pos, n)
     for b in range(B):
       np.testing.assert_allclose(o[b, : int(n[b])], want[b, int(pos[b]) : int(pos[b] + n[b])], atol=1e-5)
     pos = pos + n
   ktab, vtab = jnp.zeros((2, B, H, W, d)).at[1].set(kr), jnp.zeros((2, B, H, W, d)).at[1].set(vr)
   for _ in range(5):
-    o, ktab, vtab = wa.ring_decode_attention(
+    o, ktab, vtab = ring_decode_attention(
       take(q, pos, 1), take(k, pos, 1), take(v, pos, 1), ktab, vtab, 1, pos
     )
     for b in range(B):
@@ -84,10 +90,10 @@ def test_ring_of_a_short_prompt_masks_its_empty_slots():
   B, H, d, W = 1, 1, 4, 8
   q, k, v = jax.random.normal(jax.random.key(4), (3, B, 4, H, d))
   junk = jnp.full((B, H, W, d), 1e3)
-  _, kr, vr = wa.ring_chunk_attention(
+  _, kr, vr = ring_chunk_attention(
     q[:, :3], k[:, :3], v[:, :3], junk, junk, jnp.zeros((B,), jnp.int32), jnp.array([3])
   )
-  o, *_ = wa.ring_decode_attention(q[:, 3:], k[:, 3:], v[:, 3:], kr[None], vr[None], 0, jnp.array([3]))
+  o, *_ = ring_decode_attention(q[:, 3:], k[:, 3:], v[:, 3:], kr[None], vr[None], 0, jnp.array([3]))
   np.testing.assert_allclose(o[0, 0], _reference(q, k, v, W)[0, 3], atol=1e-5)
 
 
@@ -105,7 +111,7 @@ def test_window_attention_gradients_match_masked_reference():
   t = jnp.arange(T)
   mask = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < W)
   naive = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
-  loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * r), argnums=(0, 1, 2))(q, k, v)
+  loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * r), argnums=(0, 1, 2)))(q, k, v)
   for got, want in zip(loss(lambda q, k, v: wa.window_attention(q, k, v, W)), loss(naive)):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -118,7 +124,9 @@ def test_decode_forms_agree_on_short_and_full_rings(dtype):
   q, k, v = jax.random.normal(jax.random.key(7), (3, B, 1, H, d), dtype)
   kt, vt = jax.random.normal(jax.random.key(8), (2, L, B, H, W, d), dtype)
   pos = jnp.array([2, 7, 29])
-  got, want = wa._decode_reduces(q, k, v, kt, vt, 1, pos), wa._decode_matmuls(q, k, v, kt, vt, 1, pos)
+  got, want = (
+    jax.jit(f, static_argnums=5)(q, k, v, kt, vt, 1, pos) for f in (wa._decode_reduces, wa._decode_matmuls)
+  )
   # bf16: the matmul form rounds the softmax weights to bf16 before the sum, the reduce form keeps them fp32
   np.testing.assert_allclose(got[0], want[0], atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
   for g, w in zip(got[1:], want[1:]):

@@ -30,6 +30,7 @@ document's KV cache). `python -m train.prepare --corpus kjv-books` keeps whole b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -290,10 +291,7 @@ def evaluate(
   abstract = ts.abstract_batch(global_batch, seq_len, mesh, weighted=True, segmented=segment_ids)
   batch_sh = jax.tree.map(lambda s: s.sharding, abstract)
 
-  def split_sums(p, b, first):  # one forward (the two losses differ only in their weights), two sums
-    return [ts.loss_sums(p, b.replace(weights=b.weights * (first == f)), cfg=cfg)[1] for f in (True, False)]
-
-  fn = jax.jit(split_sums, in_shardings=(shards, batch_sh, batch_sh.inputs))
+  fn = _split_sums(cfg, *_flat(shards), *_flat(batch_sh))
   ce = tok = 0.0
   n_bytes = 0
   by_order = {True: [0.0, 0.0], False: [0.0, 0.0]}  # first document of its window or not: [Σ ce, Σ tokens]
@@ -327,6 +325,26 @@ def evaluate(
     "loss_later_documents": order_loss[False],
     "tokens_later_documents": int(by_order[False][1]),
   }
+
+
+def _flat(tree) -> tuple:
+  import jax
+
+  leaves, treedef = jax.tree.flatten(tree)
+  return tuple(leaves), treedef
+
+
+@functools.lru_cache(maxsize=8)  # one jitted loss per model and layout: later calls reuse the executable
+def _split_sums(cfg, shards: tuple, shards_def, batch_sh: tuple, batch_def):
+  import jax
+
+  from laplace_jax import train_step as ts
+
+  def split_sums(p, b, first):  # one forward (the two losses differ only in their weights), two sums
+    return [ts.loss_sums(p, b.replace(weights=b.weights * (first == f)), cfg=cfg)[1] for f in (True, False)]
+
+  batch = jax.tree.unflatten(batch_def, batch_sh)
+  return jax.jit(split_sums, in_shardings=(jax.tree.unflatten(shards_def, shards), batch, batch.inputs))
 
 
 def _byte_counter(manifest):

@@ -117,10 +117,8 @@ class MetricsLog:
 
 def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global):
   """params -> the held-out loss (nats per scored token) over `eval_batches` (this process's rows)."""
-  eval_fn = jax.jit(
-    lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],
-    in_shardings=(jax.tree.map(lambda s: s.sharding, abstract.params), batch_sh),
-  )
+  params_sh = jax.tree.flatten(jax.tree.map(lambda s: s.sharding, abstract.params))
+  eval_fn = _eval_fn(cfg, tuple(params_sh[0]), params_sh[1], *_flat(batch_sh))
 
   def evaluate(params) -> float:
     ce = tok = 0.0
@@ -130,6 +128,19 @@ def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global)
     return ce / max(tok, 1.0)
 
   return evaluate
+
+
+def _flat(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return tuple(leaves), treedef
+
+
+@functools.lru_cache(maxsize=8)  # one jitted loss per model and layout: later runs of it reuse the executable
+def _eval_fn(cfg, params_sh: tuple, params_def, batch_sh: tuple, batch_def):
+  return jax.jit(
+    lambda p, b: ts.loss_sums(p, b, cfg=cfg)[1],
+    in_shardings=(jax.tree.unflatten(params_def, params_sh), jax.tree.unflatten(batch_def, batch_sh)),
+  )
 
 
 class Profile:
