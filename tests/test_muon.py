@@ -231,10 +231,12 @@ def test_zero_padded_newton_schulz_is_the_padded_iterate():
 
 
 def _compiled_text(distribution, mesh):
-  tx = muon(0.02, mesh=mesh, distribution=distribution)
+  """The update test_distributed_update_matches_one_device[1-8] runs (one program: a compilation-cache read
+  after it)."""
+  tx = muon(optax.cosine_decay_schedule(0.03, 10), weight_decay=0.1, mesh=mesh, distribution=distribution)
   g = _sharded(_tree(4), mesh)
   state = _sharded_state(tx.init(g), mesh)
-  return jax.jit(tx.update).lower(g, state).compile().as_text()
+  return jax.jit(tx.update).lower(g, state, g).compile().as_text()
 
 
 def test_hlo_uses_two_all_to_alls_and_no_gather():

@@ -90,8 +90,13 @@ def _close(a, b):
   )
 
 
+# The recipe the comparisons below run (the same programs: a test after the first reads them back from the
+# compilation cache).
+OCFG = OptimizerConfig(total_steps=20, warmup_steps=2, muon_weight_decay=0.05)
+
+
 def test_make_optimizer_matches_optax_composition():
-  ocfg = OptimizerConfig(total_steps=20, warmup_steps=2, muon_weight_decay=0.05)
+  ocfg = OCFG
   params = _params(1)
   grads = [_params(2, scale=50.0), _params(3, scale=0.01), _params(4)]  # the first one gets clipped
   ours = _updates(make_optimizer(ocfg), params, grads)
@@ -102,7 +107,7 @@ def test_make_optimizer_matches_optax_composition():
 
 
 def test_clip_norm_zero_means_no_clipping():
-  ocfg = OptimizerConfig(total_steps=20, warmup_steps=2, clip_norm=0.0)
+  ocfg = OCFG.replace(clip_norm=0.0)
   params = _params(1)
   grads = [_params(2, scale=50.0), _params(3, scale=0.01)]
   ours = _updates(make_optimizer(ocfg), params, grads)
@@ -117,7 +122,7 @@ def _shard(tree, mesh):
 def test_distributed_optimizer_matches_gather_and_one_device_closely():
   """Muon's all_to_all slots zero-pad matrices, which changes the matmuls' rounding (tests/test_muon.py)."""
   mesh = sharding.make_mesh(fsdp=8)
-  ocfg = OptimizerConfig(total_steps=20, warmup_steps=2)
+  ocfg = OCFG
   params, grads = _params(5), [_params(6 + i) for i in range(2)]
   single = _updates(make_optimizer(ocfg), params, grads)
   runs = {}

@@ -104,20 +104,22 @@ def test_packed_rows_equal_each_document_alone():
   w_BxT = jnp.broadcast_to(jnp.linspace(0.5, 1.5, T), (2, T))
   loss_and_grad = jax.jit(jax.value_and_grad(_weighted_loss, has_aux=True), static_argnums=3)
   (_, packed), grad = loss_and_grad(params, tokens, w_BxT, cfg, ids)
-  # the reference: each document alone at the start of its own row (right-padding never reaches back)
+  # the reference: each document alone at the start of its own row (right-padding never reaches back);
+  # after them, weighted zero (no gradient), the packed rows themselves without segment ids
   docs = _docs()
-  alone_tokens = np.zeros((len(docs), T), np.int32)
-  alone_w = np.zeros((len(docs), T), np.float32)
+  alone_tokens = np.zeros((len(docs) + 2, T), np.int32)
+  alone_w = np.zeros((len(docs) + 2, T), np.float32)
   for d, (r, a, b) in enumerate(docs):
     alone_tokens[d, : b - a] = tokens[r, a:b]
     alone_w[d, : b - a] = w_BxT[r, a:b]
+  alone_tokens[len(docs) :] = tokens
   (_, alone), want_grad = loss_and_grad(params, jnp.asarray(alone_tokens), jnp.asarray(alone_w), cfg)
   for d, (r, a, b) in enumerate(docs):
     np.testing.assert_allclose(packed[r, a:b], alone[d, : b - a], rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
   # without segment ids a packed row reads across its documents (what the resets prevent)
-  plain = model.forward(params, tokens, cfg=cfg)
+  plain = alone[len(docs) :]
   assert not np.allclose(plain[0, 3:], packed[0, 3:], atol=1e-3)
 
 
