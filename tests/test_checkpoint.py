@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import grain
 import jax
@@ -278,7 +279,12 @@ def test_kill_mid_save_leaves_the_last_good_checkpoint(tmp_path):
   )
   try:
     assert proc.stdout.readline().strip() == "saving", proc.stderr.read()[-3000:]
-    assert list(run.glob("2.orbax-checkpoint-tmp*"))  # the kill lands with step 2 half written
+    # the kill lands with step 2 half written: its temporary directory exists (made by orbax's background
+    # thread, which may start after save() returns) and the write never finishes
+    deadline = time.monotonic() + 60
+    while not list(run.glob("2.orbax-checkpoint-tmp*")) and time.monotonic() < deadline:
+      time.sleep(0.02)
+    assert list(run.glob("2.orbax-checkpoint-tmp*"))
     os.kill(proc.pid, signal.SIGKILL)
   finally:
     proc.kill()
