@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from laplace_jax import sharding
+from laplace_jax import sharding, speculative
 from laplace_jax.state import DecodeState
 from serve import sampling
 
@@ -140,6 +140,37 @@ class StepOutput:
     return float(self.logprob[i]), top
 
 
+@struct.dataclass
+class VerifyOutput:
+  """What one verify call produced per slot, S slots over T = K + 1 positions. Position j holds the token
+  sampled after the slot's next input and its first j drafts (index last_output_index + 1 + j of its
+  output, drawn exactly as the j-th next generate step would draw it); the slot emits positions
+  0 … emitted − 1 and nothing after them."""
+
+  emitted: Array  # i32 [S] tokens the slot emits: its accepted drafts + 1 (1 … T)
+  steps: StepOutput  # [S, T] fields (top ids and logprobs [S, T, N]); done: that token ends the slot
+
+  def pack(self) -> Array:
+    """One int32 [R + 1, S·T] array (one device-to-host copy): the steps flattened slot-major as
+    StepOutput.pack lays them out, then a row holding each slot's `emitted` at every one of its T entries."""
+    S, T = self.steps.token.shape
+    flat = jax.tree.map(lambda x: x.reshape(S * T, *x.shape[2:]), self.steps)
+    xp = np if isinstance(self.emitted, np.ndarray) else jnp
+    return xp.concatenate([flat.pack(), xp.repeat(self.emitted.astype(xp.int32), T)[None]])
+
+  @classmethod
+  def unpack(cls, packed: np.ndarray, n_positions: int, n_top: int = N_TOP) -> VerifyOutput:
+    """The inverse of `pack` on the host (numpy arrays), T = n_positions."""
+    flat = StepOutput.unpack(packed[:-1], n_top)
+    S = packed.shape[1] // n_positions
+    steps = jax.tree.map(lambda x: x.reshape(S, n_positions, *x.shape[1:]), flat)
+    return cls(emitted=packed[-1].reshape(S, n_positions)[:, 0].copy(), steps=steps)
+
+  def tokens_of(self, s: int) -> list[int]:
+    """The tokens slot s emits, in order (host arrays)."""
+    return [int(t) for t in self.steps.token[s, : int(self.emitted[s])]]
+
+
 class SlotBackend(Protocol):
   """What the engine calls to run the model over its slots (JetStream's prefill / insert / generate split):
   `SlotFunctions` compiles them; tests/fake_slots.py fakes them in numpy. Tables and batches are the typed
@@ -249,6 +280,7 @@ class SlotFunctions:
     )
     self._decode = _jit(self._decode_logits, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
+    self._verify = _jit(self._verify_drafts, donate=(1,), out=both)  # one program per draft length K
     # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
     # step that follows runs on), and start a prefill batch from host states.
     self.gather = jax.jit(self._gather)
@@ -308,7 +340,11 @@ class SlotFunctions:
     )
 
   def _output(self, logits_SxV, tok_S, done_S, want_S) -> jax.Array:
-    """The step's StepOutput, packed (its logprob fields only when some want_S >= 0)."""
+    """The step's StepOutput, packed."""
+    return self._step_output(logits_SxV, tok_S, done_S, want_S).pack()
+
+  def _step_output(self, logits_SxV, tok_S, done_S, want_S) -> StepOutput:
+    """The step's StepOutput (its logprob fields only when some want_S >= 0)."""
     S = tok_S.shape[0]
     branch_free = sampling.branch_free_default() if self.branch_free is None else self.branch_free
     chosen, vals, ids = sampling.when_any(
@@ -321,7 +357,7 @@ class SlotFunctions:
       ),
       branch_free,
     )
-    return StepOutput(token=tok_S, done=done_S, logprob=chosen, top_ids=ids, top_logprobs=vals).pack()
+    return StepOutput(token=tok_S, done=done_S, logprob=chosen, top_ids=ids, top_logprobs=vals)
 
   def _insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
     """Sample a first token for each entry from prefill row row_E[i] and write that row into slot
@@ -392,6 +428,49 @@ class SlotFunctions:
     return dataclasses.replace(table, tokens=tok, last_output_index=index), self._output(
       logits, tok, done, s.logprobs
     )
+
+  def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
+    """Advance every slot by 1 … K + 1 tokens in one pass: its next input and its first n_drafts_S[s]
+    drafted tokens (drafts_SxK[s, :n]; the rest of the row is ignored, n = 0 makes the call one generate
+    step for that slot) go through the model together, each position samples the token the slot would
+    sample there, and a draft is accepted while it equals the token sampled before it (and that token
+    does not end the slot). Each slot emits its accepted drafts + 1 tokens, exactly those that as many
+    `generate` calls would have produced, and its state is committed at that length
+    (laplace_jax.speculative). Returns (table, packed VerifyOutput; VerifyOutput.unpack(out, K + 1)).
+
+    Slots of models with attention layers need K + 1 free rows in their KV cache (the engine verifies
+    only then): a row that would outgrow it gets NaN logits, as in decode."""
+    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      return self._verify(params, table, drafts_SxK, n_drafts_S)
+
+  def _verify_drafts(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
+    S, K = drafts_SxK.shape
+    T = K + 1
+    real_SxK = jnp.arange(K)[None, :] < n_drafts_S[:, None]
+    inputs = jnp.concatenate([table.tokens[:, None], jnp.where(real_SxK, drafts_SxK, 0)], axis=1)
+    logits, drafted = speculative.verify(params, table.model, inputs, cfg=self.cfg)
+    flat = logits.reshape(S * T, -1).astype(jnp.float32)
+    # Position j of slot s draws as the (j + 1)-th next generate step would: its index in the output is
+    # also its position in the slot's random stream.
+    index_SxT = table.last_output_index[:, None] + 1 + jnp.arange(T)[None, :]
+    st = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), table.settings)  # each slot's settings, T times
+    index = index_SxT.reshape(-1)
+    tok = self.sample(flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi)
+    done = _done(tok, index, st.max_tokens, st.stop_ids)
+    tok_SxT, done_SxT = tok.reshape(S, T), done.reshape(S, T)
+    agree = (tok_SxT[:, :K] == drafts_SxK) & real_SxK & ~done_SxT[:, :K]
+    accepted = jnp.cumprod(agree.astype(jnp.int32), axis=1).sum(1)  # leading drafts that agree
+    emitted = accepted + 1
+    state = speculative.commit(table.model, drafted, emitted, cfg=self.cfg)
+    new = dataclasses.replace(
+      table,
+      model=state,
+      tokens=jnp.take_along_axis(tok_SxT, accepted[:, None], axis=1)[:, 0],
+      last_output_index=table.last_output_index + emitted,
+    )
+    steps = self._step_output(flat, tok, done, st.logprobs)
+    steps = jax.tree.map(lambda x: x.reshape(S, T, *x.shape[1:]), steps)
+    return new, VerifyOutput(emitted=emitted, steps=steps).pack()
 
 
 def entry_writes(slot_E, n_slots: int):

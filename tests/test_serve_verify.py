@@ -1,0 +1,139 @@
+"""SlotFunctions.verify against SlotFunctions.generate: every slot emits exactly the tokens (and logprobs) that
+as many generate steps give it, whatever its drafts (right, half right, random, none), greedy and seeded
+alike, a finished slot accepts nothing after its last token, and its state is committed at the length it
+emitted. The model half (speculative.verify / commit against decode_step): tests/test_speculative.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laplace_jax import model, neuron_check, platform
+from laplace_jax.config import get_config
+from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
+
+CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
+S, K, MAX_CONTEXT, STEPS = 4, 4, 96, 30
+PROMPTS = [5, 17, 1, 9]
+SETTINGS = [  # slot 0 greedy and done at its 7th token; the others seeded, one with logprobs, one with a stop id
+  dict(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=7, logprobs=-1),
+  dict(temperature=1.0, top_k=0, top_p=1.0, seed=7, max_tokens=1000, logprobs=-1),
+  dict(temperature=0.8, top_k=20, top_p=1.0, seed=9, max_tokens=1000, logprobs=3),
+  dict(temperature=0.9, top_k=0, top_p=0.9, seed=11, max_tokens=1000, logprobs=-1),
+]
+
+
+@pytest.fixture(scope="module")
+def served():
+  """(fns, params, the table after inserting 4 prompts, the reference: each generate step's output and table)."""
+  params = model.init_params(CFG, jax.random.key(0))
+  fns = SlotFunctions(
+    model, CFG, n_slots=S, prefill_batch=S, n_stop=2, valid_vocab=CFG.vocab_size, max_context=MAX_CONTEXT
+  )
+  rng = np.random.default_rng(0)
+  tokens = np.zeros((S, 32), np.int32)
+  for i, n in enumerate(PROMPTS):
+    tokens[i, :n] = rng.integers(0, CFG.vocab_size, n)
+  pf = fns.prefill_chunk(params, fns.empty_prefill(), jnp.asarray(tokens), jnp.asarray(PROMPTS, jnp.int32))
+  rows = [SlotSettings(seed_hi=0, stop_ids=[], **s) for s in SETTINGS]
+  table, first = fns.insert(
+    params,
+    fns.empty_table(),
+    pf,
+    jnp.arange(S, dtype=jnp.int32),
+    jnp.arange(S, dtype=jnp.int32),
+    host_settings(rows, S, 2),
+  )
+  first = StepOutput.unpack(np.asarray(first))
+  host = lambda t: jax.tree.map(np.array, t)
+  outputs, tables, t = [first], [host(table)], jax.tree.map(jnp.copy, table)
+  for _ in range(STEPS):
+    t, out = fns.generate(params, t)
+    outputs.append(StepOutput.unpack(np.asarray(out)))
+    tables.append(host(t))
+  return fns, params, table, outputs, tables
+
+
+def _drafts(kind: str, want: list[int], rng) -> list[int]:
+  """K drafts for a slot whose next tokens are `want`: right, right twice then wrong, random, or none."""
+  wrong = lambda t: (t + 1) % CFG.vocab_size
+  return {
+    "right": want[:K],
+    "half": want[:2] + [wrong(t) for t in want[2:K]],
+    "random": rng.integers(0, CFG.vocab_size, K).tolist(),
+    "none": [],
+  }[kind]
+
+
+def test_verify_emits_what_generate_would_and_commits_the_state_at_that_length(served):
+  fns, params, table, outputs, tables = served
+  ref = [[int(o.token[s]) for o in outputs] for s in range(S)]
+  kinds = ["right", "half", "random", "none"]
+  got = [[ref[s][0]] for s in range(S)]  # insert's first token
+  got_logprobs: list[list] = [[] for _ in range(S)]
+  rng = np.random.default_rng(1)
+  emitted_by_round = []
+  for _ in range(5):
+    drafts, n = np.zeros((S, K), np.int32), np.zeros((S,), np.int32)
+    for s, kind in enumerate(kinds):
+      d = _drafts(kind, ref[s][len(got[s]) :], rng)
+      drafts[s, : len(d)], n[s] = d, len(d)
+    table, packed = fns.verify(params, table, jnp.asarray(drafts), jnp.asarray(n))
+    out = VerifyOutput.unpack(np.asarray(packed), K + 1)
+    emitted_by_round.append(out.emitted.tolist())
+    for s in range(S):
+      c = len(got[s])
+      for j in range(int(out.emitted[s])):
+        want = outputs[c + j]
+        assert bool(out.steps.done[s, j]) == bool(want.done[s]), (s, c + j)
+        if SETTINGS[s]["logprobs"] >= 0:
+          got_logprobs[s].append(
+            (out.steps.logprob[s, j], out.steps.top_ids[s, j], out.steps.top_logprobs[s, j])
+          )
+      got[s] += out.tokens_of(s)
+  for s in range(S):
+    assert got[s] == ref[s][: len(got[s])], s  # the same tokens, with or without drafts
+  # right drafts: K + 1 tokens a call until slot 0 ends (at its 7th token, in the second call: that token
+  # is emitted, nothing after it); half right: 3; random: 1 unless a draft happens to be right; none: 1
+  assert [r[0] for r in emitted_by_round] == [K + 1, 1, 1, 1, 1]
+  assert all(r[1] == 3 for r in emitted_by_round) and all(r[3] == 1 for r in emitted_by_round)
+  assert outputs[6].done[0] and not outputs[5].done[0]
+  # logprobs as generate's (the chunked form's rounding apart)
+  s = 2
+  for i, (lp, ids, top) in enumerate(got_logprobs[s]):
+    want = outputs[1 + i]
+    np.testing.assert_allclose(lp, want.logprob[s], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(ids, want.top_ids[s])
+    np.testing.assert_allclose(top, want.top_logprobs[s], rtol=1e-4, atol=1e-5)
+  # each slot's state, next input and output index: those of the table after as many generate steps (of
+  # the KV cache, the rows the sequence has reached: verify also writes its rejected rows, past them, where
+  # no query reads before they are overwritten)
+  final = jax.tree.map(np.asarray, table)
+  close = lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+  for s in range(S):
+    want = tables[len(got[s]) - 1]
+    assert final.tokens[s] == want.tokens[s] and final.last_output_index[s] == want.last_output_index[s]
+    g, w = final.model, want.model
+    pos = int(w.pos[s])
+    assert int(g.pos[s]) == pos
+    for name in ("conv", "gla"):
+      close(getattr(g, name)[:, s], getattr(w, name)[:, s])
+    for a, b in ((g.ring.k, w.ring.k), (g.ring.v, w.ring.v)):
+      close(a[:, s], b[:, s])
+    for a, b in ((g.kv.k, w.kv.k), (g.kv.v, w.kv.v)):
+      close(a[:, s, :pos], b[:, s, :pos])
+
+
+def test_verify_lowers_clean_for_neuron():
+  """The whole verify call (model pass, sampling at every position, acceptance, commit, packing), lowered as
+  for Trainium (with its PRNG, as `python -m serve --target neuron` picks it): no construct the Neuron
+  compiler rejects."""
+  with platform.lowering_for("neuron"), platform.using_prng("auto"):
+    fns = SlotFunctions(
+      model, CFG, n_slots=S, prefill_batch=S, n_stop=2, valid_vocab=CFG.vocab_size, max_context=MAX_CONTEXT
+    )
+    params = jax.eval_shape(lambda: model.init_params(CFG, jax.random.key(0)))
+    table = jax.eval_shape(fns._empty_table)
+    drafts, n = jax.ShapeDtypeStruct((S, K), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32)
+    text = fns._verify.lower(params, table, drafts, n).as_text()
+  assert neuron_check.violations(text) == []
