@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     "'User: ...' / 'Assistant:' text (serve/chat.py)",
   )
   e = p.add_argument_group("engine")
-  for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue"):
+  for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue", "speculative_tokens"):
     _engine_flag(e, name)
   e.add_argument(
     "--max_tokens",
@@ -184,6 +184,7 @@ def parse_args(argv=None):
     ("max_choices", 1, 1 << 20),
     ("max_reply_entries", 1, 1 << 40),
     ("max_queue", 0, 1 << 20),
+    ("speculative_tokens", 0, 64),
   ):
     v = getattr(args, name)
     if not lo <= v <= hi:
@@ -313,6 +314,7 @@ def build(args):
     n_slots=n_slots,
     prefill_batch=args.prefill_batch,
     prefill_chunks_per_step=args.prefill_chunks_per_step,
+    speculative_tokens=args.speculative_tokens,
     max_queue=args.max_queue,
     max_queue_per_tenant=share,
     valid_vocab=tok.vocab_size,

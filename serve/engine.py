@@ -32,6 +32,7 @@ from serve.slots import (
   SlotFunctions,
   SlotSettings,
   StepOutput,
+  VerifyOutput,
   host_settings,
 )
 from serve.state_cache import layout_of
@@ -86,6 +87,9 @@ class Request:
   tenant: str = ""  # who sent it (API key): its cache scope and its share of the slots
   cache_salt: str | None = None  # a further cache scope within the tenant (the request's cache_salt)
   siblings: Sequence[Request] = ()  # more choices of the same prompt (n > 1)
+  # The tokens the caller expects the output to be (OpenAI's prediction): with speculative_tokens > 0 the
+  # engine drafts from them and verifies the drafts in one pass; the output is the same with or without.
+  prediction_ids: Sequence[int] = ()
   context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   progress: Progress = dataclasses.field(default_factory=lambda: Progress(), init=False, repr=False)
@@ -107,7 +111,10 @@ class Progress:
   cancelled: bool = False
   slot: int | None = None  # the slot it decodes in, while it does
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
-  gen_base: int = 0  # the engine's generate count when this request entered its slot
+  gen_base: int = 0  # the engine's step count when it entered its slot, less the extra tokens verify gave it
+  prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
+  accepted_prediction_tokens: int = 0  # drafts from the prediction that the output took
+  rejected_prediction_tokens: int = 0  # drafts verified and not taken
 
 
 class Delivery(NamedTuple):
@@ -132,11 +139,12 @@ class PrefillBatch:
 
 
 class Pending(NamedTuple):
-  """A dispatched insert or generate whose output is not read back yet."""
+  """A dispatched insert, generate or verify whose output is not read back yet."""
 
-  kind: str  # "insert" or "gen"
-  out: jax.Array  # the step's StepOutput, packed (one device array: one host copy reads it all)
+  kind: str  # "insert", "gen" or "verify"
+  out: jax.Array  # the step's StepOutput (verify: VerifyOutput), packed: one host copy reads it all
   owners: tuple  # entry i's request, or None
+  n_drafts: np.ndarray | None = None  # verify: each slot's drafts
 
 
 class Engine(EngineCacheMixin):
@@ -162,6 +170,7 @@ class Engine(EngineCacheMixin):
     state_cache=None,
     snapshot_every: int = DEFAULTS.snapshot_every,
     cache_min_tokens: int = DEFAULTS.cache_min_tokens,
+    speculative_tokens: int = DEFAULTS.speculative_tokens,
     max_context: int | None = None,
     make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
@@ -190,6 +199,9 @@ class Engine(EngineCacheMixin):
         raise ValueError(f"{name}={v!r}: expected a positive integer.")
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue}: expected >= 0 (0: refuse when all slots are busy).")
+    if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+      raise ValueError(f"speculative_tokens={speculative_tokens!r}: expected an integer >= 0 (0: off).")
+    self.speculative_tokens = speculative_tokens
     if max_queue_per_tenant is not None and not 0 <= max_queue_per_tenant <= max_queue:
       raise ValueError(f"max_queue_per_tenant={max_queue_per_tenant}: expected None or in [0, max_queue].")
     self.cfg, self.params = cfg, params
@@ -405,8 +417,13 @@ class Engine(EngineCacheMixin):
     self._advance_prefill()
     dispatched = False
     if self.active_slots:
-      self.table, out = self.fns.generate(self.params, self.table)
-      self.pending.append(Pending("gen", out, tuple(self.slot_req)))
+      drafts = self._drafts() if self.speculative_tokens else None
+      if drafts is None:
+        self.table, out = self.fns.generate(self.params, self.table)
+        self.pending.append(Pending("gen", out, tuple(self.slot_req)))
+      else:
+        self.table, out = self.fns.verify(self.params, self.table, *drafts)
+        self.pending.append(Pending("verify", out, tuple(self.slot_req), drafts[1]))
       self.stats["steps"] += 1
       self._gens += 1
       dispatched = True
@@ -611,26 +628,42 @@ class Engine(EngineCacheMixin):
         m.progress.prompt_logprobs = out
 
   def _read_back(self, item: Pending):
-    out = StepOutput.unpack(np.asarray(item.out))  # the one device-to-host copy of this step
+    if item.kind == "verify":  # the one device-to-host copy of this step
+      out = VerifyOutput.unpack(np.asarray(item.out), self.speculative_tokens + 1)
+      steps = out.steps
+    else:
+      step = StepOutput.unpack(np.asarray(item.out))
+      out, steps = None, jax.tree.map(lambda x: x[:, None], step)  # one position per slot
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(item.owners):
       if r is None or r.progress.finish_reason is not None:
         continue
-      tok, done = int(out.token[i]), bool(out.done[i])
-      r.progress.output_ids.append(tok)
+      p = r.progress
+      n = 1 if out is None else int(out.emitted[i])
+      if out is not None and item.n_drafts is not None:
+        # verify fed the slot's state n tokens in one step: as if n - 1 more steps had run for it
+        p.gen_base -= n - 1
+        p.accepted_prediction_tokens += n - 1
+        p.rejected_prediction_tokens += int(item.n_drafts[i]) - (n - 1)
+      toks = [int(t) for t in steps.token[i, :n]]
+      p.output_ids.extend(toks)
       if r.logprobs is not None:
-        r.progress.token_logprobs.append(out.logprobs_of(i))
-      if r.progress.first_token_at is None:
-        r.progress.first_token_at = now
-      n_tokens += 1
-      if done:
-        reason = "stop" if tok in r.stop_ids else "length"
+        for j in range(n):
+          top = [(int(t), float(v)) for t, v in zip(steps.top_ids[i, j], steps.top_logprobs[i, j])]
+          p.token_logprobs.append((float(steps.logprob[i, j]), top))
+      if p.first_token_at is None:
+        p.first_token_at = now
+      if r.prediction_ids:
+        _follow_prediction(p, r.prediction_ids, toks)
+      n_tokens += n
+      if bool(steps.done[i, n - 1]):
+        reason = "stop" if toks[-1] in r.stop_ids else "length"
         finished.append(r)
         self._finish(r, reason)
-        deliveries.append(Delivery(r, [tok], reason))
+        deliveries.append(Delivery(r, toks, reason))
       else:
-        deliveries.append(Delivery(r, [tok], None))
+        deliveries.append(Delivery(r, toks, None))
     if finished and self.cache is not None:
       self._copy_out(finished)
     self.stats["tokens"] += n_tokens
@@ -735,10 +768,58 @@ class Engine(EngineCacheMixin):
       self._waiting.clear()
     self._fail(self._in_flight() + [m for r in waiting for m in self._members(r)])
 
+  def _drafts(self):
+    """(drafts [S, K], n_drafts [S]) for the next step from the requests' predictions, or None: no slot has a
+    draft (a plain generate step). Drafts follow the output so far, so every step in flight is read back
+    first. With attention layers every slot's KV cache must have room for K + 1 more tokens."""
+    K = self.speculative_tokens
+    if not any(r is not None and r.prediction_ids for r in self.slot_req):
+      return None
+    while self.pending:
+      self._read_back(self.pending.popleft())
+    drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)
+    for s, r in enumerate(self.slot_req):
+      if r is None or r.progress.finish_reason is not None:
+        continue
+      if (
+        self.max_context is not None
+        and len(r.prompt_ids) + len(r.progress.output_ids) + K + 1 > self.max_context
+      ):
+        return None
+      at = r.progress.prediction_at
+      if r.prediction_ids and at is not None:
+        d = list(r.prediction_ids[at : at + K])
+        drafts[s, : len(d)], n[s] = d, len(d)
+    return (drafts, n) if n.any() else None
+
   def warmup(self):
     """Compile every function by serving one short request to completion."""
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
+    if self.speculative_tokens:  # the verify step, over slots that hold no request
+      K = self.speculative_tokens
+      drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)
+      self.table, out = self.fns.verify(self.params, self.table, drafts, n)
+      np.asarray(out)
     self.generate([Request(prompt_ids=[0], max_tokens=1, echo=True, logprobs=0)])  # the scored prefill
     self._warm_cache()
     self.stats = dict.fromkeys(self.stats, 0)
     self._rate.clear()
+
+
+def _follow_prediction(p: Progress, prediction: Sequence[int], new_tokens: list[int]):
+  """Move `p.prediction_at` past the new output tokens while they are the prediction's next ones; at the
+  first that is not, look for where the output's last tokens (3, else 2, else 1) stand in the prediction and
+  go on from there (None: nowhere, no drafts until a later token is found)."""
+  for t in new_tokens:
+    at = p.prediction_at
+    p.prediction_at = at + 1 if at is not None and at < len(prediction) and prediction[at] == t else None
+  if p.prediction_at is None:
+    out, pred = p.output_ids, list(prediction)
+    for n in (3, 2, 1):
+      if len(out) < n:
+        continue
+      tail = out[-n:]
+      for i in range(len(pred) - n + 1):
+        if pred[i : i + n] == tail:
+          p.prediction_at = i + n
+          return

@@ -27,6 +27,9 @@ class EngineConfig:
   """long prompts leave a cached state every this many 128-token chunks"""
   cache_min_tokens: int = 128
   """the shortest sequence whose state is worth caching"""
+  speculative_tokens: int = 0
+  """drafted tokens verified per slot in one step, for requests with a prediction (0: off; one compiled
+  verify per value)"""
 
 
 DEFAULTS = EngineConfig()

@@ -208,6 +208,11 @@ class SlotBackend(Protocol):
     """Advance every slot by one sampled token. Returns (table, packed StepOutput of the slots)."""
     ...
 
+  def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
+    """Advance every slot by its next input and its first n_drafts_S[s] drafts in one pass, emitting what as
+    many generate calls would. Returns (table, packed VerifyOutput); see SlotFunctions.verify."""
+    ...
+
   def gather(self, state, rows_E):
     """Rows rows_E of a model state as device arrays (copied to the host asynchronously by the caller)."""
     ...

@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import serve_fixtures as sf
+from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
+from serve.engine import Request
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
 
 CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
@@ -137,3 +140,59 @@ def test_verify_lowers_clean_for_neuron():
     drafts, n = jax.ShapeDtypeStruct((S, K), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32)
     text = fns._verify.lower(params, table, drafts, n).as_text()
   assert neuron_check.violations(text) == []
+
+
+def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts():
+  """Requests with predictions (right, right then wrong, right with an edit in the middle, random, none) give
+  exactly the tokens, logprobs and finish reasons they give without one, in a batch mixing greedy and seeded
+  sampling, top-k / top-p, logprobs and a stop id; right predictions take fewer steps, and every verified
+  draft is counted as accepted or rejected."""
+  cfg, params = sf.tiny(0)
+  eng = sf.engine(params, cfg, n_slots=4, prefill_batch=2, speculative_tokens=K)
+  rng = np.random.default_rng(3)
+  settings = [
+    dict(temperature=0.0),
+    dict(temperature=1.0, seed=5),
+    dict(temperature=0.9, top_k=20, seed=6, logprobs=2),
+    dict(temperature=0.8, top_p=0.9, seed=7),
+    dict(temperature=0.0, logprobs=1),
+  ]
+  specs = [
+    dict(prompt_ids=rng.integers(0, GPT2_VOCAB, 3 + 7 * i).tolist(), max_tokens=14, **s)
+    for i, s in enumerate(settings)
+  ]
+  plain = [Request(**spec) for spec in specs]
+  eng.generate(plain)
+  steps_plain = eng.stats["steps"]
+  specs[3]["stop_ids"] = [plain[3].progress.output_ids[5]]  # ends at its 6th token (or earlier)
+  plain[3] = Request(**specs[3])
+  eng.generate([plain[3]])
+  outs = [r.progress.output_ids for r in plain]
+
+  def edited(o):  # right, with two tokens changed in the middle: the drafts find their place again
+    return o[:4] + [(o[4] + 1) % GPT2_VOCAB, (o[5] + 1) % GPT2_VOCAB] + o[6:]
+
+  predictions = [
+    outs[0],
+    outs[1][:6] + rng.integers(0, GPT2_VOCAB, 8).tolist(),
+    edited(outs[2]),
+    outs[3] + outs[3],
+    rng.integers(0, GPT2_VOCAB, 14).tolist(),
+  ]
+  before = eng.stats["steps"]
+  spec_reqs = [Request(**spec, prediction_ids=pred) for spec, pred in zip(specs, predictions)]
+  eng.generate(spec_reqs)
+  for want, got in zip(plain, spec_reqs):
+    w, g = want.progress, got.progress
+    assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+    assert len(g.token_logprobs) == len(w.token_logprobs)
+    for (lp_g, top_g), (lp_w, top_w) in zip(g.token_logprobs, w.token_logprobs):
+      np.testing.assert_allclose(lp_g, lp_w, rtol=1e-4, atol=1e-5)
+      assert [t for t, _ in top_g] == [t for t, _ in top_w]
+      np.testing.assert_allclose([v for _, v in top_g], [v for _, v in top_w], rtol=1e-4, atol=1e-5)
+  counts = [(r.progress.accepted_prediction_tokens, r.progress.rejected_prediction_tokens) for r in spec_reqs]
+  # of the 13 tokens after the first (sampled at insert), a verify that takes all K drafts adds a K + 1-th
+  assert counts[0][0] >= 13 - 13 // (K + 1) - 1 and counts[2][0] >= 5, counts
+  assert counts[1][0] >= 3 and counts[1][1] > 0, counts  # right, then drafts the output does not take
+  assert counts[4] == (0, 0), counts  # a prediction the output never meets drafts nothing
+  assert eng.stats["steps"] - before < steps_plain  # right drafts: fewer model calls for the same tokens
