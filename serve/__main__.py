@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     "for, so that one request cannot hold every slot and the queue",
   )
   e.add_argument(
+    "--max_prediction_tokens",
+    type=int,
+    default=_limits_default("max_prediction_tokens"),
+    help="longest prediction (OpenAI's Predicted Outputs) a request may send, in tokens",
+  )
+  e.add_argument(
     "--max_reply_entries",
     type=int,
     default=_limits_default("max_reply_entries"),
@@ -183,6 +189,7 @@ def parse_args(argv=None):
     ("max_prompt_tokens", 1, 1 << 30),
     ("max_choices", 1, 1 << 20),
     ("max_reply_entries", 1, 1 << 40),
+    ("max_prediction_tokens", 0, 1 << 20),
     ("max_queue", 0, 1 << 20),
     ("speculative_tokens", 0, 64),
   ):
@@ -343,6 +350,7 @@ def build(args):
     max_prompts=n_slots + share,
     max_choices=args.max_choices,
     max_reply_entries=args.max_reply_entries,
+    max_prediction_tokens=args.max_prediction_tokens,
   )
   return Server(engine, tok, limits, tenants=tenants, chat_template=template, allowed_hosts=args.allowed_host)
 

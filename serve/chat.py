@@ -47,7 +47,6 @@ UNSUPPORTED = {
   "response_format": {"type": "text"},
   "audio": None,
   "modalities": ["text"],
-  "prediction": None,
 }
 # Completion fields that are not chat fields.
 NOT_CHAT = ("prompt", "echo", "suffix", "best_of", "return_token_ids")
@@ -222,6 +221,7 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
   try:
     ids, _ = protocol._prompt_ids(template.encode(template.render(messages)), limits, template.encode)
     c = protocol.with_prompts(c, [ids], [None], limits)
+    c = protocol.with_prediction(c, obj, limits, template.tok.encode)
   except ApiError as e:
     if e.param == "prompt":
       e.param = "messages"

@@ -36,6 +36,7 @@ class Limits:
   max_prompts: int = 64  # prompts x n per request (the slots plus the queue)
   max_choices: int = 16  # prompts x n per request, by policy (--max_choices): one request is not the server
   max_reply_entries: int = 1 << 19  # (--max_reply_entries) see reply_entries()
+  max_prediction_tokens: int = 4096  # (--max_prediction_tokens) tokens of a request's prediction
 
 
 MAX_STOPS = 4  # stop strings per request (OpenAI's bound)
@@ -60,6 +61,7 @@ class Completion:
   logprobs: int | None = None
   echo: bool = False
   cache_salt: str | None = None  # a state-cache scope within the tenant (vLLM's cache_salt)
+  prediction_ids: list = dataclasses.field(default_factory=list)  # the prediction's tokens (drafts)
   prompts: list = dataclasses.field(default_factory=list)  # one list of token ids per prompt
   texts: list = dataclasses.field(
     default_factory=list
@@ -205,7 +207,35 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
   c = parse_settings(obj, limits)
   if "prompt" not in obj:
     raise ApiError(400, "'prompt' is missing: expected a string or a list of token ids.", "prompt")
-  return with_prompts(c, *_prompts(obj["prompt"], limits, encode), limits)
+  c = with_prompts(c, *_prompts(obj["prompt"], limits, encode), limits)
+  return with_prediction(c, obj, limits, encode)
+
+
+def with_prediction(c: Completion, obj: dict, limits: Limits, encode: Callable[[str], list]) -> Completion:
+  """`c` with the tokens of the request's `prediction` (OpenAI's Predicted Outputs: {"type": "content",
+  "content": a string or a list of {"type": "text", "text": ...} parts}), the output the caller expects:
+  the engine drafts from it; it never changes the output."""
+  pred = obj.get("prediction")
+  if pred is None:
+    return c
+  want = '{"type": "content", "content": a string or a list of {"type": "text", "text": string} parts}'
+  content = pred.get("content") if isinstance(pred, dict) else None
+  if isinstance(content, list) and all(
+    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+  ):
+    content = "".join(p["text"] for p in content)
+  if not isinstance(pred, dict) or pred.get("type") != "content" or not isinstance(content, str):
+    raise ApiError(400, f"'prediction' is {show(pred, 60)}: expected {want}.", "prediction")
+  ids = encode(content)
+  if len(ids) > limits.max_prediction_tokens:
+    raise ApiError(
+      400,
+      f"'prediction' is {len(ids)} tokens: at most {limits.max_prediction_tokens} "
+      "(--max_prediction_tokens). Send the part of the expected output that comes first.",
+      "prediction",
+    )
+  c.prediction_ids = ids
+  return c
 
 
 def with_prompts(c: Completion, prompts: list, texts: list, limits: Limits) -> Completion:

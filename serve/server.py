@@ -377,6 +377,7 @@ class Server:
         context=ch,
         tenant=tenant,
         cache_salt=c.cache_salt,
+        prediction_ids=c.prediction_ids,
       )
 
     for p, ids in enumerate(c.prompts):
@@ -487,12 +488,19 @@ class Server:
     cached = sum(
       ch.req.progress.cached_tokens for ch in choices if ch.index % c.n == 0
     )  # the first choice of each prompt
-    return {
+    usage = {
       "prompt_tokens": prompt,
       "completion_tokens": done,
       "total_tokens": prompt + done,
       "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if c.prediction_ids:  # drafts from the prediction that the output took, and those it did not
+      progress = [ch.req.progress for ch in choices]
+      usage["completion_tokens_details"] = {
+        "accepted_prediction_tokens": sum(p.accepted_prediction_tokens for p in progress),
+        "rejected_prediction_tokens": sum(p.rejected_prediction_tokens for p in progress),
+      }
+    return usage
 
   async def _whole(self, choices, c, meta):
     parts = collections.defaultdict(list)

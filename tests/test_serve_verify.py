@@ -142,13 +142,19 @@ def test_verify_lowers_clean_for_neuron():
   assert neuron_check.violations(text) == []
 
 
-def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts():
+@pytest.fixture(scope="module")
+def spec_engine():
+  """The tiny model (GPT-2 vocabulary) in an engine that verifies K drafts a step, warmed up."""
+  cfg, params = sf.tiny(0)
+  return sf.engine(params, cfg, n_slots=4, prefill_batch=2, speculative_tokens=K)
+
+
+def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts(spec_engine):
   """Requests with predictions (right, right then wrong, right with an edit in the middle, random, none) give
   exactly the tokens, logprobs and finish reasons they give without one, in a batch mixing greedy and seeded
   sampling, top-k / top-p, logprobs and a stop id; right predictions take fewer steps, and every verified
   draft is counted as accepted or rejected."""
-  cfg, params = sf.tiny(0)
-  eng = sf.engine(params, cfg, n_slots=4, prefill_batch=2, speculative_tokens=K)
+  eng = spec_engine
   rng = np.random.default_rng(3)
   settings = [
     dict(temperature=0.0),
@@ -196,3 +202,36 @@ def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts():
   assert counts[1][0] >= 3 and counts[1][1] > 0, counts  # right, then drafts the output does not take
   assert counts[4] == (0, 0), counts  # a prediction the output never meets drafts nothing
   assert eng.stats["steps"] - before < steps_plain  # right drafts: fewer model calls for the same tokens
+
+
+def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
+  """OpenAI's `prediction` on /v1/completions and /v1/chat/completions: the same reply as without one,
+  usage.completion_tokens_details counting the accepted and rejected prediction tokens; a malformed or too
+  long prediction is a 400 naming the field and the bound."""
+  tok = sf.gpt2_tokenizer()
+  lim = sf.limits(tok, spec_engine, max_tokens=64, max_prompt_tokens=1000, max_prediction_tokens=40)
+  with sf.serving(spec_engine, tok, lim) as (url, _):
+    body = {"prompt": "In the beginning", "max_tokens": 24, "temperature": 0.7, "seed": 3, "ignore_eos": True}
+    st, plain = sf.call(url, body=body)
+    assert st == 200 and "completion_tokens_details" not in plain["usage"]
+    text = plain["choices"][0]["text"]
+    st, pred = sf.call(url, body={**body, "prediction": {"type": "content", "content": text}})
+    assert st == 200 and pred["choices"][0]["text"] == text
+    details = pred["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= 10, details
+    chat = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16, "temperature": 0}
+    st, a = sf.call(url, path="/v1/chat/completions", body=chat)
+    said = a["choices"][0]["message"]["content"]
+    parts = [{"type": "text", "text": said[:5]}, {"type": "text", "text": said[5:]}]
+    st, b = sf.call(
+      url, path="/v1/chat/completions", body={**chat, "prediction": {"type": "content", "content": parts}}
+    )
+    assert st == 200 and b["choices"][0]["message"]["content"] == said
+    assert b["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    for bad, needle in (
+      ({"type": "text", "content": "x"}, "expected"),
+      ({"type": "content", "content": 3}, "expected"),
+      ({"type": "content", "content": "word " * 60}, "--max_prediction_tokens"),
+    ):
+      st, err = sf.call(url, body={**body, "prediction": bad})
+      assert st == 400 and err["error"]["param"] == "prediction" and needle in err["error"]["message"], err
