@@ -254,6 +254,7 @@ def lower_target(args) -> int:
     mesh=mesh,
     params_dtype=args.params_dtype,
     max_context=args.max_context,
+    speculative_tokens=args.speculative_tokens,
   )
   lower_s = time.perf_counter() - t
   reports, text = neuron_check.check_programs(texts, args.hlo_dir)

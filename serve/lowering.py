@@ -34,8 +34,9 @@ def abstract_params(cfg, mesh, dtype: str = "compute"):
   return _sds(shapes, None if mesh is None else sharding.replicated(mesh))
 
 
-def lower_engine(fns: SlotFunctions, params) -> dict:
-  """{program name: jax Lowered} for every function the engine compiles, from abstract arguments."""
+def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0) -> dict:
+  """{program name: jax Lowered} for every function the engine compiles, from abstract arguments (verify:
+  with speculative_tokens K > 0, for K drafts per slot)."""
   cfg, S, P, C = fns.cfg, fns.n_slots, fns.prefill_batch, fns.cfg.chunk_size
   mesh = fns.mesh
   rep = None if mesh is None else sharding.replicated(mesh)
@@ -54,7 +55,12 @@ def lower_engine(fns: SlotFunctions, params) -> dict:
   under_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)  # as SlotFunctions.generate
   with under_mesh:
     decode = fns._decode.lower(params, table)
-  return {
+    verify = (
+      {"verify": fns._verify.lower(params, table, i32(S, speculative_tokens), i32(S))}
+      if speculative_tokens
+      else {}
+    )
+  return verify | {
     "empty_table": fns.empty_table.lower(),
     "empty_prefill": fns.empty_prefill.lower(),
     "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
@@ -79,6 +85,7 @@ def lower_for_target(
   mesh=None,
   params_dtype: str = "compute",
   max_context: int | None = None,
+  speculative_tokens: int = 0,
 ) -> dict:
   """{program name: StableHLO text} of the engine's programs with every choice made as on `target`."""
   with platform.lowering_for(target):
@@ -92,5 +99,5 @@ def lower_for_target(
       mesh=mesh,
       max_context=max_context,
     )
-    lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype))
+    lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype), speculative_tokens)
   return {name: low.as_text() for name, low in lowered.items()}
