@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
   e = p.add_argument_group("engine")
   for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue", "speculative_tokens"):
     _engine_flag(e, name)
+  e.add_argument("--prompt_lookup", action="store_true", help=cli.field_help(EngineConfig, "prompt_lookup"))
   e.add_argument(
     "--max_tokens",
     type=int,
@@ -323,6 +324,7 @@ def build(args):
     prefill_batch=args.prefill_batch,
     prefill_chunks_per_step=args.prefill_chunks_per_step,
     speculative_tokens=args.speculative_tokens,
+    prompt_lookup=args.prompt_lookup,
     max_queue=args.max_queue,
     max_queue_per_tenant=share,
     valid_vocab=tok.vocab_size,

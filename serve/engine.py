@@ -145,6 +145,7 @@ class Pending(NamedTuple):
   out: jax.Array  # the step's StepOutput (verify: VerifyOutput), packed: one host copy reads it all
   owners: tuple  # entry i's request, or None
   n_drafts: np.ndarray | None = None  # verify: each slot's drafts
+  predicted: np.ndarray | None = None  # verify: whether a slot's drafts came from its request's prediction
 
 
 class Engine(EngineCacheMixin):
@@ -171,6 +172,7 @@ class Engine(EngineCacheMixin):
     snapshot_every: int = DEFAULTS.snapshot_every,
     cache_min_tokens: int = DEFAULTS.cache_min_tokens,
     speculative_tokens: int = DEFAULTS.speculative_tokens,
+    prompt_lookup: bool = DEFAULTS.prompt_lookup,
     max_context: int | None = None,
     make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
@@ -202,6 +204,7 @@ class Engine(EngineCacheMixin):
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
       raise ValueError(f"speculative_tokens={speculative_tokens!r}: expected an integer >= 0 (0: off).")
     self.speculative_tokens = speculative_tokens
+    self.prompt_lookup = bool(prompt_lookup)
     if max_queue_per_tenant is not None and not 0 <= max_queue_per_tenant <= max_queue:
       raise ValueError(f"max_queue_per_tenant={max_queue_per_tenant}: expected None or in [0, max_queue].")
     self.cfg, self.params = cfg, params
@@ -242,6 +245,8 @@ class Engine(EngineCacheMixin):
       "steps": 0,
       "prefill_tokens": 0,
       "cached_prompt_tokens": 0,
+      "drafted_tokens": 0,  # drafts verified (predictions and prompt lookup)
+      "accepted_tokens": 0,  # and taken
     }
     self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
     # State cache (serve.state_cache.StateCache or None): states copied out of the device, in flight to the
@@ -422,8 +427,8 @@ class Engine(EngineCacheMixin):
         self.table, out = self.fns.generate(self.params, self.table)
         self.pending.append(Pending("gen", out, tuple(self.slot_req)))
       else:
-        self.table, out = self.fns.verify(self.params, self.table, *drafts)
-        self.pending.append(Pending("verify", out, tuple(self.slot_req), drafts[1]))
+        self.table, out = self.fns.verify(self.params, self.table, drafts[0], drafts[1])
+        self.pending.append(Pending("verify", out, tuple(self.slot_req), drafts[1], drafts[2]))
       self.stats["steps"] += 1
       self._gens += 1
       dispatched = True
@@ -641,11 +646,15 @@ class Engine(EngineCacheMixin):
         continue
       p = r.progress
       n = 1 if out is None else int(out.emitted[i])
-      if out is not None and item.n_drafts is not None:
+      if out is not None and item.n_drafts is not None and item.predicted is not None:
         # verify fed the slot's state n tokens in one step: as if n - 1 more steps had run for it
         p.gen_base -= n - 1
-        p.accepted_prediction_tokens += n - 1
-        p.rejected_prediction_tokens += int(item.n_drafts[i]) - (n - 1)
+        drafted = int(item.n_drafts[i])
+        self.stats["drafted_tokens"] += drafted
+        self.stats["accepted_tokens"] += n - 1
+        if item.predicted[i]:
+          p.accepted_prediction_tokens += n - 1
+          p.rejected_prediction_tokens += drafted - (n - 1)
       toks = [int(t) for t in steps.token[i, :n]]
       p.output_ids.extend(toks)
       if r.logprobs is not None:
@@ -769,28 +778,30 @@ class Engine(EngineCacheMixin):
     self._fail(self._in_flight() + [m for r in waiting for m in self._members(r)])
 
   def _drafts(self):
-    """(drafts [S, K], n_drafts [S]) for the next step from the requests' predictions, or None: no slot has a
-    draft (a plain generate step). Drafts follow the output so far, so every step in flight is read back
-    first. With attention layers every slot's KV cache must have room for K + 1 more tokens."""
+    """(drafts [S, K], n_drafts [S], from a prediction [S]) for the next step, or None: no slot has a draft
+    (a plain generate step). A request drafts from its prediction, or with prompt_lookup from its own
+    tokens. Drafts follow the output so far, so every step in flight is read back first. With attention
+    layers every slot's KV cache must have room for K + 1 more tokens."""
     K = self.speculative_tokens
-    if not any(r is not None and r.prediction_ids for r in self.slot_req):
+    if not self.prompt_lookup and not any(r is not None and r.prediction_ids for r in self.slot_req):
       return None
     while self.pending:
       self._read_back(self.pending.popleft())
     drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)
+    predicted = np.zeros((self.n_slots,), bool)
     for s, r in enumerate(self.slot_req):
       if r is None or r.progress.finish_reason is not None:
         continue
-      if (
-        self.max_context is not None
-        and len(r.prompt_ids) + len(r.progress.output_ids) + K + 1 > self.max_context
-      ):
+      p = r.progress
+      if self.max_context is not None and len(r.prompt_ids) + len(p.output_ids) + K + 1 > self.max_context:
         return None
-      at = r.progress.prediction_at
-      if r.prediction_ids and at is not None:
-        d = list(r.prediction_ids[at : at + K])
-        drafts[s, : len(d)], n[s] = d, len(d)
-    return (drafts, n) if n.any() else None
+      if r.prediction_ids:
+        d = [] if p.prediction_at is None else list(r.prediction_ids[p.prediction_at : p.prediction_at + K])
+        predicted[s] = True
+      else:
+        d = lookup_drafts(r.prompt_ids, p.output_ids, K)
+      drafts[s, : len(d)], n[s] = d, len(d)
+    return (drafts, n, predicted) if n.any() else None
 
   def warmup(self):
     """Compile every function by serving one short request to completion."""
@@ -823,3 +834,24 @@ def _follow_prediction(p: Progress, prediction: Sequence[int], new_tokens: list[
         if pred[i : i + n] == tail:
           p.prediction_at = i + n
           return
+
+
+LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
+
+
+def lookup_drafts(prompt_ids: Sequence[int], output_ids: list[int], k: int) -> list[int]:
+  """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the sequence's last 3
+  (else 2, else 1) tokens within its last LOOKUP_WINDOW tokens (prompt and output), or []."""
+  seq = np.asarray([*prompt_ids[-LOOKUP_WINDOW:], *output_ids][-LOOKUP_WINDOW:], np.int64)
+  L = len(seq)
+  for n in (3, 2, 1):
+    if L <= n:
+      continue
+    hit = np.ones(L - n, bool)  # hit[i]: seq[i : i + n] equals the last n tokens, and i + n < L
+    for j in range(n):
+      hit &= seq[j : L - n + j] == seq[L - n + j]
+    found = np.flatnonzero(hit)
+    if len(found):
+      at = int(found[-1]) + n
+      return [int(t) for t in seq[at : at + k]]
+  return []

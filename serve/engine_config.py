@@ -30,6 +30,9 @@ class EngineConfig:
   speculative_tokens: int = 0
   """drafted tokens verified per slot in one step, for requests with a prediction (0: off; one compiled
   verify per value)"""
+  prompt_lookup: bool = False
+  """with speculative_tokens: a request without a prediction drafts from its own prompt and output, the
+  tokens that followed the latest earlier occurrence of its last 3 (else 2, else 1) tokens"""
 
 
 DEFAULTS = EngineConfig()

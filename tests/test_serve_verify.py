@@ -12,7 +12,7 @@ from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
-from serve.engine import Request
+from serve.engine import Engine, Request, lookup_drafts
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
 
 CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
@@ -210,6 +210,7 @@ def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
   long prediction is a 400 naming the field and the bound."""
   tok = sf.gpt2_tokenizer()
   lim = sf.limits(tok, spec_engine, max_tokens=64, max_prompt_tokens=1000, max_prediction_tokens=40)
+  on_deliver = spec_engine.on_deliver  # the server takes the engine's deliveries while it serves
   with sf.serving(spec_engine, tok, lim) as (url, _):
     body = {"prompt": "In the beginning", "max_tokens": 24, "temperature": 0.7, "seed": 3, "ignore_eos": True}
     st, plain = sf.call(url, body=body)
@@ -235,3 +236,45 @@ def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
     ):
       st, err = sf.call(url, body={**body, "prediction": bad})
       assert st == 400 and err["error"]["param"] == "prediction" and needle in err["error"]["message"], err
+  spec_engine.on_deliver = on_deliver
+
+
+def test_prompt_lookup_drafts_follow_the_latest_earlier_match():
+  assert lookup_drafts([1, 2, 3, 4, 1, 2], [3], 2) == [4, 1]  # last 3 tokens (1 2 3) seen at 0: 4 1 followed
+  assert lookup_drafts([7, 1, 2, 9, 1, 2, 5], [1, 2], 3) == [5, 1, 2]  # the latest earlier match wins
+  assert lookup_drafts([5, 6], [7], 4) == [] and lookup_drafts([4], [], 4) == []  # nothing seen before
+  assert lookup_drafts([8, 3, 8], [], 4) == [3, 8]  # falls back to one token; drafts stop at the end
+
+
+def test_prompt_lookup_gives_the_same_outputs():
+  """With prompt lookup on, requests without a prediction draft from their own prompt and output (a prompt
+  quoting a passage; a 256-token vocabulary, so that a random model's tokens recur and lookups find
+  something): the same tokens and logprobs as without, and drafts are verified."""
+  eng = Engine(
+    model.init_params(CFG, jax.random.key(0)),
+    CFG,
+    n_slots=2,
+    prefill_batch=2,
+    speculative_tokens=K,
+    max_context=MAX_CONTEXT,
+  )
+  eng.warmup()
+  rng = np.random.default_rng(5)
+  passage = rng.integers(0, CFG.vocab_size, 40).tolist()
+  specs = [
+    dict(prompt_ids=passage + [11, 12] + passage[:6], max_tokens=24, temperature=0.0, logprobs=1),
+    dict(prompt_ids=passage + passage[:3], max_tokens=24, temperature=1.0, seed=4),
+  ]
+  plain = [Request(**spec) for spec in specs]
+  eng.generate(plain)
+  assert eng.stats["drafted_tokens"] == 0
+  eng.prompt_lookup = True
+  looked = [Request(**spec) for spec in specs]
+  eng.generate(looked)
+  assert eng.stats["drafted_tokens"] > 0
+  for want, got in zip(plain, looked):
+    assert got.progress.output_ids == want.progress.output_ids
+    assert got.progress.finish_reason == want.progress.finish_reason
+    for (a, _), (b, _) in zip(got.progress.token_logprobs, want.progress.token_logprobs):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert got.progress.accepted_prediction_tokens == got.progress.rejected_prediction_tokens == 0
