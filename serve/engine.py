@@ -783,7 +783,11 @@ class Engine(EngineCacheMixin):
     tokens. Drafts follow the output so far, so every step in flight is read back first. With attention
     layers every slot's KV cache must have room for K + 1 more tokens."""
     K = self.speculative_tokens
-    if not self.prompt_lookup and not any(r is not None and r.prediction_ids for r in self.slot_req):
+    # A prediction that the output has left (prediction_at None) drafts nothing: generate steps go on,
+    # pipelined, until a token read back finds its place in the prediction again.
+    if not self.prompt_lookup and not any(
+      r is not None and r.prediction_ids and r.progress.prediction_at is not None for r in self.slot_req
+    ):
       return None
     while self.pending:
       self._read_back(self.pending.popleft())

@@ -1,0 +1,120 @@
+"""Speculative decoding end to end through the serving engine: drafts from a prediction or from prompt lookup,
+verified K at a time, against plain decoding of the same requests.
+
+    python benchmarks/speculative_serve.py [--preset small] [--batches 1 8] [--drafts 8] [--max-tokens 128]
+
+Workload (the embedded corpus): each request's prompt is a KJV chapter's first `--passage-tokens` tokens,
+then "Repeat the passage above exactly:" and the passage's first words: a prompt that quotes a passage and
+asks for it back. Greedy decoding of `--max-tokens` tokens, no stop, `batch` requests at once in an engine of
+`batch` slots, random weights of `--preset` in its compute dtype. Cases, each on the same requests:
+
+- none: no prediction, no lookup (the plain generate step);
+- right: the prediction is the reply itself (as decoded by `none`);
+- half: the reply with every other block of 8 tokens replaced by random tokens (half the tokens right);
+- random: a prediction of random tokens, as long as the reply;
+- lookup: no prediction, prompt lookup on (drafts from the sequence's own tokens).
+
+Reported per case: time per output token of one sequence (after its first token), tokens per model call
+(output tokens / generate or verify steps), drafts verified and accepted, and the ratio to `none`; every case
+must reproduce `none`'s tokens exactly (checked). Times are ratios within one run (a shared CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import jax
+import numpy as np
+
+from laplace_jax.config import PRESETS
+from laplace_jax.tokenizer import VOCAB_SIZE
+from serve import loading
+from serve.engine import Engine, Request
+
+
+def prompts(n: int, passage_tokens: int) -> list[list[int]]:
+  from train.prepare import kjv_documents
+
+  tok = loading.gpt2_tokenizer()
+  out = []
+  for doc in kjv_documents()[: n * 3 : 3]:
+    ids = tok.encode(doc)[:passage_tokens]
+    out.append(ids + tok.encode("\n\nRepeat the passage above exactly:\n\n") + ids[:4])
+  return out
+
+
+def run_case(eng: Engine, specs: list[dict], predictions, lookup: bool):
+  eng.prompt_lookup = lookup
+  before = dict(eng.stats)
+  reqs = [Request(**s, prediction_ids=p) for s, p in zip(specs, predictions)]
+  eng.generate(reqs)
+  end = time.perf_counter()
+  first = max(r.progress.first_token_at for r in reqs)
+  n_out = [len(r.progress.output_ids) for r in reqs]
+  steps = eng.stats["steps"] - before["steps"]
+  return {
+    "outputs": [r.progress.output_ids for r in reqs],
+    "ms_per_token": 1e3 * (end - first) / (min(n_out) - 1),
+    "tokens_per_call": sum(n_out) / len(reqs) / steps,
+    "drafted": eng.stats["drafted_tokens"] - before["drafted_tokens"],
+    "accepted": eng.stats["accepted_tokens"] - before["accepted_tokens"],
+  }
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+  ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+  ap.add_argument("--drafts", type=int, nargs="+", default=[8], help="K: drafts verified per slot and step")
+  ap.add_argument("--max-tokens", type=int, default=128)
+  ap.add_argument("--passage-tokens", type=int, default=160)
+  args = ap.parse_args(argv)
+  params, cfg = loading.load_model(preset=args.preset)
+  print(
+    f"{args.preset} ({cfg.compute_dtype}, random weights) on {jax.devices()[0].device_kind} "
+    f"({platform.machine()}), jax {jax.__version__}; {args.max_tokens} greedy tokens per request\n"
+  )
+  print(
+    "| batch | K | case | ms per token | × none | tokens per call | drafts verified | accepted | same tokens |"
+  )
+  print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
+  rng = np.random.default_rng(0)
+  for B in args.batches:
+    specs = [
+      dict(prompt_ids=p, max_tokens=args.max_tokens, temperature=0.0) for p in prompts(B, args.passage_tokens)
+    ]
+    for K in args.drafts:
+      eng = Engine(
+        params, cfg, n_slots=B, prefill_batch=min(B, 8), valid_vocab=VOCAB_SIZE, speculative_tokens=K
+      )
+      eng.warmup()
+      none = run_case(eng, specs, [()] * B, lookup=False)
+      replies = none["outputs"]
+
+      def half(o):
+        o = list(o)
+        for i in range(8, len(o), 16):
+          o[i : i + 8] = rng.integers(0, VOCAB_SIZE, len(o[i : i + 8])).tolist()
+        return o
+
+      cases = {
+        "none": none,
+        "right": run_case(eng, specs, replies, lookup=False),
+        "half": run_case(eng, specs, [half(o) for o in replies], lookup=False),
+        "random": run_case(
+          eng, specs, [rng.integers(0, VOCAB_SIZE, len(o)).tolist() for o in replies], False
+        ),
+        "lookup": run_case(eng, specs, [()] * B, lookup=True),
+      }
+      for name, c in cases.items():
+        print(
+          f"| {B} | {K} | {name} | {c['ms_per_token']:.1f} | {c['ms_per_token'] / none['ms_per_token']:.2f} | "
+          f"{c['tokens_per_call']:.2f} | {c['drafted']} | {c['accepted']} | {c['outputs'] == replies} |",
+          flush=True,
+        )
+
+
+if __name__ == "__main__":
+  main()
