@@ -65,6 +65,7 @@ FILE_SECONDS = {
   "test_eval_program.py": 36,
   "test_context_parallel.py": 34,
   "test_serve_patterns.py": 32,
+  "test_serve_verify.py": 30,
   "test_serve_state_cache.py": 31,
   "test_scan_layers.py": 29,
   "test_serve_restart.py": 25,
