@@ -246,17 +246,21 @@ def test_prompt_lookup_drafts_follow_the_latest_earlier_match():
   assert lookup_drafts([8, 3, 8], [], 4) == [3, 8]  # falls back to one token; drafts stop at the end
 
 
-def test_prompt_lookup_gives_the_same_outputs():
+def test_prompt_lookup_gives_the_same_outputs(served):
   """With prompt lookup on, requests without a prediction draft from their own prompt and output (a prompt
   quoting a passage; a 256-token vocabulary, so that a random model's tokens recur and lookups find
-  something): the same tokens and logprobs as without, and drafts are verified."""
+  something): the same tokens and logprobs as without, and drafts are verified. The engine runs on the
+  slot functions the tests above compiled (same model, slots and K)."""
+  fns, params = served[:2]
   eng = Engine(
-    model.init_params(CFG, jax.random.key(0)),
+    params,
     CFG,
-    n_slots=2,
-    prefill_batch=2,
+    n_slots=S,
+    prefill_batch=S,
+    max_stop_ids=fns.n_stop,
     speculative_tokens=K,
     max_context=MAX_CONTEXT,
+    make_slots=lambda *args, **kw: fns,
   )
   eng.warmup()
   rng = np.random.default_rng(5)
