@@ -633,40 +633,37 @@ class Engine(EngineCacheMixin):
         m.progress.prompt_logprobs = out
 
   def _read_back(self, item: Pending):
-    if item.kind == "verify":  # the one device-to-host copy of this step
-      out = VerifyOutput.unpack(np.asarray(item.out), self.speculative_tokens + 1)
-      steps = out.steps
+    packed = np.asarray(item.out)  # the one device-to-host copy of this step
+    if item.kind == "verify":
+      verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1)
+      emitted, steps = verified.emitted, verified.steps  # steps: [S, K + 1] fields
     else:
-      step = StepOutput.unpack(np.asarray(item.out))
-      out, steps = None, jax.tree.map(lambda x: x[:, None], step)  # one position per slot
+      emitted, steps = None, StepOutput.unpack(packed)  # one token per slot
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(item.owners):
       if r is None or r.progress.finish_reason is not None:
         continue
       p = r.progress
-      n = 1 if out is None else int(out.emitted[i])
-      if out is not None and item.n_drafts is not None and item.predicted is not None:
-        # verify fed the slot's state n tokens in one step: as if n - 1 more steps had run for it
-        p.gen_base -= n - 1
-        drafted = int(item.n_drafts[i])
-        self.stats["drafted_tokens"] += drafted
-        self.stats["accepted_tokens"] += n - 1
-        if item.predicted[i]:
-          p.accepted_prediction_tokens += n - 1
-          p.rejected_prediction_tokens += drafted - (n - 1)
-      toks = [int(t) for t in steps.token[i, :n]]
+      if emitted is None:  # the plain step's path, kept lean: it runs for every slot every step
+        toks, done = [int(steps.token[i])], bool(steps.done[i])
+        if r.logprobs is not None:
+          p.token_logprobs.append(steps.logprobs_of(i))
+      else:
+        n = int(emitted[i])
+        self._count_drafts(p, item, i, n)
+        toks, done = steps.token[i, :n].tolist(), bool(steps.done[i, n - 1])
+        if r.logprobs is not None:
+          for j in range(n):
+            top = [(int(t), float(v)) for t, v in zip(steps.top_ids[i, j], steps.top_logprobs[i, j])]
+            p.token_logprobs.append((float(steps.logprob[i, j]), top))
       p.output_ids.extend(toks)
-      if r.logprobs is not None:
-        for j in range(n):
-          top = [(int(t), float(v)) for t, v in zip(steps.top_ids[i, j], steps.top_logprobs[i, j])]
-          p.token_logprobs.append((float(steps.logprob[i, j]), top))
       if p.first_token_at is None:
         p.first_token_at = now
       if r.prediction_ids:
         _follow_prediction(p, r.prediction_ids, toks)
-      n_tokens += n
-      if bool(steps.done[i, n - 1]):
+      n_tokens += len(toks)
+      if done:
         reason = "stop" if toks[-1] in r.stop_ids else "length"
         finished.append(r)
         self._finish(r, reason)
@@ -681,6 +678,18 @@ class Engine(EngineCacheMixin):
       self._rate.popleft()
     if deliveries:
       self.on_deliver(deliveries)
+
+  def _count_drafts(self, p: Progress, item: Pending, i: int, n: int):
+    """A verify step fed slot i's state n tokens at once (as n - 1 more steps would have) and took n - 1 of
+    its drafts: the state cache's token count, the engine's draft counters and the request's."""
+    assert item.n_drafts is not None and item.predicted is not None
+    p.gen_base -= n - 1
+    drafted = int(item.n_drafts[i])
+    self.stats["drafted_tokens"] += drafted
+    self.stats["accepted_tokens"] += n - 1
+    if item.predicted[i]:
+      p.accepted_prediction_tokens += n - 1
+      p.rejected_prediction_tokens += drafted - (n - 1)
 
   # ---- running ----
 
