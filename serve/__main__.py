@@ -86,39 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
   for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue", "speculative_tokens"):
     _engine_flag(e, name)
   e.add_argument("--prompt_lookup", action="store_true", help=cli.field_help(EngineConfig, "prompt_lookup"))
-  e.add_argument(
-    "--max_tokens",
-    type=int,
-    default=_limits_default("max_tokens"),
-    help="largest max_tokens a request may ask for",
-  )
-  e.add_argument(
-    "--max_prompt_tokens",
-    type=int,
-    default=_limits_default("max_prompt_tokens"),
-    help="longest prompt accepted",
-  )
-  e.add_argument(
-    "--max_choices",
-    type=int,
-    default=_limits_default("max_choices"),
-    help="most choices (prompts x n) one request may ask "
-    "for, so that one request cannot hold every slot and the queue",
-  )
-  e.add_argument(
-    "--max_prediction_tokens",
-    type=int,
-    default=_limits_default("max_prediction_tokens"),
-    help="longest prediction (OpenAI's Predicted Outputs) a request may send, in tokens",
-  )
-  e.add_argument(
-    "--max_reply_entries",
-    type=int,
-    default=_limits_default("max_reply_entries"),
-    help="most token entries one reply may "
-    "hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) with logprobs; a request "
-    "that could exceed it gets 400 before it runs",
-  )
+  for name, text in (
+    ("max_tokens", "largest max_tokens a request may ask for"),
+    ("max_prompt_tokens", "longest prompt accepted"),
+    (
+      "max_choices",
+      "most choices (prompts x n) one request may ask for, so that one request cannot hold every slot and "
+      "the queue",
+    ),
+    (
+      "max_prediction_tokens",
+      "longest prediction (OpenAI's Predicted Outputs) a request may send, in tokens",
+    ),
+    (
+      "max_reply_entries",
+      "most token entries one reply may hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs) "
+      "with logprobs; a request that could exceed it gets 400 before it runs",
+    ),
+  ):
+    e.add_argument(f"--{name}", type=int, default=_limits_default(name), help=text)
   e.add_argument(
     "--max_context",
     type=int,
