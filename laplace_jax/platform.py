@@ -20,9 +20,8 @@ import os
 
 TARGETS = ("cpu", "gpu", "neuron")
 LOWERING_TARGETS = ("neuron",)  # what --target may name: platforms lowered for without being present
-TRN2_DEVICES = (
-  64  # simulated devices of a --target neuron lowering: a trn2.48xlarge, 16 chips x 4 logical cores
-)
+# Simulated devices of a --target neuron lowering: a trn2.48xlarge, 16 chips x 4 logical cores.
+TRN2_DEVICES = 64
 PRNG_IMPLS = ("threefry", "rbg", "unsafe_rbg")
 PRNG_CHOICES = ("auto",) + PRNG_IMPLS
 _JAX_PRNG_NAMES = {"threefry": "threefry2x32", "rbg": "rbg", "unsafe_rbg": "unsafe_rbg"}

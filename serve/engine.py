@@ -634,29 +634,25 @@ class Engine(EngineCacheMixin):
 
   def _read_back(self, item: Pending):
     packed = np.asarray(item.out)  # the one device-to-host copy of this step
-    if item.kind == "verify":
-      verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1)
-      emitted, steps = verified.emitted, verified.steps  # steps: [S, K + 1] fields
-    else:
-      emitted, steps = None, StepOutput.unpack(packed)  # one token per slot
+    verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1) if item.kind == "verify" else None
+    steps = StepOutput.unpack(packed) if verified is None else verified.steps  # verify: [S, K + 1] fields
     now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(item.owners):
       if r is None or r.progress.finish_reason is not None:
         continue
       p = r.progress
-      if emitted is None:  # the plain step's path, kept lean: it runs for every slot every step
+      if verified is None:  # the plain step's path, kept lean: it runs for every slot every step
         toks, done = [int(steps.token[i])], bool(steps.done[i])
         if r.logprobs is not None:
           p.token_logprobs.append(steps.logprobs_of(i))
       else:
-        n = int(emitted[i])
+        toks = verified.tokens_of(i)
+        n = len(toks)
         self._count_drafts(p, item, i, n)
-        toks, done = steps.token[i, :n].tolist(), bool(steps.done[i, n - 1])
+        done = bool(steps.done[i, n - 1])
         if r.logprobs is not None:
-          for j in range(n):
-            top = [(int(t), float(v)) for t, v in zip(steps.top_ids[i, j], steps.top_logprobs[i, j])]
-            p.token_logprobs.append((float(steps.logprob[i, j]), top))
+          p.token_logprobs.extend(steps.logprobs_of((i, j)) for j in range(n))
       p.output_ids.extend(toks)
       if p.first_token_at is None:
         p.first_token_at = now
@@ -838,15 +834,7 @@ def _follow_prediction(p: Progress, prediction: Sequence[int], new_tokens: list[
     at = p.prediction_at
     p.prediction_at = at + 1 if at is not None and at < len(prediction) and prediction[at] == t else None
   if p.prediction_at is None:
-    out, pred = p.output_ids, list(prediction)
-    for n in (3, 2, 1):
-      if len(out) < n:
-        continue
-      tail = out[-n:]
-      for i in range(len(pred) - n + 1):
-        if pred[i : i + n] == tail:
-          p.prediction_at = i + n
-          return
+    p.prediction_at = _after_ngram(np.asarray(prediction), np.asarray(p.output_ids[-3:]), latest=False)
 
 
 LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
@@ -856,15 +844,21 @@ def lookup_drafts(prompt_ids: Sequence[int], output_ids: list[int], k: int) -> l
   """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the sequence's last 3
   (else 2, else 1) tokens within its last LOOKUP_WINDOW tokens (prompt and output), or []."""
   seq = np.asarray([*prompt_ids[-LOOKUP_WINDOW:], *output_ids][-LOOKUP_WINDOW:], np.int64)
-  L = len(seq)
-  for n in (3, 2, 1):
-    if L <= n:
+  at = _after_ngram(seq[:-1], seq[-3:], latest=True)  # an earlier occurrence: it ends before the last token
+  return [] if at is None else seq[at : at + k].tolist()
+
+
+def _after_ngram(seq: np.ndarray, tail: np.ndarray, *, latest: bool) -> int | None:
+  """Where `seq` goes on after an occurrence of the last 3 tokens of `tail` (else its last 2, else its last
+  1): the index just past the first occurrence, or the latest with `latest`; None if none occurs."""
+  for n in range(min(3, len(tail)), 0, -1):
+    L = len(seq) - n + 1  # where an occurrence may start
+    if L <= 0:
       continue
-    hit = np.ones(L - n, bool)  # hit[i]: seq[i : i + n] equals the last n tokens, and i + n < L
-    for j in range(n):
-      hit &= seq[j : L - n + j] == seq[L - n + j]
+    hit = np.ones(L, bool)
+    for j, t in enumerate(tail[-n:]):
+      hit &= seq[j : j + L] == t
     found = np.flatnonzero(hit)
     if len(found):
-      at = int(found[-1]) + n
-      return [int(t) for t in seq[at : at + k]]
-  return []
+      return int(found[-1 if latest else 0]) + n
+  return None

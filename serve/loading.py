@@ -51,7 +51,7 @@ def cast_params(params, cfg, how: str = PARAMS_DTYPES[0]):
   """Serve the weights in the compute dtype ("compute": half the bytes read per step for bf16 presets,
   and no per-step casts) or as stored ("param")."""
   if how not in PARAMS_DTYPES:
-    raise ValueError(f"params dtype {how!r}: expected 'compute' or 'param'.")
+    raise ValueError(f"params dtype {how!r}: expected one of {PARAMS_DTYPES}.")
   if how == "param":
     return params
   dt = jnp.dtype(cfg.compute_dtype)

@@ -18,6 +18,7 @@ import numpy as np
 
 from laplace_jax import model, platform, sharding
 from serve import loading
+from serve.engine_config import PARAMS_DTYPES
 from serve.slots import SlotFunctions, host_settings
 
 
@@ -28,7 +29,7 @@ def _sds(tree, shardings=None):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def abstract_params(cfg, mesh, dtype: str = "compute"):
+def abstract_params(cfg, mesh, dtype: str = PARAMS_DTYPES[0]):
   """The served params' shapes (as `loading.load_params` places them: replicated, in the compute dtype)."""
   shapes = jax.eval_shape(lambda: loading.cast_params(model.init_params(cfg, jax.random.key(0)), cfg, dtype))
   return _sds(shapes, None if mesh is None else sharding.replicated(mesh))
@@ -83,7 +84,7 @@ def lower_for_target(
   n_stop: int,
   valid_vocab: int,
   mesh=None,
-  params_dtype: str = "compute",
+  params_dtype: str = PARAMS_DTYPES[0],
   max_context: int | None = None,
   speculative_tokens: int = 0,
 ) -> dict:

@@ -134,8 +134,9 @@ class StepOutput:
       raise ValueError(f"a packed step output has {packed.shape[0]} rows: expected {at} (N = {n_top}).")
     return cls(**out)
 
-  def logprobs_of(self, i: int) -> tuple[float, list[tuple[int, float]]]:
-    """(the sampled token's logprob, [(id, logprob)] of the top N) of entry i (host arrays)."""
+  def logprobs_of(self, i: int | tuple[int, int]) -> tuple[float, list[tuple[int, float]]]:
+    """(the sampled token's logprob, [(id, logprob)] of the top N) of entry i, or of (slot, position) in a
+    verify's [S, T] fields (host arrays)."""
     top = [(int(t), float(v)) for t, v in zip(self.top_ids[i], self.top_logprobs[i])]
     return float(self.logprob[i]), top
 
@@ -168,7 +169,7 @@ class VerifyOutput:
 
   def tokens_of(self, s: int) -> list[int]:
     """The tokens slot s emits, in order (host arrays)."""
-    return [int(t) for t in self.steps.token[s, : int(self.emitted[s])]]
+    return self.steps.token[s, : int(self.emitted[s])].tolist()
 
 
 class SlotBackend(Protocol):

@@ -266,6 +266,7 @@ def evaluate(
   from laplace_jax import checkpoint as ckpt
   from laplace_jax import data, sharding
   from laplace_jax import train_step as ts
+  from train.hooks import flat_key
 
   path = Path(checkpoint)
   mesh = sharding.make_mesh(data=mesh_data, fsdp=mesh_fsdp or None)
@@ -291,7 +292,7 @@ def evaluate(
   abstract = ts.abstract_batch(global_batch, seq_len, mesh, weighted=True, segmented=segment_ids)
   batch_sh = jax.tree.map(lambda s: s.sharding, abstract)
 
-  fn = _split_sums(cfg, *_flat(shards), *_flat(batch_sh))
+  fn = _split_sums(cfg, *flat_key(shards), *flat_key(batch_sh))
   ce = tok = 0.0
   n_bytes = 0
   by_order = {True: [0.0, 0.0], False: [0.0, 0.0]}  # first document of its window or not: [Σ ce, Σ tokens]
@@ -325,13 +326,6 @@ def evaluate(
     "loss_later_documents": order_loss[False],
     "tokens_later_documents": int(by_order[False][1]),
   }
-
-
-def _flat(tree) -> tuple:
-  import jax
-
-  leaves, treedef = jax.tree.flatten(tree)
-  return tuple(leaves), treedef
 
 
 @functools.lru_cache(maxsize=8)  # one jitted loss per model and layout: later calls reuse the executable

@@ -117,8 +117,7 @@ class MetricsLog:
 
 def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global):
   """params -> the held-out loss (nats per scored token) over `eval_batches` (this process's rows)."""
-  params_sh = jax.tree.flatten(jax.tree.map(lambda s: s.sharding, abstract.params))
-  eval_fn = _eval_fn(cfg, tuple(params_sh[0]), params_sh[1], *_flat(batch_sh))
+  eval_fn = _eval_fn(cfg, *flat_key(jax.tree.map(lambda s: s.sharding, abstract.params)), *flat_key(batch_sh))
 
   def evaluate(params) -> float:
     ce = tok = 0.0
@@ -130,7 +129,9 @@ def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global)
   return evaluate
 
 
-def _flat(tree) -> tuple:
+def flat_key(tree) -> tuple:
+  """(leaves as a tuple, treedef): a pytree of shardings as a hashable cache key, for the jitted functions
+  kept per model and layout (`functools.lru_cache`)."""
   leaves, treedef = jax.tree.flatten(tree)
   return tuple(leaves), treedef
 
