@@ -105,6 +105,13 @@ def parse_args(argv=None):
     choices=["compute", "param"],
     help="serve weights cast to the compute dtype (default) or as stored",
   )
+  p.add_argument(
+    "--speculative-tokens",
+    type=int,
+    default=0,
+    help="the throughput and overhead engines' --speculative_tokens: their verify path in place, with no "
+    "prediction to draft from (default: 0)",
+  )
   p.add_argument("--json", help="also write every number to this file")
   bench_cache.add_args(p)
   return p.parse_args(argv)
@@ -158,6 +165,19 @@ class BaselineStep:
     logits.block_until_ready()
 
 
+def _engine(params, cfg, slots, args) -> Engine:
+  """The throughput and overhead sections' engine: every prompt admitted at once, greedy requests."""
+  return Engine(
+    params,
+    cfg,
+    n_slots=slots,
+    prefill_batch=min(slots, 64),
+    max_queue=0,
+    valid_vocab=VOCAB_SIZE,
+    speculative_tokens=args.speculative_tokens,
+  )
+
+
 # ---- sections ----
 
 
@@ -168,7 +188,7 @@ def run_throughput(args, out):
   rng = np.random.default_rng(0)
   rows, res = [], []
   for c in args.concurrency:
-    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=VOCAB_SIZE)
+    engine = _engine(params, cfg, c, args)
     t0 = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t0
@@ -356,14 +376,16 @@ def run_flops(args, out):
 
 def run_overhead(args, out):
   """Engine tokens/s against the bare decode step, interleaved in rounds so a shared machine's drift hits
-  both alike: each round times --steps engine steps (one step in flight, as served) then as many bare
-  decode_step calls over the same number of rows; the ratio is of the medians over rounds."""
+  both alike: each round times --steps engine steps (one step in flight, as served), as many bare
+  decode_step calls over the same number of rows, and as many of the engine's own compiled generate calls
+  (decode, then sampling and the packed output) run back to back and waited for, on a table of idle
+  slots: the device work of an engine step without its host work. Ratios are of the medians over rounds."""
   cfg = get_config(args.throughput_preset)
   params = laplace_params(cfg, args.params_dtype)
   rng = np.random.default_rng(0)
   rows, res = [], []
   for c in args.concurrency:
-    engine = Engine(params, cfg, n_slots=c, prefill_batch=min(c, 64), max_queue=0, valid_vocab=VOCAB_SIZE)
+    engine = _engine(params, cfg, c, args)
     engine.warmup()
     reqs = [
       Request(prompt_ids=rng.integers(0, VOCAB_SIZE, args.prompt_tokens).tolist(), max_tokens=1 << 20)
@@ -376,15 +398,24 @@ def run_overhead(args, out):
     engine.step()
     step = LaplaceStep(params, cfg, c)
     step()
-    # The memory floor: every state array of c slots read and written once, in place.
-    scale = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5, s), donate_argnums=0)
+    # The memory floor: every state array of c slots read and written once, in place (the int32 positions,
+    # a few bytes per slot, kept as they are).
+    half = lambda x: x * 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x
+    scale = jax.jit(lambda s: jax.tree.map(half, s), donate_argnums=0)
 
     def floor_step(step=step):
       step.state = scale(step.state)
       jax.block_until_ready(step.state)
 
     floor_step()
-    eng_s, bare_s, floor_s = [], [], []
+    calls = {"table": engine.fns.empty_table()}
+
+    def engine_calls(fns=engine.fns, calls=calls):  # the engine's compiled step: no pipelining, no host work
+      calls["table"], packed = fns.generate(params, calls["table"])
+      packed.block_until_ready()
+
+    engine_calls()
+    eng_s, bare_s, floor_s, calls_s = [], [], [], []
     for _ in range(args.overhead_rounds):
       tok0, t0 = engine.stats["tokens"], time.perf_counter()
       for _ in range(args.steps):
@@ -394,19 +425,26 @@ def run_overhead(args, out):
       for _ in range(args.steps):
         step()
       bare_s.append((time.perf_counter() - t0) / args.steps)
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        engine_calls()
+      calls_s.append((time.perf_counter() - t0) / args.steps)
       floor_s.append(median_seconds(floor_step, args.steps, warmup=0))
     for r in reqs:
       engine.cancel(r)
     engine.run_until_idle()
-    del engine, reqs, step
+    del engine, reqs, step, calls
     gc.collect()
     e, b, f = float(np.median(eng_s)), float(np.median(bare_s)), float(np.median(floor_s))
+    g = float(np.median(calls_s))
     rows.append(
       [
         c,
         f"{e * 1e3:.2f}",
         f"{b * 1e3:.2f}",
         f"{b / e:.0%}",
+        f"{g * 1e3:.2f}",
+        f"{g / e:.0%}",
         f"{c / e:,.0f}",
         f"{f * 1e3:.2f}",
         f"{f / e:.0%}",
@@ -418,28 +456,37 @@ def run_overhead(args, out):
         "engine_step_s": e,
         "decode_step_s": b,
         "state_floor_s": f,
+        "engine_calls_s": g,
         "ratio": b / e,
+        "ratio_to_engine_calls": g / e,
         "engine_tokens_per_s": c / e,
         "engine_rounds_s": eng_s,
         "decode_rounds_s": bare_s,
         "floor_rounds_s": floor_s,
+        "engine_calls_rounds_s": calls_s,
       }
     )
   _table(
-    f"engine overhead ({args.throughput_preset}; greedy; {args.overhead_rounds} rounds of {args.steps} "
-    "steps, interleaved)",
+    f"engine overhead ({args.throughput_preset}; greedy; speculative_tokens {args.speculative_tokens}; "
+    f"{args.overhead_rounds} rounds of {args.steps} steps, interleaved)",
     [
       "concurrent",
       "engine ms/step",
       "decode_step ms",
       "engine / decode_step tok/s",
+      "engine's calls ms (blocking)",
+      "engine / its calls tok/s",
       "engine tok/s",
       "state r+w floor ms",
       "engine / floor-bound tok/s",
     ],
     rows,
   )
-  out["overhead"] = {"preset": args.throughput_preset, "points": res}
+  out["overhead"] = {
+    "preset": args.throughput_preset,
+    "speculative_tokens": args.speculative_tokens,
+    "points": res,
+  }
 
 
 SECTIONS = {

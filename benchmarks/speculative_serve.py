@@ -6,7 +6,8 @@ verified K at a time, against plain decoding of the same requests.
 Workload (the embedded corpus): each request's prompt is a KJV chapter's first `--passage-tokens` tokens,
 then "Repeat the passage above exactly:" and the passage's first words: a prompt that quotes a passage and
 asks for it back. Greedy decoding of `--max-tokens` tokens, no stop, `batch` requests at once in an engine of
-`batch` slots, random weights of `--preset` in its compute dtype. Cases, each on the same requests:
+`batch` slots, random weights of `--preset` in its compute dtype or a trained export (`--checkpoint`). Cases,
+each on the same requests:
 
 - none: no prediction, no lookup (the plain generate step);
 - right: the prediction is the reply itself (as decoded by `none`);
@@ -65,15 +66,22 @@ def run_case(eng: Engine, specs: list[dict], predictions, lookup: bool):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+  ap.add_argument("--preset", choices=sorted(PRESETS), help="default: small (random weights)")
+  ap.add_argument(
+    "--checkpoint",
+    help="an export of `python -m train` (e.g. train/demo.sh's runs/demo-*/export/step_120) instead of random "
+    "weights: its config is the model's, --preset must match it or be omitted",
+  )
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
   ap.add_argument("--drafts", type=int, nargs="+", default=[8], help="K: drafts verified per slot and step")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--passage-tokens", type=int, default=160)
   args = ap.parse_args(argv)
-  params, cfg = loading.load_model(preset=args.preset)
+  preset = args.preset or (None if args.checkpoint else "small")
+  params, cfg = loading.load_model(checkpoint=args.checkpoint, preset=preset)
+  weights = f"trained: {args.checkpoint}" if args.checkpoint else "random weights"
   print(
-    f"{args.preset} ({cfg.compute_dtype}, random weights) on {jax.devices()[0].device_kind} "
+    f"{preset or 'exported model'} ({cfg.compute_dtype}, {weights}) on {jax.devices()[0].device_kind} "
     f"({platform.machine()}), jax {jax.__version__}; {args.max_tokens} greedy tokens per request\n"
   )
   print(
@@ -109,9 +117,10 @@ def main(argv=None):
         "lookup": run_case(eng, specs, [()] * B, lookup=True),
       }
       for name, c in cases.items():
+        same = sum(a == b for a, b in zip(c["outputs"], replies))
         print(
           f"| {B} | {K} | {name} | {c['ms_per_token']:.1f} | {c['ms_per_token'] / none['ms_per_token']:.2f} | "
-          f"{c['tokens_per_call']:.2f} | {c['drafted']} | {c['accepted']} | {c['outputs'] == replies} |",
+          f"{c['tokens_per_call']:.2f} | {c['drafted']} | {c['accepted']} | {same}/{B} |",
           flush=True,
         )
 

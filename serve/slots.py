@@ -440,9 +440,10 @@ class SlotFunctions:
     drafted tokens (drafts_SxK[s, :n]; the rest of the row is ignored, n = 0 makes the call one generate
     step for that slot) go through the model together, each position samples the token the slot would
     sample there, and a draft is accepted while it equals the token sampled before it (and that token
-    does not end the slot). Each slot emits its accepted drafts + 1 tokens, exactly those that as many
-    `generate` calls would have produced, and its state is committed at that length
-    (laplace_jax.speculative). Returns (table, packed VerifyOutput; VerifyOutput.unpack(out, K + 1)).
+    does not end the slot). Each slot emits its accepted drafts + 1 tokens, those that as many
+    `generate` calls would have produced (the same draws; the logits equal up to fp32 rounding, the chunk
+    form's against the recurrence's, so a near-tie may be chosen otherwise), and its state is committed at
+    that length (laplace_jax.speculative). Returns (table, packed VerifyOutput; VerifyOutput.unpack(out, K + 1)).
 
     Slots of models with attention layers need K + 1 free rows in their KV cache (the engine verifies
     only then): a row that would outgrow it gets NaN logits, as in decode."""
