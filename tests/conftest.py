@@ -1,8 +1,9 @@
 """Every test runs on the CPU with 8 simulated devices (laplace_jax.platform.simulate_cpu_devices, before JAX's
 first use of a device; processes the tests start inherit the count through the environment).
 
-Three things keep the suite's wall time down (tests/run.sh runs it on two pytest-xdist workers, one file at a
+Four things keep the suite's wall time down (tests/run.sh runs it on two pytest-xdist workers, one file at a
 time each):
+- each worker on its own core (_pin_worker_to_its_cores below);
 - unoptimised CPU code generation (FAST_COMPILE below);
 - one XLA compilation cache per run, shared by both workers and every subprocess a test starts: the many
   tests that build the same tiny engine or train step compile it once, then read it back;
