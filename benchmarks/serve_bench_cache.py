@@ -166,7 +166,7 @@ def run_cache_memory(args, out):
   params = _params(cfg)
   eng = _engine(params, cfg, 4, True, cache_min_tokens=1)
   eng.generate([Request(prompt_ids=list(range(300)), max_tokens=4, temperature=0.0)])
-  eng._collect_copies(block=True)
+  eng.state_io.collect(block=True)
   measured = next(iter(eng.cache.entries.values())).nbytes
   assert measured == state_bytes_per_sequence(cfg), (measured, state_bytes_per_sequence(cfg))
   rows, res = [], []

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from laplace_jax import model as laplace_model
-from serve.engine_cache import EngineCacheMixin
+from serve.engine_cache import StateCacheIO
 from serve.engine_config import DEFAULTS, slots_for
 from serve.slots import (
   PrefillRows,
@@ -148,7 +148,7 @@ class Pending(NamedTuple):
   predicted: np.ndarray | None = None  # verify: whether a slot's drafts came from its request's prediction
 
 
-class Engine(EngineCacheMixin):
+class Engine:
   """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots`: the engine
   schedules, and meets the model only through the `SlotBackend` interface `make_slots` builds (by default
   `SlotFunctions`; tests pass a fake that needs no compile)."""
@@ -249,12 +249,19 @@ class Engine(EngineCacheMixin):
       "accepted_tokens": 0,  # and taken
     }
     self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
-    # State cache (serve.state_cache.StateCache or None): states copied out of the device, in flight to the
-    # host as [(token ids per row, gathered [L, E, ...] arrays)], collected once they have landed.
-    self.cache, self.snapshot_every, self.cache_min_tokens = state_cache, snapshot_every, cache_min_tokens
+    # State cache (serve.state_cache.StateCache or None) and the engine's traffic with it.
+    self.cache = state_cache
+    self.state_io: StateCacheIO | None = None
     if state_cache is not None:
       state_cache.check_layout(layout_of(self.fns.state_shape))
-    self._copies: collections.deque = collections.deque()
+      self.state_io = StateCacheIO(
+        state_cache,
+        self.fns,
+        prefill_batch=self.prefill_batch,
+        min_tokens=cache_min_tokens,
+        snapshot_every=snapshot_every,
+        chunk_size=self.cfg.chunk_size,
+      )
     self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
 
   # ---- the caller's side (any thread) ----
@@ -432,8 +439,8 @@ class Engine(EngineCacheMixin):
       self.stats["steps"] += 1
       self._gens += 1
       dispatched = True
-    if self._copies:
-      self._collect_copies(block=False)
+    if self.state_io is not None and self.state_io.copies:
+      self.state_io.collect(block=False)
     # Keep one generate step in flight while reading the previous one back.
     while self.pending and (len(self.pending) > 1 or not dispatched):
       self._read_back(self.pending.popleft())
@@ -454,7 +461,9 @@ class Engine(EngineCacheMixin):
       and r.progress.slot is not None
       and self.slot_req[r.progress.slot] is r
     ]
-    self._copy_out(live)  # a stop string ends a request by cancelling it: its context is still worth keeping
+    # A stop string ends a request by cancelling it: its context is still worth keeping.
+    if self.state_io is not None:
+      self.state_io.copy_out(self.table.model, live, self._gens)
     for r in cancels:
       if r.progress.finish_reason is None:
         self._finish(r, "cancelled")
@@ -504,8 +513,8 @@ class Engine(EngineCacheMixin):
       self.stats["prefill_tokens"] += int(lengths.sum())
       pf.next_chunk += 1
       budget -= 1
-      if self.cache is not None and pf.next_chunk % self.snapshot_every == 0:
-        self._snapshot(pf)
+      if self.state_io is not None:
+        self.state_io.snapshot(pf)
       if pf.next_chunk == pf.n_chunks:
         self._insert(pf)
 
@@ -539,7 +548,10 @@ class Engine(EngineCacheMixin):
     )
     self.reserved.update(slots)
     C = self.cfg.chunk_size
-    state = self._restore(take) if self.cache is not None else None
+    state = None
+    if self.state_io is not None:
+      state = self.state_io.restore(take)
+      self.stats["cached_prompt_tokens"] += sum(r.progress.cached_tokens for r in take)
     pf.n_chunks = max(-(-(len(r.prompt_ids) - r.progress.cached_tokens) // C) for r in take)
     pf.state = self.fns.empty_prefill() if state is None else state
     return True
@@ -666,8 +678,8 @@ class Engine(EngineCacheMixin):
         deliveries.append(Delivery(r, toks, reason))
       else:
         deliveries.append(Delivery(r, toks, None))
-    if finished and self.cache is not None:
-      self._copy_out(finished)
+    if finished and self.state_io is not None:
+      self.state_io.copy_out(self.table.model, finished, self._gens)
     self.stats["tokens"] += n_tokens
     self._rate.append((now, n_tokens))
     while self._rate[0][0] < now - 60:
@@ -717,7 +729,7 @@ class Engine(EngineCacheMixin):
     if self._thread is not None:
       self._thread.join(timeout)
       alive, self._thread = self._thread.is_alive(), None
-      if not alive and self.error is None and not self.flush_cache(timeout):
+      if not alive and self.error is None and self.state_io and not self.state_io.flush(timeout):
         log.warning("state cache: some files were still being written at shutdown")
 
   def _loop(self):
@@ -771,7 +783,8 @@ class Engine(EngineCacheMixin):
     self.reserved.clear()
     self.prefill = None
     self.pending.clear()
-    self._copies.clear()
+    if self.state_io is not None:
+      self.state_io.copies.clear()
     self._fail(live)
     self.table = self.fns.empty_table()
 
@@ -821,7 +834,8 @@ class Engine(EngineCacheMixin):
       self.table, out = self.fns.verify(self.params, self.table, drafts, n)
       np.asarray(out)
     self.generate([Request(prompt_ids=[0], max_tokens=1, echo=True, logprobs=0)])  # the scored prefill
-    self._warm_cache()
+    if self.state_io is not None:
+      self.state_io.warm(self.table.model)
     self.stats = dict.fromkeys(self.stats, 0)
     self._rate.clear()
 

@@ -149,7 +149,7 @@ def test_a_cached_sliding_window_state_gives_the_tokens_of_a_full_prefill(engine
   first = rng.integers(0, GPT2_VOCAB, 70).tolist()
   r1 = Request(prompt_ids=first, max_tokens=5, temperature=0.0)
   eng.generate([r1])
-  eng._collect_copies(block=True)
+  eng.state_io.collect(block=True)
   second = first + r1.progress.output_ids + rng.integers(0, GPT2_VOCAB, 30).tolist()
   r2 = Request(prompt_ids=second, max_tokens=12, temperature=0.0)
   eng.generate([r2])

@@ -178,7 +178,7 @@ def test_finished_state_equals_a_full_prefill_of_prompt_and_output(engines, cfg,
   prompt = list(np.random.default_rng(0).integers(0, GPT2_VOCAB, 300))
   r = Request(prompt_ids=prompt, max_tokens=9, temperature=0.0)
   cached.generate([r])
-  cached._collect_copies(block=True)
+  cached.state_io.collect(block=True)
   ids = prompt + r.progress.output_ids
   n, st = cached.cache.lookup(ids + [0], len(ids))
   assert n == len(ids)  # every output token, the last one included, was consumed before the copy
@@ -209,7 +209,7 @@ def test_a_conversation_resumes_from_the_cache_with_the_same_tokens(engines, kin
     assert reused + prefilled == sum(len(c) for c in convs)
     if turn:
       assert reused >= sum(len(c) for c in convs) - 3 * 40  # all but the new turn's text
-    cached._collect_copies(block=True)
+    cached.state_io.collect(block=True)
     convs = [c + g + list(rng.integers(0, GPT2_VOCAB, 30)) for c, g in zip(convs, got)]
 
 
@@ -225,7 +225,7 @@ def test_restored_then_prefilled_state_equals_a_full_prefill(engines, cfg, param
   r2 = Request(prompt_ids=second, max_tokens=4, temperature=0.0)
   cached.generate([r2])
   assert r2.progress.cached_tokens == 153
-  cached._collect_copies(block=True)
+  cached.state_io.collect(block=True)
   ids = second + r2.progress.output_ids
   n, st = cached.cache.lookup(ids + [0], len(ids))
   assert n == len(ids)
@@ -239,7 +239,7 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
   rng = np.random.default_rng(9)
   base = list(rng.integers(0, GPT2_VOCAB, 180))
   first = cached.generate([Request(prompt_ids=base, max_tokens=2, temperature=0.0)])[0]
-  cached._collect_copies(block=True)  # base + the 2 tokens are cached
+  cached.state_io.collect(block=True)  # base + the 2 tokens are cached
   base = base + first
   hits = cached.cache.stats["hits"]
 
@@ -295,7 +295,7 @@ def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params)
         Request(prompt_ids=prompt[:40], max_tokens=2, echo=True, logprobs=0),
       ]
     )[0]
-    eng._collect_copies(block=True)
+    eng.state_io.collect(block=True)
     r = Request(
       prompt_ids=prompt + out + [5, 6, 7],
       max_tokens=2,

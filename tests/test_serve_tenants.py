@@ -266,15 +266,16 @@ def test_a_request_never_waits_for_another_scopes_state(eng):
   prompt = list(range(900, 990))
   leaf = _InFlight()
   copy = DecodeState(pos=_InFlight(), conv=leaf)  # the gathered rows of the fake engine's DecodeState
-  eng._copies.append(([(("alice", None), prompt[:80])], copy))
+  io = eng.state_io
+  io.copies.append(([(("alice", None), prompt[:80])], copy))
   try:
     for tenant, salt in (("bob", None), ("alice", "s")):
-      eng._restore([Request(prompt_ids=prompt, tenant=tenant, cache_salt=salt)])
-      assert not leaf.waited and len(eng._copies) == 1
+      io.restore([Request(prompt_ids=prompt, tenant=tenant, cache_salt=salt)])
+      assert not leaf.waited and len(io.copies) == 1
     with pytest.raises(
       ValueError, match="layout"
     ):  # Alice's next turn waits for it (the fake lands, refused)
-      eng._restore([Request(prompt_ids=prompt, tenant="alice")])
+      io.restore([Request(prompt_ids=prompt, tenant="alice")])
     assert leaf.waited
   finally:
-    eng._copies.clear()
+    io.copies.clear()
