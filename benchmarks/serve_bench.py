@@ -43,6 +43,7 @@ from laplace_jax.timing import matmul_peak_flops, median_seconds
 from laplace_jax.tokenizer import VOCAB_SIZE
 from serve.engine import Engine, Request
 from serve.loading import cast_params
+from serve.sampling import argmax_rows
 
 
 def parse_args(argv=None):
@@ -135,17 +136,24 @@ def baseline_params(cfg, how):
 
 
 class LaplaceStep:
-  """Jitted Laplace decode_step over a donated state of `batch` rows."""
+  """Jitted Laplace decode_step over a donated state of `batch` rows; with `greedy`, the step also picks
+  each row's next token (the engine's argmax, serve.sampling.argmax_rows) and returns only the tokens."""
 
-  def __init__(self, params, cfg, batch):
+  def __init__(self, params, cfg, batch, greedy: bool = False):
     self.params, self.cfg = params, cfg
-    self.fn = jax.jit(functools.partial(model.decode_step, cfg=cfg), donate_argnums=(1,))
+
+    def greedy_step(params, state, tokens):
+      logits, state = model.decode_step(params, state, tokens, cfg=cfg)
+      return argmax_rows(logits.astype(jnp.float32), VOCAB_SIZE), state
+
+    plain = functools.partial(model.decode_step, cfg=cfg)
+    self.fn = jax.jit(greedy_step if greedy else plain, donate_argnums=(1,))
     self.state = jax.jit(model.init_state, static_argnums=(0, 1))(cfg, batch)
     self.tokens = jnp.zeros((batch,), jnp.int32)
 
   def __call__(self):
-    logits, self.state = self.fn(self.params, self.state, self.tokens)
-    logits.block_until_ready()
+    out, self.state = self.fn(self.params, self.state, self.tokens)
+    out.block_until_ready()
 
 
 class BaselineStep:
@@ -377,7 +385,8 @@ def run_flops(args, out):
 def run_overhead(args, out):
   """Engine tokens/s against the bare decode step, interleaved in rounds so a shared machine's drift hits
   both alike: each round times --steps engine steps (one step in flight, as served), as many bare
-  decode_step calls over the same number of rows, and as many of the engine's own compiled generate calls
+  decode_step calls over the same number of rows, as many of those compiled with the engine's greedy argmax
+  (the tokens out instead of the logits), and as many of the engine's own compiled generate calls
   (decode, then sampling and the packed output) run back to back and waited for, on a table of idle
   slots: the device work of an engine step without its host work. Ratios are of the medians over rounds."""
   cfg = get_config(args.throughput_preset)
@@ -396,8 +405,9 @@ def run_overhead(args, out):
     while engine.queue or engine.prefill is not None:
       engine.step()
     engine.step()
-    step = LaplaceStep(params, cfg, c)
+    step, greedy = LaplaceStep(params, cfg, c), LaplaceStep(params, cfg, c, greedy=True)
     step()
+    greedy()
     # The memory floor: every state array of c slots read and written once, in place (the int32 positions,
     # a few bytes per slot, kept as they are).
     half = lambda x: x * 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x
@@ -415,7 +425,7 @@ def run_overhead(args, out):
       packed.block_until_ready()
 
     engine_calls()
-    eng_s, bare_s, floor_s, calls_s = [], [], [], []
+    eng_s, bare_s, floor_s, calls_s, greedy_s = [], [], [], [], []
     for _ in range(args.overhead_rounds):
       tok0, t0 = engine.stats["tokens"], time.perf_counter()
       for _ in range(args.steps):
@@ -427,22 +437,28 @@ def run_overhead(args, out):
       bare_s.append((time.perf_counter() - t0) / args.steps)
       t0 = time.perf_counter()
       for _ in range(args.steps):
+        greedy()
+      greedy_s.append((time.perf_counter() - t0) / args.steps)
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
         engine_calls()
       calls_s.append((time.perf_counter() - t0) / args.steps)
       floor_s.append(median_seconds(floor_step, args.steps, warmup=0))
     for r in reqs:
       engine.cancel(r)
     engine.run_until_idle()
-    del engine, reqs, step, calls
+    del engine, reqs, step, greedy, calls
     gc.collect()
     e, b, f = float(np.median(eng_s)), float(np.median(bare_s)), float(np.median(floor_s))
-    g = float(np.median(calls_s))
+    g, a = float(np.median(calls_s)), float(np.median(greedy_s))
     rows.append(
       [
         c,
         f"{e * 1e3:.2f}",
         f"{b * 1e3:.2f}",
         f"{b / e:.0%}",
+        f"{a * 1e3:.2f}",
+        f"{a / e:.0%}",
         f"{g * 1e3:.2f}",
         f"{g / e:.0%}",
         f"{c / e:,.0f}",
@@ -457,13 +473,16 @@ def run_overhead(args, out):
         "decode_step_s": b,
         "state_floor_s": f,
         "engine_calls_s": g,
+        "decode_argmax_step_s": a,
         "ratio": b / e,
+        "ratio_to_decode_argmax": a / e,
         "ratio_to_engine_calls": g / e,
         "engine_tokens_per_s": c / e,
         "engine_rounds_s": eng_s,
         "decode_rounds_s": bare_s,
         "floor_rounds_s": floor_s,
         "engine_calls_rounds_s": calls_s,
+        "decode_argmax_rounds_s": greedy_s,
       }
     )
   _table(
@@ -474,6 +493,8 @@ def run_overhead(args, out):
       "engine ms/step",
       "decode_step ms",
       "engine / decode_step tok/s",
+      "decode_step + argmax ms",
+      "engine / that tok/s",
       "engine's calls ms (blocking)",
       "engine / its calls tok/s",
       "engine tok/s",
