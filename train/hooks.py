@@ -27,10 +27,8 @@ def log0(*a):
 
 
 @functools.cache  # measured once per process (seven 2048³ matmuls: seconds on a CPU, for every run in a test)
-@functools.cache
 def host_matmul_peak_flops() -> float:
-  """Measured fp32 matmul FLOP/s of this process's devices: the denominator of the MFU we report (measured
-  once per process: a later run in the same process, a resumed one or the next cell, reuses it)."""
+  """Measured fp32 matmul FLOP/s of this process's devices: the denominator of the MFU we report."""
   per_device = timing.matmul_peak_flops()
   # Simulated CPU devices share the host's cores: the host's peak is one device's, not N of them.
   n_dev = 1 if jax.default_backend() == "cpu" else jax.local_device_count()
