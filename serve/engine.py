@@ -35,7 +35,7 @@ from serve.slots import (
   VerifyOutput,
   host_settings,
 )
-from serve.state_cache import layout_of
+from serve.state_cache import StateCache, layout_of
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -249,8 +249,7 @@ class Engine:
       "accepted_tokens": 0,  # and taken
     }
     self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
-    # State cache (serve.state_cache.StateCache or None) and the engine's traffic with it.
-    self.cache = state_cache
+    # The engine's traffic with its state cache (serve.state_cache.StateCache), None without one.
     self.state_io: StateCacheIO | None = None
     if state_cache is not None:
       state_cache.check_layout(layout_of(self.fns.state_shape))
@@ -263,6 +262,11 @@ class Engine:
         chunk_size=self.cfg.chunk_size,
       )
     self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
+
+  @property
+  def cache(self) -> StateCache | None:
+    """The state cache (None: none)."""
+    return None if self.state_io is None else self.state_io.cache
 
   # ---- the caller's side (any thread) ----
 

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Mapping
 from typing import cast
 
 from aiohttp import web
@@ -281,6 +282,7 @@ class Server:
       return [
         ("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache.", [("", 0)])
       ]
+    counts: Mapping[str, int]
     if self.tenants.enabled:  # the caller's own counters: another tenant's hits are not its business
       label, counts = f'{{tenant="{tenant}"}}', c.tenant_stats.get(tenant, {})
     else:
