@@ -2,6 +2,7 @@
 verified K at a time, against plain decoding of the same requests.
 
     python benchmarks/speculative_serve.py [--preset small] [--batches 1 8] [--drafts 8] [--max-tokens 128]
+                                           [--rules cost always]
 
 Workload (the embedded corpus): each request's prompt is a KJV chapter's first `--passage-tokens` tokens,
 then "Repeat the passage above exactly:" and the passage's first words: a prompt that quotes a passage and
@@ -13,7 +14,11 @@ each on the same requests:
 - right: the prediction is the reply itself (as decoded by `none`);
 - half: the reply with every other block of 8 tokens replaced by random tokens (half the tokens right);
 - random: a prediction of random tokens, as long as the reply;
-- lookup: no prediction, prompt lookup on (drafts from the sequence's own tokens).
+- lookup: no prediction, prompt lookup on (drafts from the sequence's own tokens);
+- right 1/B: the first request predicts its reply, the others predict nothing.
+
+Every case but none runs under each `--rules` (the engine's speculative_rule): `always` verifies whenever a
+slot has drafts, `cost` only when the drafts' expected tokens pay for a verify's measured cost.
 
 Reported per case: time per output token of one sequence (after its first token), tokens per model call
 (output tokens / generate or verify steps), drafts verified and accepted, and the ratio to `none`; every case
@@ -33,6 +38,7 @@ from laplace_jax.config import PRESETS
 from laplace_jax.tokenizer import VOCAB_SIZE
 from serve import loading
 from serve.engine import Engine, Request
+from serve.engine_config import SPECULATIVE_RULES
 
 
 def prompts(n: int, passage_tokens: int) -> list[list[int]]:
@@ -46,8 +52,8 @@ def prompts(n: int, passage_tokens: int) -> list[list[int]]:
   return out
 
 
-def run_case(eng: Engine, specs: list[dict], predictions, lookup: bool):
-  eng.prompt_lookup = lookup
+def run_case(eng: Engine, specs: list[dict], predictions, lookup: bool, rule: str = "always"):
+  eng.prompt_lookup, eng.speculative_rule = lookup, rule
   before = dict(eng.stats)
   reqs = [Request(**s, prediction_ids=p) for s, p in zip(specs, predictions)]
   eng.generate(reqs)
@@ -76,6 +82,7 @@ def main(argv=None):
   ap.add_argument("--drafts", type=int, nargs="+", default=[8], help="K: drafts verified per slot and step")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--passage-tokens", type=int, default=160)
+  ap.add_argument("--rules", nargs="+", choices=SPECULATIVE_RULES, default=list(SPECULATIVE_RULES))
   args = ap.parse_args(argv)
   preset = args.preset or (None if args.checkpoint else "small")
   params, cfg = loading.load_model(checkpoint=args.checkpoint, preset=preset)
@@ -85,9 +92,10 @@ def main(argv=None):
     f"({platform.machine()}), jax {jax.__version__}; {args.max_tokens} greedy tokens per request\n"
   )
   print(
-    "| batch | K | case | ms per token | × none | tokens per call | drafts verified | accepted | same tokens |"
+    "| batch | K | rule | case | ms per token | × none | tokens per call | drafts verified | accepted | "
+    "same tokens |"
   )
-  print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
+  print("|---:|---:|---|---|---:|---:|---:|---:|---:|---|")
   rng = np.random.default_rng(0)
   for B in args.batches:
     specs = [
@@ -107,22 +115,27 @@ def main(argv=None):
           o[i : i + 8] = rng.integers(0, VOCAB_SIZE, len(o[i : i + 8])).tolist()
         return o
 
-      cases = {
-        "none": none,
-        "right": run_case(eng, specs, replies, lookup=False),
-        "half": run_case(eng, specs, [half(o) for o in replies], lookup=False),
-        "random": run_case(
-          eng, specs, [rng.integers(0, VOCAB_SIZE, len(o)).tolist() for o in replies], False
-        ),
-        "lookup": run_case(eng, specs, [()] * B, lookup=True),
+      predictions = {
+        "right": (replies, False),
+        "half": ([half(o) for o in replies], False),
+        "random": ([rng.integers(0, VOCAB_SIZE, len(o)).tolist() for o in replies], False),
+        "lookup": ([()] * B, True),
       }
-      for name, c in cases.items():
+      if B > 1:
+        predictions["right 1/B"] = ([replies[0]] + [()] * (B - 1), False)
+      rows = [("", "none", none)]
+      for name, (pred, lookup) in predictions.items():
+        for rule in args.rules:
+          rows.append((rule, name, run_case(eng, specs, pred, lookup, rule)))
+      for rule, name, c in rows:
         same = sum(a == b for a, b in zip(c["outputs"], replies))
         print(
-          f"| {B} | {K} | {name} | {c['ms_per_token']:.1f} | {c['ms_per_token'] / none['ms_per_token']:.2f} | "
-          f"{c['tokens_per_call']:.2f} | {c['drafted']} | {c['accepted']} | {same}/{B} |",
+          f"| {B} | {K} | {rule} | {name} | {c['ms_per_token']:.1f} | "
+          f"{c['ms_per_token'] / none['ms_per_token']:.2f} | {c['tokens_per_call']:.2f} | {c['drafted']} | "
+          f"{c['accepted']} | {same}/{B} |",
           flush=True,
         )
+      print(f"<!-- verify / generate step measured by the engine: {eng.verify_cost.ratio():.2f} -->")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 
 from laplace_jax import cli, platform
 from laplace_jax.config import PRESETS, get_config
-from serve.engine_config import DEFAULTS, PARAMS_DTYPES, EngineConfig, slots_for
+from serve.engine_config import DEFAULTS, PARAMS_DTYPES, SPECULATIVE_RULES, EngineConfig, slots_for
 from serve.protocol import Limits
 
 _FLAGS = (
@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
   for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue", "speculative_tokens"):
     _engine_flag(e, name)
   e.add_argument("--prompt_lookup", action="store_true", help=cli.field_help(EngineConfig, "prompt_lookup"))
+  e.add_argument(
+    "--speculative_rule",
+    choices=SPECULATIVE_RULES,
+    default=DEFAULTS.speculative_rule,
+    help=cli.field_help(EngineConfig, "speculative_rule"),
+  )
   for name, text in (
     ("max_tokens", "largest max_tokens a request may ask for"),
     ("max_prompt_tokens", "longest prompt accepted"),
@@ -311,6 +317,7 @@ def build(args):
     prefill_chunks_per_step=args.prefill_chunks_per_step,
     speculative_tokens=args.speculative_tokens,
     prompt_lookup=args.prompt_lookup,
+    speculative_rule=args.speculative_rule,
     max_queue=args.max_queue,
     max_queue_per_tenant=share,
     valid_vocab=tok.vocab_size,

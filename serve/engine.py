@@ -23,8 +23,9 @@ import jax
 import numpy as np
 
 from laplace_jax import model as laplace_model
+from serve.drafting import DraftRecord, VerifyCost, follow_prediction, lookup_drafts
 from serve.engine_cache import StateCacheIO
-from serve.engine_config import DEFAULTS, slots_for
+from serve.engine_config import DEFAULTS, SPECULATIVE_RULES, slots_for
 from serve.slots import (
   PrefillRows,
   PromptScores,
@@ -115,6 +116,7 @@ class Progress:
   prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
   accepted_prediction_tokens: int = 0  # drafts from the prediction that the output took
   rejected_prediction_tokens: int = 0  # drafts verified and not taken
+  drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)  # what the cost rule learns from
 
 
 class Delivery(NamedTuple):
@@ -146,6 +148,8 @@ class Pending(NamedTuple):
   owners: tuple  # entry i's request, or None
   n_drafts: np.ndarray | None = None  # verify: each slot's drafts
   predicted: np.ndarray | None = None  # verify: whether a slot's drafts came from its request's prediction
+  step: int = -1  # generate and verify: the engine's step count at dispatch
+  timed: bool = False  # and whether its time is its own (no prefill was dispatched beside it)
 
 
 class Engine:
@@ -173,6 +177,7 @@ class Engine:
     cache_min_tokens: int = DEFAULTS.cache_min_tokens,
     speculative_tokens: int = DEFAULTS.speculative_tokens,
     prompt_lookup: bool = DEFAULTS.prompt_lookup,
+    speculative_rule: str = DEFAULTS.speculative_rule,
     max_context: int | None = None,
     make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
@@ -205,6 +210,11 @@ class Engine:
       raise ValueError(f"speculative_tokens={speculative_tokens!r}: expected an integer >= 0 (0: off).")
     self.speculative_tokens = speculative_tokens
     self.prompt_lookup = bool(prompt_lookup)
+    if speculative_rule not in SPECULATIVE_RULES:
+      raise ValueError(f"speculative_rule={speculative_rule!r}: expected one of {SPECULATIVE_RULES}.")
+    self.speculative_rule = speculative_rule
+    self.verify_cost = VerifyCost()  # what a verify and a generate step cost here, measured as they run
+    self._last_read: tuple[int, float] | None = None  # the last generate or verify read back: (step, when)
     if max_queue_per_tenant is not None and not 0 <= max_queue_per_tenant <= max_queue:
       raise ValueError(f"max_queue_per_tenant={max_queue_per_tenant}: expected None or in [0, max_queue].")
     self.cfg, self.params = cfg, params
@@ -430,16 +440,20 @@ class Engine:
   def step(self) -> bool:
     """One round: cancels, admission and prefill, one generate step, read back. False when idle."""
     self._apply_cancels()
+    prefilled = self.stats["prefill_tokens"]
     self._advance_prefill()
+    timed = self.stats["prefill_tokens"] == prefilled  # no prefill shares this step's time on the device
     dispatched = False
     if self.active_slots:
       drafts = self._drafts() if self.speculative_tokens else None
       if drafts is None:
         self.table, out = self.fns.generate(self.params, self.table)
-        self.pending.append(Pending("gen", out, tuple(self.slot_req)))
+        self.pending.append(Pending("gen", out, tuple(self.slot_req), step=self._gens, timed=timed))
       else:
         self.table, out = self.fns.verify(self.params, self.table, drafts[0], drafts[1])
-        self.pending.append(Pending("verify", out, tuple(self.slot_req), drafts[1], drafts[2]))
+        self.pending.append(
+          Pending("verify", out, tuple(self.slot_req), drafts[1], drafts[2], step=self._gens, timed=timed)
+        )
       self.stats["steps"] += 1
       self._gens += 1
       dispatched = True
@@ -650,9 +664,11 @@ class Engine:
 
   def _read_back(self, item: Pending):
     packed = np.asarray(item.out)  # the one device-to-host copy of this step
+    now = time.perf_counter()
+    if self.speculative_tokens and item.kind != "insert":
+      self._time_call(item, now)
     verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1) if item.kind == "verify" else None
     steps = StepOutput.unpack(packed) if verified is None else verified.steps  # verify: [S, K + 1] fields
-    now = time.perf_counter()
     deliveries, n_tokens, finished = [], 0, []
     for i, r in enumerate(item.owners):
       if r is None or r.progress.finish_reason is not None:
@@ -673,7 +689,7 @@ class Engine:
       if p.first_token_at is None:
         p.first_token_at = now
       if r.prediction_ids:
-        _follow_prediction(p, r.prediction_ids, toks)
+        follow_prediction(p, r.prediction_ids, toks)
       n_tokens += len(toks)
       if done:
         reason = "stop" if toks[-1] in r.stop_ids else "length"
@@ -699,6 +715,8 @@ class Engine:
     drafted = int(item.n_drafts[i])
     self.stats["drafted_tokens"] += drafted
     self.stats["accepted_tokens"] += n - 1
+    p.drafts.drafted += drafted
+    p.drafts.accepted += n - 1
     if item.predicted[i]:
       p.accepted_prediction_tokens += n - 1
       p.rejected_prediction_tokens += drafted - (n - 1)
@@ -806,10 +824,16 @@ class Engine:
     layers every slot's KV cache must have room for K + 1 more tokens."""
     K = self.speculative_tokens
     # A prediction that the output has left (prediction_at None) drafts nothing: generate steps go on,
-    # pipelined, until a token read back finds its place in the prediction again.
-    if not self.prompt_lookup and not any(
-      r is not None and r.prediction_ids and r.progress.prediction_at is not None for r in self.slot_req
-    ):
+    # pipelined, until a token read back finds its place in the prediction again. So do they while even K
+    # drafts for every slot that may draft would not pay for a verify (nothing is read back early).
+    may = [
+      r
+      for r in self.slot_req
+      if r is not None
+      and r.progress.finish_reason is None
+      and (r.progress.prediction_at is not None if r.prediction_ids else self.prompt_lookup)
+    ]
+    if not may or not self._verify_pays(may, [K] * len(may), upfront=True):
       return None
     while self.pending:
       self._read_back(self.pending.popleft())
@@ -826,8 +850,32 @@ class Engine:
         predicted[s] = True
       else:
         d = lookup_drafts(r.prompt_ids, p.output_ids, K)
+        p.drafts.lookups += 1
+        p.drafts.found += bool(d)
       drafts[s, : len(d)], n[s] = d, len(d)
-    return (drafts, n, predicted) if n.any() else None
+    drafting = [r for r, k in zip(self.slot_req, n) if k]
+    if not drafting or not self._verify_pays(drafting, n[n > 0].tolist()):
+      return None
+    return drafts, n, predicted
+
+  def _verify_pays(self, reqs: list[Request], n_drafts: list[int], upfront: bool = False) -> bool:
+    """Whether verifying n_drafts[i] drafts of each reqs[i] beats a generate step (speculative_rule);
+    upfront: before the lookups are made, K drafts each where they find any."""
+    if self.speculative_rule == "always":
+      return True
+    extra = sum(
+      r.progress.drafts.expected_extra(n, may_find_none=upfront and not r.prediction_ids)
+      for r, n in zip(reqs, n_drafts)
+    )
+    return self.verify_cost.pays(self.active_slots, extra)
+
+  def _time_call(self, item: Pending, now: float):
+    """A generate or verify call's cost as the engine runs it (one step in flight, host work beside it):
+    the time from the previous step's read-back to this one's, when the two steps follow each other and no
+    prefill ran beside this one."""
+    if item.timed and self._last_read is not None and self._last_read[0] == item.step - 1:
+      self.verify_cost.record(item.kind, now - self._last_read[1])
+    self._last_read = (item.step, now)
 
   def warmup(self):
     """Compile every function by serving one short request to completion."""
@@ -842,41 +890,3 @@ class Engine:
       self.state_io.warm(self.table.model)
     self.stats = dict.fromkeys(self.stats, 0)
     self._rate.clear()
-
-
-def _follow_prediction(p: Progress, prediction: Sequence[int], new_tokens: list[int]):
-  """Move `p.prediction_at` past the new output tokens while they are the prediction's next ones; at the
-  first that is not, look for where the output's last tokens (3, else 2, else 1) stand in the prediction and
-  go on from there (None: nowhere, no drafts until a later token is found)."""
-  for t in new_tokens:
-    at = p.prediction_at
-    p.prediction_at = at + 1 if at is not None and at < len(prediction) and prediction[at] == t else None
-  if p.prediction_at is None:
-    p.prediction_at = _after_ngram(np.asarray(prediction), np.asarray(p.output_ids[-3:]), latest=False)
-
-
-LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
-
-
-def lookup_drafts(prompt_ids: Sequence[int], output_ids: list[int], k: int) -> list[int]:
-  """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the sequence's last 3
-  (else 2, else 1) tokens within its last LOOKUP_WINDOW tokens (prompt and output), or []."""
-  seq = np.asarray([*prompt_ids[-LOOKUP_WINDOW:], *output_ids][-LOOKUP_WINDOW:], np.int64)
-  at = _after_ngram(seq[:-1], seq[-3:], latest=True)  # an earlier occurrence: it ends before the last token
-  return [] if at is None else seq[at : at + k].tolist()
-
-
-def _after_ngram(seq: np.ndarray, tail: np.ndarray, *, latest: bool) -> int | None:
-  """Where `seq` goes on after an occurrence of the last 3 tokens of `tail` (else its last 2, else its last
-  1): the index just past the first occurrence, or the latest with `latest`; None if none occurs."""
-  for n in range(min(3, len(tail)), 0, -1):
-    L = len(seq) - n + 1  # where an occurrence may start
-    if L <= 0:
-      continue
-    hit = np.ones(L, bool)
-    for j, t in enumerate(tail[-n:]):
-      hit &= seq[j : j + L] == t
-    found = np.flatnonzero(hit)
-    if len(found):
-      return int(found[-1 if latest else 0]) + n
-  return None

@@ -33,9 +33,15 @@ class EngineConfig:
   prompt_lookup: bool = False
   """with speculative_tokens: a request without a prediction drafts from its own prompt and output, the
   tokens that followed the latest earlier occurrence of its last 3 (else 2, else 1) tokens"""
+  speculative_rule: str = "cost"
+  """when a step verifies drafts: 'cost', when the tokens they are expected to give pay for a verify's
+  measured cost over a generate step's (serve.drafting.VerifyCost); 'always', whenever a slot has one"""
 
 
 DEFAULTS = EngineConfig()
+
+SPECULATIVE_RULES = ("cost", "always")
+"""EngineConfig.speculative_rule's values"""
 
 PARAMS_DTYPES = ("compute", "param")
 """how the served weights are held (`serve.loading.cast_params`): the preset's compute dtype, or as stored"""

@@ -12,7 +12,8 @@ from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
-from serve.engine import Engine, Request, lookup_drafts
+from serve.drafting import DraftRecord, VerifyCost, chance, expected_emitted, lookup_drafts
+from serve.engine import Engine, Request
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
 
 CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
@@ -144,9 +145,9 @@ def test_verify_lowers_clean_for_neuron():
 
 @pytest.fixture(scope="module")
 def spec_engine():
-  """The tiny model (GPT-2 vocabulary) in an engine that verifies K drafts a step, warmed up."""
+  """The tiny model (GPT-2 vocabulary) in an engine that verifies K drafts whenever a slot has one, warmed up."""
   cfg, params = sf.tiny(0)
-  return sf.engine(params, cfg, n_slots=4, prefill_batch=2, speculative_tokens=K)
+  return sf.engine(params, cfg, n_slots=4, prefill_batch=2, speculative_tokens=K, speculative_rule="always")
 
 
 def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts(spec_engine):
@@ -259,6 +260,7 @@ def test_prompt_lookup_gives_the_same_outputs(served):
     prefill_batch=S,
     max_stop_ids=fns.n_stop,
     speculative_tokens=K,
+    speculative_rule="always",
     max_context=MAX_CONTEXT,
     make_slots=lambda *args, **kw: fns,
   )
@@ -282,3 +284,62 @@ def test_prompt_lookup_gives_the_same_outputs(served):
     for (a, _), (b, _) in zip(got.progress.token_logprobs, want.progress.token_logprobs):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert got.progress.accepted_prediction_tokens == got.progress.rejected_prediction_tokens == 0
+
+
+class _FixedCost(VerifyCost):
+  """A verify costing `ratio` generate steps, whatever the engine measures."""
+
+  def __init__(self, ratio: float):
+    super().__init__()
+    self.fixed = ratio
+
+  def ratio(self) -> float:
+    return self.fixed
+
+
+def test_verify_cost_rule_weighs_expected_tokens_against_the_measured_cost():
+  assert expected_emitted(0, 0.7) == 1.0 and expected_emitted(8, 1.0) == 9.0
+  assert expected_emitted(2, 0.5) == pytest.approx(1.75)
+  assert chance(0, 0) == 1.0 and chance(8, 8) == 0.9 and chance(8, 0) == 0.1  # untried: certain
+  right, wrong = DraftRecord(drafted=8, accepted=8), DraftRecord(drafted=8, accepted=0)
+  one = right.expected_extra(8)  # ~5.1 more tokens from one slot's 8 likely drafts
+  assert one == pytest.approx(expected_emitted(8, 0.9) - 1) and DraftRecord().expected_extra(8) == 8
+  # a lookup not yet made, for a request whose 3 lookups found drafts once: (1 + 1) / (3 + 2) of that
+  assert DraftRecord(8, 8, lookups=3, found=1).expected_extra(8, may_find_none=True) == pytest.approx(
+    one * 0.4
+  )
+  cost = VerifyCost()
+  assert cost.ratio() == 1.0 and cost.pays(64, 0.1)  # unmeasured: a verify is tried
+  assert not cost.pays(4, 0.0)  # nothing expected from the drafts
+  for gen, ver in ((1.0, 3.0), (1.2, 2.9), (0.9, 3.1)):
+    assert cost.ratio() == 1.0  # fewer than 3 of each measured
+    cost.record("gen", gen)
+    cost.record("verify", ver)
+  assert cost.ratio() == pytest.approx(3.0)  # medians: 3.0 / 1.0
+  assert not cost.pays(4, one)  # 4 + 5.1 tokens for the cost of 12 steps' 4
+  assert cost.pays(4, 4 * one) and 4 + 4 * one >= 12
+  assert cost.pays(1, one) and not cost.pays(1, wrong.expected_extra(8))  # batch 1: a wrong prediction stops
+
+
+def test_engine_verifies_only_when_the_cost_rule_says_it_pays(spec_engine):
+  """With speculative_rule 'cost' a right prediction is verified where a verify costs what a step does and
+  not where it costs 100 steps: the same tokens both ways; the engine times its own calls as it runs them."""
+  eng = spec_engine
+  spec = dict(prompt_ids=[3, 1, 4, 1, 5], max_tokens=12, temperature=0.0)
+  plain = Request(**spec)
+  eng.generate([plain])
+  want = plain.progress.output_ids
+  eng.speculative_rule = "cost"
+  try:
+    for ratio, verified in ((100.0, False), (1.0, True)):
+      eng.verify_cost = _FixedCost(ratio)
+      r = Request(**spec, prediction_ids=want)
+      eng.generate([r])
+      assert r.progress.output_ids == want
+      assert (r.progress.drafts.drafted > 0) is verified, (ratio, r.progress.drafts)
+    eng.verify_cost = VerifyCost()
+    eng.generate([Request(**spec, prediction_ids=want[:6] + [0] * 6), Request(**spec)])
+    assert eng.verify_cost.seconds["verify"] and eng.verify_cost.seconds["gen"]
+    assert 0 < eng.verify_cost.ratio() < float("inf")
+  finally:
+    eng.speculative_rule, eng.verify_cost = "always", VerifyCost()
