@@ -57,43 +57,65 @@ def _after_ngram(seq: np.ndarray, tail: np.ndarray, *, latest: bool) -> int | No
   return None
 
 
-def chance(tried: int, succeeded: int) -> float:
-  """The estimated chance that the next try succeeds, from a record of tries (Laplace's rule, (succeeded + 1)
-  / (tried + 2)). Untried counts as certain (1.0): a request's drafts are tried once where they could pay,
-  and its own record decides after."""
-  if tried == 0:
-    return 1.0
-  return (succeeded + 1) / (tried + 2)
-
-
-def expected_emitted(n_drafts: int, alpha: float) -> float:
-  """Tokens a slot expects from one verify of n_drafts drafts, each accepted with chance alpha while the ones
-  before it were: 1 + alpha + ... + alpha^n_drafts (a slot without drafts emits its one token)."""
-  if alpha >= 1.0:
-    return n_drafts + 1.0
-  return (1.0 - alpha ** (n_drafts + 1)) / (1.0 - alpha)
+# A request's record counts its recent drafts most: each output token it makes weighs what came before by
+# FORGET, so a request whose drafts failed is tried again some tokens later (an output can leave its
+# prediction and come back; a sequence can start quoting). PRIOR: pseudo-tries that succeeded fully, so an
+# untried request's drafts count as right and are tried once where they could pay.
+FORGET = 0.95
+PRIOR = 0.5
 
 
 @dataclasses.dataclass
 class DraftRecord:
-  """One request's drafting so far, from which the cost rule estimates what its next drafts are worth."""
+  """One request's drafting so far, from which the cost rule estimates what its next drafts are worth.
+  Counts are weighted (FORGET); `at` is the request's output length when they were last updated."""
 
-  drafted: int = 0  # drafts verified (from its prediction or prompt lookup)
-  accepted: int = 0  # and taken
-  lookups: int = 0  # prompt lookups tried
-  found: int = 0  # that found drafts
+  verifies: float = 0.0  # verify calls that fed it drafts
+  accepted: float = 0.0  # drafts they took
+  lookups: float = 0.0  # prompt lookups made for it
+  found: float = 0.0  # that found drafts
+  at: int = 0
 
-  def expected_extra(self, n_drafts: int, may_find_none: bool = False) -> float:
-    """Tokens beyond a generate step's one that verifying n_drafts drafts is expected to add; may_find_none:
-    the drafts are a prompt lookup not yet made, weighted by the chance that it finds any."""
-    extra = expected_emitted(n_drafts, chance(self.drafted, self.accepted)) - 1.0
-    return extra * chance(self.lookups, self.found) if may_find_none else extra
+  def _weight(self, now: int) -> float:
+    return FORGET ** max(0, now - self.at)
+
+  def _age(self, now: int) -> None:
+    w = self._weight(now)
+    self.verifies, self.accepted, self.lookups, self.found = (
+      self.verifies * w,
+      self.accepted * w,
+      self.lookups * w,
+      self.found * w,
+    )
+    self.at = now
+
+  def add_verify(self, accepted: int, now: int) -> None:
+    """A verify took `accepted` of its drafts; the output is now `now` tokens long."""
+    self._age(now)
+    self.verifies += 1
+    self.accepted += accepted
+
+  def add_lookup(self, found: bool, now: int) -> None:
+    self._age(now)
+    self.lookups += 1
+    self.found += found
+
+  def expected_extra(self, n_drafts: int, now: int, may_find_none: bool = False) -> float:
+    """Tokens beyond a generate step's one that verifying n_drafts drafts is expected to add, at output length
+    `now`: the drafts its recent verifies took on average (not a per-token rate: a prediction's drafts tend
+    to be all right or all wrong), at most n_drafts. may_find_none: a prompt lookup not yet made, weighted
+    by the share of its recent lookups that found drafts."""
+    w = self._weight(now)
+    extra = min(n_drafts, (self.accepted * w + PRIOR * n_drafts) / (self.verifies * w + PRIOR))
+    if may_find_none:
+      extra *= (self.found * w + PRIOR) / (self.lookups * w + PRIOR)
+    return extra
 
 
 class VerifyCost:
   """Seconds per generate step and per verify call, measured as the engine runs them, and the rule that
   decides between them: verify when the tokens it is expected to emit per second beat a generate step's,
-  Σ_slots expected_emitted · t_generate >= active slots · t_verify. Each time is the median of the last
+  (active slots + Σ_slots DraftRecord.expected_extra) · t_generate >= active slots · t_verify. Each time is the median of the last
   `window` the engine measured (Engine._time_call). Until each call has `min_samples` of them a verify is
   taken to cost a generate step's, so the first verifies are tried and measured (timing them when the
   engine warms up measured cold caches, several times the steady cost)."""

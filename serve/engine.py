@@ -715,8 +715,8 @@ class Engine:
     drafted = int(item.n_drafts[i])
     self.stats["drafted_tokens"] += drafted
     self.stats["accepted_tokens"] += n - 1
-    p.drafts.drafted += drafted
-    p.drafts.accepted += n - 1
+    if drafted:
+      p.drafts.add_verify(n - 1, len(p.output_ids) + n)
     if item.predicted[i]:
       p.accepted_prediction_tokens += n - 1
       p.rejected_prediction_tokens += drafted - (n - 1)
@@ -850,8 +850,7 @@ class Engine:
         predicted[s] = True
       else:
         d = lookup_drafts(r.prompt_ids, p.output_ids, K)
-        p.drafts.lookups += 1
-        p.drafts.found += bool(d)
+        p.drafts.add_lookup(bool(d), len(p.output_ids))
       drafts[s, : len(d)], n[s] = d, len(d)
     drafting = [r for r, k in zip(self.slot_req, n) if k]
     if not drafting or not self._verify_pays(drafting, n[n > 0].tolist()):
@@ -864,7 +863,9 @@ class Engine:
     if self.speculative_rule == "always":
       return True
     extra = sum(
-      r.progress.drafts.expected_extra(n, may_find_none=upfront and not r.prediction_ids)
+      r.progress.drafts.expected_extra(
+        n, len(r.progress.output_ids), may_find_none=upfront and not r.prediction_ids
+      )
       for r, n in zip(reqs, n_drafts)
     )
     return self.verify_cost.pays(self.active_slots, extra)

@@ -12,7 +12,7 @@ from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
-from serve.drafting import DraftRecord, VerifyCost, chance, expected_emitted, lookup_drafts
+from serve.drafting import FORGET, DraftRecord, VerifyCost, lookup_drafts
 from serve.engine import Engine, Request
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
 
@@ -298,16 +298,24 @@ class _FixedCost(VerifyCost):
 
 
 def test_verify_cost_rule_weighs_expected_tokens_against_the_measured_cost():
-  assert expected_emitted(0, 0.7) == 1.0 and expected_emitted(8, 1.0) == 9.0
-  assert expected_emitted(2, 0.5) == pytest.approx(1.75)
-  assert chance(0, 0) == 1.0 and chance(8, 8) == 0.9 and chance(8, 0) == 0.1  # untried: certain
-  right, wrong = DraftRecord(drafted=8, accepted=8), DraftRecord(drafted=8, accepted=0)
-  one = right.expected_extra(8)  # ~5.1 more tokens from one slot's 8 likely drafts
-  assert one == pytest.approx(expected_emitted(8, 0.9) - 1) and DraftRecord().expected_extra(8) == 8
-  # a lookup not yet made, for a request whose 3 lookups found drafts once: (1 + 1) / (3 + 2) of that
-  assert DraftRecord(8, 8, lookups=3, found=1).expected_extra(8, may_find_none=True) == pytest.approx(
-    one * 0.4
-  )
+  rec = DraftRecord()
+  assert rec.expected_extra(8, now=0) == 8  # untried: its drafts count as right
+  rec.add_verify(0, now=9)
+  assert rec.expected_extra(8, now=9) == pytest.approx(
+    4 / 1.5
+  )  # one verify took none: (0 + 0.5·8) / (1 + 0.5)
+  rec.add_verify(8, now=18)
+  assert rec.expected_extra(8, now=18) == pytest.approx((8 + 4) / (1 + FORGET**9 + 0.5))
+  assert rec.expected_extra(2, now=18) == 2  # never more than the drafts
+  wrong = DraftRecord()
+  for t in range(4):
+    wrong.add_verify(0, now=t + 1)
+  stale = wrong.expected_extra(8, now=4)
+  assert stale < 1 < wrong.expected_extra(8, now=40)  # tried again some tokens later
+  lookups = DraftRecord()
+  for found in (True, False, False):
+    lookups.add_lookup(found, now=0)
+  assert lookups.expected_extra(8, now=0, may_find_none=True) == pytest.approx(8 * 1.5 / 3.5)
   cost = VerifyCost()
   assert cost.ratio() == 1.0 and cost.pays(64, 0.1)  # unmeasured: a verify is tried
   assert not cost.pays(4, 0.0)  # nothing expected from the drafts
@@ -316,9 +324,8 @@ def test_verify_cost_rule_weighs_expected_tokens_against_the_measured_cost():
     cost.record("gen", gen)
     cost.record("verify", ver)
   assert cost.ratio() == pytest.approx(3.0)  # medians: 3.0 / 1.0
-  assert not cost.pays(4, one)  # 4 + 5.1 tokens for the cost of 12 steps' 4
-  assert cost.pays(4, 4 * one) and 4 + 4 * one >= 12
-  assert cost.pays(1, one) and not cost.pays(1, wrong.expected_extra(8))  # batch 1: a wrong prediction stops
+  assert not cost.pays(4, 6.0) and cost.pays(4, 8.0)  # 4 + extra tokens for the cost of 12 steps' 4
+  assert cost.pays(1, 2.0) and not cost.pays(1, stale)  # batch 1: a failing prediction pauses
 
 
 def test_engine_verifies_only_when_the_cost_rule_says_it_pays(spec_engine):
@@ -336,7 +343,7 @@ def test_engine_verifies_only_when_the_cost_rule_says_it_pays(spec_engine):
       r = Request(**spec, prediction_ids=want)
       eng.generate([r])
       assert r.progress.output_ids == want
-      assert (r.progress.drafts.drafted > 0) is verified, (ratio, r.progress.drafts)
+      assert (r.progress.drafts.verifies > 0) is verified, (ratio, r.progress.drafts)
     eng.verify_cost = VerifyCost()
     eng.generate([Request(**spec, prediction_ids=want[:6] + [0] * 6), Request(**spec)])
     assert eng.verify_cost.seconds["verify"] and eng.verify_cost.seconds["gen"]
