@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
@@ -126,15 +127,17 @@ class VerifyCost:
       kind: collections.deque(maxlen=window) for kind in ("gen", "verify")
     }
 
+    self._ratio = 1.0
+
   def record(self, kind: str, seconds: float) -> None:
     self.seconds[kind].append(seconds)
+    gen, ver = self.seconds["gen"], self.seconds["verify"]
+    if min(len(gen), len(ver)) >= self.min_samples:  # kept here: the engine asks twice a step
+      self._ratio = statistics.median(ver) / statistics.median(gen)
 
   def ratio(self) -> float:
     """t_verify / t_generate (1 until both are measured)."""
-    gen, ver = self.seconds["gen"], self.seconds["verify"]
-    if min(len(gen), len(ver)) < self.min_samples:
-      return 1.0
-    return float(np.median(ver)) / float(np.median(gen))
+    return self._ratio
 
   def pays(self, n_active: int, extra: float) -> bool:
     """Whether a verify beats a generate step for n_active slots when their drafts are expected to add

@@ -670,12 +670,14 @@ class Engine:
     verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1) if item.kind == "verify" else None
     steps = StepOutput.unpack(packed) if verified is None else verified.steps  # verify: [S, K + 1] fields
     deliveries, n_tokens, finished = [], 0, []
+    if verified is None:  # Python ints and bools at once (indexing numpy per slot costs more)
+      tokens, dones = steps.token.tolist(), steps.done.tolist()
     for i, r in enumerate(item.owners):
       if r is None or r.progress.finish_reason is not None:
         continue
       p = r.progress
       if verified is None:  # the plain step's path, kept lean: it runs for every slot every step
-        toks, done = [int(steps.token[i])], bool(steps.done[i])
+        toks, done = [tokens[i]], dones[i]
         if r.logprobs is not None:
           p.token_logprobs.append(steps.logprobs_of(i))
       else:
@@ -826,14 +828,18 @@ class Engine:
     # A prediction that the output has left (prediction_at None) drafts nothing: generate steps go on,
     # pipelined, until a token read back finds its place in the prediction again. So do they while even K
     # drafts for every slot that may draft would not pay for a verify (nothing is read back early).
-    may = [
-      r
-      for r in self.slot_req
-      if r is not None
-      and r.progress.finish_reason is None
-      and (r.progress.prediction_at is not None if r.prediction_ids else self.prompt_lookup)
-    ]
-    if not may or not self._verify_pays(may, [K] * len(may), upfront=True):
+    may, n_may = [], []  # the requests that may draft, and at most how many tokens
+    for r in self.slot_req:
+      if r is None or r.progress.finish_reason is not None:
+        continue
+      at = r.progress.prediction_at
+      if r.prediction_ids and at is not None and at < len(r.prediction_ids):
+        may.append(r)
+        n_may.append(min(K, len(r.prediction_ids) - at))
+      elif not r.prediction_ids and self.prompt_lookup:
+        may.append(r)
+        n_may.append(K)
+    if not may or not self._verify_pays(may, n_may, upfront=True):
       return None
     while self.pending:
       self._read_back(self.pending.popleft())

@@ -230,6 +230,11 @@ def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
     )
     assert st == 200 and b["choices"][0]["message"]["content"] == said
     assert b["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    st, text = sf.call(url, method="GET", path="/metrics")
+    m = dict(line.split(" ") for line in text.splitlines() if not line.startswith("#"))
+    assert int(m["laplace_serve_accepted_draft_tokens_total"]) >= details["accepted_prediction_tokens"]
+    assert int(m["laplace_serve_drafted_tokens_total"]) >= int(m["laplace_serve_accepted_draft_tokens_total"])
+    assert float(m["laplace_serve_verify_cost_ratio"]) > 0
     for bad, needle in (
       ({"type": "text", "content": "x"}, "expected"),
       ({"type": "content", "content": 3}, "expected"),
