@@ -2,9 +2,9 @@
 
 Drafts come from a request's prediction (OpenAI's Predicted Outputs, followed as the output proceeds) or
 from prompt lookup (what followed the latest earlier occurrence of the sequence's last tokens). A verify
-call runs every slot through K + 1 positions, so it costs more than a generate step; how much more depends
-on the model, the slot count and the machine (near one step where a step is memory-bound, several where it
-is not). `VerifyCost` measures both calls as the engine runs them and verifies only when the tokens the
+call runs every slot through K + 1 positions; what it costs against a generate step depends on the model,
+the slot count and the machine (a step or less where a step is bound by reading the weights, several where
+it is not). `VerifyCost` measures both calls as the engine runs them and verifies only when the tokens the
 drafts are expected to give pay for that cost; the tokens are the same either way.
 """
 
@@ -82,12 +82,10 @@ class DraftRecord:
 
   def _age(self, now: int) -> None:
     w = self._weight(now)
-    self.verifies, self.accepted, self.lookups, self.found = (
-      self.verifies * w,
-      self.accepted * w,
-      self.lookups * w,
-      self.found * w,
-    )
+    self.verifies *= w
+    self.accepted *= w
+    self.lookups *= w
+    self.found *= w
     self.at = now
 
   def add_verify(self, accepted: int, now: int) -> None:
@@ -115,18 +113,17 @@ class DraftRecord:
 
 class VerifyCost:
   """Seconds per generate step and per verify call, measured as the engine runs them, and the rule that
-  decides between them: verify when the tokens it is expected to emit per second beat a generate step's,
-  (active slots + Σ_slots DraftRecord.expected_extra) · t_generate >= active slots · t_verify. Each time is the median of the last
-  `window` the engine measured (Engine._time_call). Until each call has `min_samples` of them a verify is
-  taken to cost a generate step's, so the first verifies are tried and measured (timing them when the
-  engine warms up measured cold caches, several times the steady cost)."""
+  decides between them: verify when the tokens it is expected to give per second beat a generate step's,
+  (active slots + Σ DraftRecord.expected_extra) · t_generate >= active slots · t_verify. Each time is the
+  median of the last `window` the engine measured (Engine._time_call). Until each call has `min_samples`
+  of them a verify is taken to cost a generate step's, so the first verifies are tried and measured in
+  service (calls timed at warm-up run on cold caches, several times slower than in steady serving)."""
 
   def __init__(self, window: int = 9, min_samples: int = 3):
     self.min_samples = min_samples
     self.seconds: dict[str, collections.deque[float]] = {
       kind: collections.deque(maxlen=window) for kind in ("gen", "verify")
     }
-
     self._ratio = 1.0
 
   def record(self, kind: str, seconds: float) -> None:
