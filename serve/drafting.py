@@ -21,14 +21,17 @@ LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest 
 
 
 def follow_prediction(progress, prediction: Sequence[int], new_tokens: list[int]) -> None:
-  """Move `progress.prediction_at` past the new output tokens while they are the prediction's next ones; at
-  the first that is not, look for where the output's last tokens (3, else 2, else 1) stand in the prediction
-  and go on from there (None: nowhere, no drafts until a later token is found)."""
+  """Move `progress.prediction_at` past the new output tokens while they are the prediction's next ones
+  (counting each in `progress.accepted_prediction_tokens`); at the first that is not, look for where the
+  output's last tokens (3, else 2, else 1) stand in the prediction and go on from there (None: nowhere, no
+  drafts until a later token is found)."""
   for t in new_tokens:
     at = progress.prediction_at
-    progress.prediction_at = (
-      at + 1 if at is not None and at < len(prediction) and prediction[at] == t else None
-    )
+    if at is not None and at < len(prediction) and prediction[at] == t:
+      progress.prediction_at = at + 1
+      progress.accepted_prediction_tokens += 1
+    else:
+      progress.prediction_at = None
   if progress.prediction_at is None:
     tail = np.asarray(progress.output_ids[-3:])
     progress.prediction_at = _after_ngram(np.asarray(prediction), tail, latest=False)

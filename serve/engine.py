@@ -114,8 +114,9 @@ class Progress:
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
   gen_base: int = 0  # the engine's step count when it entered its slot, less the extra tokens verify gave it
   prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
-  accepted_prediction_tokens: int = 0  # drafts from the prediction that the output took
-  rejected_prediction_tokens: int = 0  # drafts verified and not taken
+  # prediction tokens the output matched in order (OpenAI's accepted_prediction_tokens; the rest of the
+  # prediction is its rejected_prediction_tokens), whether or not they were verified as drafts
+  accepted_prediction_tokens: int = 0
   drafts: DraftRecord = dataclasses.field(default_factory=DraftRecord)  # what the cost rule learns from
 
 
@@ -147,7 +148,6 @@ class Pending(NamedTuple):
   out: jax.Array  # the step's StepOutput (verify: VerifyOutput), packed: one host copy reads it all
   owners: tuple  # entry i's request, or None
   n_drafts: np.ndarray | None = None  # verify: each slot's drafts
-  predicted: np.ndarray | None = None  # verify: whether a slot's drafts came from its request's prediction
   step: int = -1  # generate and verify: the engine's step count at dispatch
   timed: bool = False  # and whether its time is its own (no prefill was dispatched beside it)
 
@@ -452,7 +452,7 @@ class Engine:
       else:
         self.table, out = self.fns.verify(self.params, self.table, drafts[0], drafts[1])
         self.pending.append(
-          Pending("verify", out, tuple(self.slot_req), drafts[1], drafts[2], step=self._gens, timed=timed)
+          Pending("verify", out, tuple(self.slot_req), drafts[1], step=self._gens, timed=timed)
         )
       self.stats["steps"] += 1
       self._gens += 1
@@ -711,17 +711,14 @@ class Engine:
 
   def _count_drafts(self, p: Progress, item: Pending, i: int, n: int):
     """A verify step fed slot i's state n tokens at once (as n - 1 more steps would have) and took n - 1 of
-    its drafts: the state cache's token count, the engine's draft counters and the request's."""
-    assert item.n_drafts is not None and item.predicted is not None
+    its drafts: the state cache's token count, the engine's draft counters and the request's record."""
+    assert item.n_drafts is not None
     p.gen_base -= n - 1
     drafted = int(item.n_drafts[i])
     self.stats["drafted_tokens"] += drafted
     self.stats["accepted_tokens"] += n - 1
     if drafted:
       p.drafts.add_verify(n - 1, len(p.output_ids) + n)
-    if item.predicted[i]:
-      p.accepted_prediction_tokens += n - 1
-      p.rejected_prediction_tokens += drafted - (n - 1)
 
   # ---- running ----
 
@@ -820,10 +817,10 @@ class Engine:
     self._fail(self._in_flight() + [m for r in waiting for m in self._members(r)])
 
   def _drafts(self):
-    """(drafts [S, K], n_drafts [S], from a prediction [S]) for the next step, or None: no slot has a draft
-    (a plain generate step). A request drafts from its prediction, or with prompt_lookup from its own
-    tokens. Drafts follow the output so far, so every step in flight is read back first. With attention
-    layers every slot's KV cache must have room for K + 1 more tokens."""
+    """(drafts [S, K], n_drafts [S]) for the next step, or None: a plain generate step (no slot has a draft,
+    or the drafts would not pay: speculative_rule). A request drafts from its prediction, or with
+    prompt_lookup from its own tokens. Drafts follow the output so far, so every step in flight is read
+    back first. With attention layers every slot's KV cache must have room for K + 1 more tokens."""
     K = self.speculative_tokens
     # A prediction that the output has left (prediction_at None) drafts nothing: generate steps go on,
     # pipelined, until a token read back finds its place in the prediction again. So do they while even K
@@ -844,7 +841,6 @@ class Engine:
     while self.pending:
       self._read_back(self.pending.popleft())
     drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)
-    predicted = np.zeros((self.n_slots,), bool)
     for s, r in enumerate(self.slot_req):
       if r is None or r.progress.finish_reason is not None:
         continue
@@ -853,7 +849,6 @@ class Engine:
         return None
       if r.prediction_ids:
         d = [] if p.prediction_at is None else list(r.prediction_ids[p.prediction_at : p.prediction_at + K])
-        predicted[s] = True
       else:
         d = lookup_drafts(r.prompt_ids, p.output_ids, K)
         p.drafts.add_lookup(bool(d), len(p.output_ids))
@@ -861,7 +856,7 @@ class Engine:
     drafting = [r for r, k in zip(self.slot_req, n) if k]
     if not drafting or not self._verify_pays(drafting, n[n > 0].tolist()):
       return None
-    return drafts, n, predicted
+    return drafts, n
 
   def _verify_pays(self, reqs: list[Request], n_drafts: list[int], upfront: bool = False) -> bool:
     """Whether verifying n_drafts[i] drafts of each reqs[i] beats a generate step (speculative_rule);

@@ -509,11 +509,11 @@ class Server:
       "total_tokens": prompt + done,
       "prompt_tokens_details": {"cached_tokens": cached},
     }
-    if c.prediction_ids:  # drafts from the prediction that the output took, and those it did not
-      progress = [ch.req.progress for ch in choices]
+    if c.prediction_ids:  # the prediction's tokens that each choice's output matched, and the rest
+      accepted = sum(ch.req.progress.accepted_prediction_tokens for ch in choices)
       usage["completion_tokens_details"] = {
-        "accepted_prediction_tokens": sum(p.accepted_prediction_tokens for p in progress),
-        "rejected_prediction_tokens": sum(p.rejected_prediction_tokens for p in progress),
+        "accepted_prediction_tokens": accepted,
+        "rejected_prediction_tokens": len(choices) * len(c.prediction_ids) - accepted,
       }
     return usage
 
