@@ -68,10 +68,18 @@ def slot_uniforms(seed_S, pos_S, seed_hi_S=None):
   return jax.vmap(one)(seed, pos, hi)
 
 
+def _first_max(x):
+  """argmax over the last axis (the first maximum) as two plain reductions, a max and then the least index
+  holding it: XLA:CPU runs its argmax (a reduce over value-index pairs) far slower than either. A NaN
+  counts as a maximum, so the index is always in range."""
+  hit = (x == x.max(-1, keepdims=True)) | jnp.isnan(x)
+  return jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]).min(-1)
+
+
 def argmax_rows(x_SxV, valid: int, block: int = 64):
   """argmax over the first `valid` columns (first maximum). A plain max over contiguous blocks of the raw
-  logits, then an argmax inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a fused
-  elementwise op) over [1280, 50304] takes ~150-280 ms, this ~12 ms; elsewhere it is no slower."""
+  logits, then the first maximum inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a
+  fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms; elsewhere it is no slower."""
   S, V = x_SxV.shape
   if V % block:
     x_SxV = jnp.pad(x_SxV, ((0, 0), (0, -V % block)), constant_values=-jnp.inf)
@@ -80,10 +88,10 @@ def argmax_rows(x_SxV, valid: int, block: int = 64):
   col = jnp.arange(block)
   last = jnp.where((n_blocks - 1) * block + col < valid, xb[:, n_blocks - 1], -jnp.inf)
   block_max = xb.max(-1)[:, :n_blocks].at[:, n_blocks - 1].set(last.max(-1))
-  b = jnp.argmax(block_max, -1)
+  b = _first_max(block_max)
   inner = jnp.take_along_axis(xb, b[:, None, None], 1)[:, 0]
   inner = jnp.where(b[:, None] * block + col < valid, inner, -jnp.inf)
-  return (b * block + jnp.argmax(inner, -1)).astype(jnp.int32)
+  return (b * block + _first_max(inner)).astype(jnp.int32)
 
 
 def _pick(weights_SxW, u_S):

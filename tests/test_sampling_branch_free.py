@@ -110,3 +110,18 @@ def test_branch_free_lowers_without_case():
     text = jax.jit(_slot_fns(bf)._sample_next).lower(_logits(0), _table("mixed", [-1] * S)).as_text()
     count[bf] = sum(v.rule == "cond" for v in neuron_check.violations(text))
   assert count[False] == 5 and count[True] == 0
+
+
+@pytest.mark.parametrize("V, valid", [(300, 290), (320, 320), (50304, 50257)])
+def test_greedy_argmax_is_numpys_over_the_valid_columns(V, valid):
+  """argmax_rows (blocked, two plain reductions per level) against numpy's argmax over the valid columns:
+  ties go to the first, a maximum in the padded columns is ignored, an all -inf row gives 0."""
+  x = np.array(jax.random.normal(jax.random.key(V), (6, V)), np.float32)
+  x[0, [3, V // 2]] = 9.0  # a tie across blocks: the first
+  x[1, [63, 64]] = 9.0  # a tie across a block edge
+  x[2, valid - 1] = 9.0  # the last valid column
+  x[3, :] = -np.inf
+  if valid < V:
+    x[4, valid] = 1e9  # padding never wins
+  got = np.asarray(jax.jit(sampling.argmax_rows, static_argnums=1)(jnp.asarray(x), valid))
+  np.testing.assert_array_equal(got, np.argmax(x[:, :valid], -1))
