@@ -804,6 +804,7 @@ class Engine:
     self.reserved.clear()
     self.prefill = None
     self.pending.clear()
+    self._last_read = None  # the failed step's time is no call's cost
     if self.state_io is not None:
       self.state_io.copies.clear()
     self._fail(live)
