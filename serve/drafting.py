@@ -20,6 +20,28 @@ import numpy as np
 LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
 
 
+class PredictionIndex:
+  """Where a prediction goes on after the first occurrence of each of its 1-, 2- and 3-grams, built once per
+  request: finding the output's place in the prediction again is a few dict lookups, not a pass over the
+  prediction (which may be thousands of tokens, for every slot, every step)."""
+
+  def __init__(self, prediction: Sequence[int]):
+    self.after: dict[tuple[int, ...], int] = {}
+    p = tuple(prediction)
+    for n in (1, 2, 3):
+      for i in range(len(p) - n + 1):
+        self.after.setdefault(p[i : i + n], i + n)
+
+  def find(self, tail: Sequence[int]) -> int | None:
+    """The index just past the first occurrence of the last 3 tokens of `tail` (else its last 2, else its
+    last 1), or None if none occurs."""
+    for n in range(min(3, len(tail)), 0, -1):
+      at = self.after.get(tuple(tail[-n:]))
+      if at is not None:
+        return at
+    return None
+
+
 def follow_prediction(progress, prediction: Sequence[int], new_tokens: list[int]) -> None:
   """Move `progress.prediction_at` past the new output tokens while they are the prediction's next ones
   (counting each in `progress.accepted_prediction_tokens`); at the first that is not, look for where the
@@ -33,21 +55,22 @@ def follow_prediction(progress, prediction: Sequence[int], new_tokens: list[int]
     else:
       progress.prediction_at = None
   if progress.prediction_at is None:
-    tail = np.asarray(progress.output_ids[-3:])
-    progress.prediction_at = _after_ngram(np.asarray(prediction), tail, latest=False)
+    if progress.prediction_index is None:
+      progress.prediction_index = PredictionIndex(prediction)
+    progress.prediction_at = progress.prediction_index.find(progress.output_ids[-3:])
 
 
 def lookup_drafts(prompt_ids: Sequence[int], output_ids: list[int], k: int) -> list[int]:
   """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the sequence's last 3
   (else 2, else 1) tokens within its last LOOKUP_WINDOW tokens (prompt and output), or []."""
   seq = np.asarray([*prompt_ids[-LOOKUP_WINDOW:], *output_ids][-LOOKUP_WINDOW:], np.int64)
-  at = _after_ngram(seq[:-1], seq[-3:], latest=True)  # an earlier occurrence: it ends before the last token
+  at = _after_latest(seq[:-1], seq[-3:])  # an earlier occurrence: it ends before the last token
   return [] if at is None else seq[at : at + k].tolist()
 
 
-def _after_ngram(seq: np.ndarray, tail: np.ndarray, *, latest: bool) -> int | None:
-  """Where `seq` goes on after an occurrence of the last 3 tokens of `tail` (else its last 2, else its last
-  1): the index just past the first occurrence, or the latest with `latest`; None if none occurs."""
+def _after_latest(seq: np.ndarray, tail: np.ndarray) -> int | None:
+  """Where `seq` goes on after the latest occurrence of the last 3 tokens of `tail` (else its last 2, else
+  its last 1): the index just past it, or None if none occurs."""
   for n in range(min(3, len(tail)), 0, -1):
     L = len(seq) - n + 1  # where an occurrence may start
     if L <= 0:
@@ -57,7 +80,7 @@ def _after_ngram(seq: np.ndarray, tail: np.ndarray, *, latest: bool) -> int | No
       hit &= seq[j : j + L] == t
     found = np.flatnonzero(hit)
     if len(found):
-      return int(found[-1 if latest else 0]) + n
+      return int(found[-1]) + n
   return None
 
 

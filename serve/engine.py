@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from laplace_jax import model as laplace_model
-from serve.drafting import DraftRecord, VerifyCost, follow_prediction, lookup_drafts
+from serve.drafting import DraftRecord, PredictionIndex, VerifyCost, follow_prediction, lookup_drafts
 from serve.engine_cache import StateCacheIO
 from serve.engine_config import DEFAULTS, SPECULATIVE_RULES, slots_for
 from serve.slots import (
@@ -114,6 +114,7 @@ class Progress:
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
   gen_base: int = 0  # the engine's step count when it entered its slot, less the extra tokens verify gave it
   prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
+  prediction_index: PredictionIndex | None = None  # built when the output first leaves the prediction
   # prediction tokens the output matched in order (OpenAI's accepted_prediction_tokens; the rest of the
   # prediction is its rejected_prediction_tokens), whether or not they were verified as drafts
   accepted_prediction_tokens: int = 0

@@ -12,7 +12,7 @@ from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
-from serve.drafting import FORGET, DraftRecord, VerifyCost, lookup_drafts
+from serve.drafting import FORGET, DraftRecord, PredictionIndex, VerifyCost, lookup_drafts
 from serve.engine import Engine, Request
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
 
@@ -257,6 +257,26 @@ def test_prompt_lookup_drafts_follow_the_latest_earlier_match():
   assert lookup_drafts([7, 1, 2, 9, 1, 2, 5], [1, 2], 3) == [5, 1, 2]  # the latest earlier match wins
   assert lookup_drafts([5, 6], [7], 4) == [] and lookup_drafts([4], [], 4) == []  # nothing seen before
   assert lookup_drafts([8, 3, 8], [], 4) == [3, 8]  # falls back to one token; drafts stop at the end
+
+
+def test_prediction_index_finds_the_first_occurrence_of_the_longest_tail():
+  """PredictionIndex.find against a plain search: just past the first occurrence of the tail's last 3 tokens,
+  else its last 2, else its last 1 (a 4-token vocabulary, so every n-gram recurs)."""
+  rng = np.random.default_rng(0)
+  pred = rng.integers(0, 4, 60).tolist()
+  index = PredictionIndex(pred)
+
+  def search(tail):
+    for n in range(min(3, len(tail)), 0, -1):
+      for i in range(len(pred) - n + 1):
+        if pred[i : i + n] == tail[-n:]:
+          return i + n
+    return None
+
+  for _ in range(200):
+    tail = rng.integers(0, 5, rng.integers(1, 4)).tolist()  # 4 never occurs in the prediction
+    assert index.find(tail) == search(tail), tail
+  assert PredictionIndex([]).find([1, 2]) is None
 
 
 def test_prompt_lookup_gives_the_same_outputs(served):
