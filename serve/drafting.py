@@ -15,8 +15,6 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
-import numpy as np
-
 LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
 
 
@@ -60,28 +58,50 @@ def follow_prediction(progress, prediction: Sequence[int], new_tokens: list[int]
     progress.prediction_at = progress.prediction_index.find(progress.output_ids[-3:])
 
 
-def lookup_drafts(prompt_ids: Sequence[int], output_ids: list[int], k: int) -> list[int]:
-  """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the sequence's last 3
-  (else 2, else 1) tokens within its last LOOKUP_WINDOW tokens (prompt and output), or []."""
-  seq = np.asarray([*prompt_ids[-LOOKUP_WINDOW:], *output_ids][-LOOKUP_WINDOW:], np.int64)
-  at = _after_latest(seq[:-1], seq[-3:])  # an earlier occurrence: it ends before the last token
-  return [] if at is None else seq[at : at + k].tolist()
+class LookupIndex:
+  """Prompt lookup over one sequence (its prompt, then its output): where each 1-, 2- and 3-gram of it last
+  ended, kept up to date as tokens arrive, so a lookup costs a few dict operations instead of a pass over
+  the last LOOKUP_WINDOW tokens (the first lookup indexes the window at once, in C-level loops)."""
+
+  def __init__(self):
+    self.after: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest occurrence
+    self.upto = 0  # n-grams ending before this index are in `after`
+
+  def drafts(self, prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last 3 (else 2, else 1)
+    tokens within its last LOOKUP_WINDOW tokens, or []."""
+    T = len(prompt_ids) + len(output_ids)
+    start = max(0, T - LOOKUP_WINDOW)  # the window's first index
+    # Every n-gram that ends before the last token (an earlier occurrence), in order: the latest one wins.
+    lo = max(start, self.upto)
+    if T - 1 > lo:
+      base = max(0, lo - 2)
+      w = _tokens(prompt_ids, output_ids, base, T - 1)
+      for n in (1, 2, 3):
+        first = max(lo, base + n - 1)  # the first end index to add (its n-gram starts at or after base)
+        grams = zip(*(w[first - n + 1 - base + i :] for i in range(n)))
+        self.after.update(zip(grams, range(first + 1, T)))
+    self.upto = max(lo, T - 1)
+    for n in range(min(3, T), 0, -1):
+      at = self.after.get(tuple(_tokens(prompt_ids, output_ids, T - n, T)))
+      if at is not None and at - n >= start:  # the latest occurrence lies in the window
+        return _tokens(prompt_ids, output_ids, at, min(at + k, T))
+    return []
 
 
-def _after_latest(seq: np.ndarray, tail: np.ndarray) -> int | None:
-  """Where `seq` goes on after the latest occurrence of the last 3 tokens of `tail` (else its last 2, else
-  its last 1): the index just past it, or None if none occurs."""
-  for n in range(min(3, len(tail)), 0, -1):
-    L = len(seq) - n + 1  # where an occurrence may start
-    if L <= 0:
-      continue
-    hit = np.ones(L, bool)
-    for j, t in enumerate(tail[-n:]):
-      hit &= seq[j : j + L] == t
-    found = np.flatnonzero(hit)
-    if len(found):
-      return int(found[-1]) + n
-  return None
+def _tokens(prompt_ids: Sequence[int], output_ids: Sequence[int], lo: int, hi: int) -> list[int]:
+  """Tokens lo .. hi - 1 of the sequence prompt + output."""
+  P = len(prompt_ids)
+  if hi <= P:
+    return list(prompt_ids[lo:hi])
+  if lo >= P:
+    return list(output_ids[lo - P : hi - P])
+  return [*prompt_ids[lo:], *output_ids[: hi - P]]
+
+
+def lookup_drafts(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[int]:
+  """`LookupIndex.drafts` of a fresh index (one lookup)."""
+  return LookupIndex().drafts(prompt_ids, output_ids, k)
 
 
 # A request's record counts its recent drafts most: each output token it makes weighs what came before by

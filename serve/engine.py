@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from laplace_jax import model as laplace_model
-from serve.drafting import DraftRecord, PredictionIndex, VerifyCost, follow_prediction, lookup_drafts
+from serve.drafting import DraftRecord, LookupIndex, PredictionIndex, VerifyCost, follow_prediction
 from serve.engine_cache import StateCacheIO
 from serve.engine_config import DEFAULTS, SPECULATIVE_RULES, slots_for
 from serve.slots import (
@@ -115,6 +115,7 @@ class Progress:
   gen_base: int = 0  # the engine's step count when it entered its slot, less the extra tokens verify gave it
   prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
   prediction_index: PredictionIndex | None = None  # built when the output first leaves the prediction
+  lookup_index: LookupIndex = dataclasses.field(default_factory=LookupIndex)  # prompt lookup's n-grams
   # prediction tokens the output matched in order (OpenAI's accepted_prediction_tokens; the rest of the
   # prediction is its rejected_prediction_tokens), whether or not they were verified as drafts
   accepted_prediction_tokens: int = 0
@@ -852,7 +853,7 @@ class Engine:
       if r.prediction_ids:
         d = [] if p.prediction_at is None else list(r.prediction_ids[p.prediction_at : p.prediction_at + K])
       else:
-        d = lookup_drafts(r.prompt_ids, p.output_ids, K)
+        d = p.lookup_index.drafts(r.prompt_ids, p.output_ids, K)
         p.drafts.add_lookup(bool(d), len(p.output_ids))
       drafts[s, : len(d)], n[s] = d, len(d)
     drafting = [r for r, k in zip(self.slot_req, n) if k]

@@ -12,6 +12,7 @@ from serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
+from serve import drafting
 from serve.drafting import FORGET, DraftRecord, PredictionIndex, VerifyCost, lookup_drafts
 from serve.engine import Engine, Request
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
@@ -257,6 +258,28 @@ def test_prompt_lookup_drafts_follow_the_latest_earlier_match():
   assert lookup_drafts([7, 1, 2, 9, 1, 2, 5], [1, 2], 3) == [5, 1, 2]  # the latest earlier match wins
   assert lookup_drafts([5, 6], [7], 4) == [] and lookup_drafts([4], [], 4) == []  # nothing seen before
   assert lookup_drafts([8, 3, 8], [], 4) == [3, 8]  # falls back to one token; drafts stop at the end
+
+
+def test_lookup_index_kept_up_to_date_gives_a_fresh_search(monkeypatch):
+  """One LookupIndex fed a growing output (1 to 4 tokens at a time, as generate and verify steps add them)
+  drafts what a plain search of the last LOOKUP_WINDOW tokens finds, also once the window has moved past
+  the prompt (a 5-token vocabulary, so n-grams recur; a window of 24)."""
+  monkeypatch.setattr(drafting, "LOOKUP_WINDOW", 24)
+  rng = np.random.default_rng(1)
+
+  def search(prompt, output, k):  # the latest earlier occurrence of the last 3 / 2 / 1 tokens in the window
+    seq = [*prompt, *output][-24:]
+    for n in range(min(3, len(seq)), 0, -1):
+      for i in range(len(seq) - 1 - n, -1, -1):
+        if seq[i : i + n] == seq[len(seq) - n :]:
+          return seq[i + n : i + n + k]
+    return []
+
+  for _ in range(5):
+    prompt, output, index = rng.integers(0, 5, rng.integers(1, 30)).tolist(), [], drafting.LookupIndex()
+    while len(output) < 60:
+      assert index.drafts(prompt, output, 4) == search(prompt, output, 4), (prompt, output)
+      output += rng.integers(0, 5, rng.integers(1, 5)).tolist()
 
 
 def test_prediction_index_finds_the_first_occurrence_of_the_longest_tail():
