@@ -63,7 +63,7 @@ class LookupIndex:
   ended, kept up to date as tokens arrive, so a lookup costs a few dict operations instead of a pass over
   the last LOOKUP_WINDOW tokens (the first lookup indexes the window at once, in C-level loops)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.after: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest occurrence
     self.upto = 0  # n-grams ending before this index are in `after`
 
