@@ -53,7 +53,7 @@ def prompts(n: int, passage_tokens: int) -> list[list[int]]:
 
 
 def run_case(eng: Engine, specs: list[dict], predictions, lookup: bool, rule: str = "always"):
-  eng.prompt_lookup, eng.speculative_rule = lookup, rule
+  eng.drafter.prompt_lookup, eng.drafter.rule = lookup, rule
   before = dict(eng.stats)
   reqs = [Request(**s, prediction_ids=p) for s, p in zip(specs, predictions)]
   eng.generate(reqs)
@@ -137,7 +137,7 @@ def main(argv=None):
           f"{c['accepted']} | {same}/{B} |",
           flush=True,
         )
-      print(f"<!-- verify / generate step measured by the engine: {eng.verify_cost.ratio():.2f} -->")
+      print(f"<!-- verify / generate step measured by the engine: {eng.drafter.cost.ratio():.2f} -->")
 
 
 if __name__ == "__main__":

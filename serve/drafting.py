@@ -15,6 +15,8 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
 LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
 
 
@@ -186,3 +188,87 @@ class VerifyCost:
     """Whether a verify beats a generate step for n_active slots when their drafts are expected to add
     `extra` tokens to the n_active a step gives."""
     return extra > 0 and n_active + extra >= n_active * self.ratio()
+
+
+class Drafter:
+  """The engine's speculative half, for K drafts per slot: which requests may draft, each slot's drafts for the
+  next step (from its prediction, or with `prompt_lookup` from its own tokens), whether verifying them pays
+  (`rule`: 'cost' or 'always'; `cost` is measured from the engine's read-backs, `time_call`), and what each
+  verify taught the request's record. The engine owns one and hands it its slots' requests."""
+
+  def __init__(self, k: int, *, prompt_lookup: bool, rule: str, max_context: int | None):
+    self.k, self.prompt_lookup, self.rule, self.max_context = k, prompt_lookup, rule, max_context
+    self.cost = VerifyCost()  # what a verify and a generate step cost here, measured as they run
+    self._last_read: tuple[int, float] | None = None  # the last generate or verify read back: (step, when)
+
+  def worth_reading_back(self, slot_req: Sequence, n_active: int) -> bool:
+    """Whether some request may draft and its drafts could pay: only then are the steps in flight read back
+    to build drafts. A prediction that the output has left (prediction_at None) drafts nothing, so generate
+    steps go on, pipelined, until a token read back finds its place in the prediction again; so do they
+    while even K drafts for every slot that may draft (before its lookup is made) would not pay."""
+    may, n_may = [], []  # the requests that may draft, and at most how many tokens
+    for r in slot_req:
+      if r is None or r.progress.finish_reason is not None:
+        continue
+      at = r.progress.prediction_at
+      if r.prediction_ids and at is not None and at < len(r.prediction_ids):
+        may.append(r)
+        n_may.append(min(self.k, len(r.prediction_ids) - at))
+      elif not r.prediction_ids and self.prompt_lookup:
+        may.append(r)
+        n_may.append(self.k)
+    return bool(may) and self.pays(may, n_may, n_active, upfront=True)
+
+  def drafts(self, slot_req: Sequence, n_active: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(drafts [S, K], n_drafts [S]) for the next step from the outputs read back so far, or None: a plain
+    generate step (no slot drafts, or the drafts would not pay). With attention layers every slot's KV cache
+    must have room for K + 1 more tokens."""
+    K = self.k
+    drafts, n = np.zeros((len(slot_req), K), np.int32), np.zeros((len(slot_req),), np.int32)
+    for s, r in enumerate(slot_req):
+      if r is None or r.progress.finish_reason is not None:
+        continue
+      p = r.progress
+      if self.max_context is not None and len(r.prompt_ids) + len(p.output_ids) + K + 1 > self.max_context:
+        return None
+      if r.prediction_ids:
+        d = [] if p.prediction_at is None else list(r.prediction_ids[p.prediction_at : p.prediction_at + K])
+      else:
+        d = p.lookup_index.drafts(r.prompt_ids, p.output_ids, K)
+        p.drafts.add_lookup(bool(d), len(p.output_ids))
+      drafts[s, : len(d)], n[s] = d, len(d)
+    drafting = [r for r, k in zip(slot_req, n) if k]
+    if not drafting or not self.pays(drafting, n[n > 0].tolist(), n_active):
+      return None
+    return drafts, n
+
+  def pays(self, reqs: Sequence, n_drafts: Sequence[int], n_active: int, upfront: bool = False) -> bool:
+    """Whether verifying n_drafts[i] drafts of each reqs[i] beats a generate step over n_active slots;
+    upfront: before the lookups are made, K drafts each where they find any."""
+    if self.rule == "always":
+      return True
+    extra = sum(
+      r.progress.drafts.expected_extra(
+        n, len(r.progress.output_ids), may_find_none=upfront and not r.prediction_ids
+      )
+      for r, n in zip(reqs, n_drafts)
+    )
+    return self.cost.pays(n_active, extra)
+
+  def time_call(self, kind: str, step: int, timed: bool, now: float) -> None:
+    """A generate or verify call's cost as the engine runs it (one step in flight, host work beside it): the
+    time from the previous step's read-back to this one's (`now`, step number `step`), when the two steps
+    follow each other and no prefill ran beside this one (`timed`)."""
+    if timed and self._last_read is not None and self._last_read[0] == step - 1:
+      self.cost.record(kind, now - self._last_read[1])
+    self._last_read = (step, now)
+
+  def forget_timing(self) -> None:
+    """The engine reset after a failed step: that step's time is no call's cost."""
+    self._last_read = None
+
+  @staticmethod
+  def learn(progress, drafted: int, emitted: int) -> None:
+    """A verify fed a request `drafted` drafts and it emitted `emitted` tokens (emitted - 1 drafts taken)."""
+    if drafted:
+      progress.drafts.add_verify(emitted - 1, len(progress.output_ids) + emitted)

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from laplace_jax import model as laplace_model
-from serve.drafting import DraftRecord, LookupIndex, PredictionIndex, VerifyCost, follow_prediction
+from serve.drafting import Drafter, DraftRecord, LookupIndex, PredictionIndex, follow_prediction
 from serve.engine_cache import StateCacheIO
 from serve.engine_config import DEFAULTS, SPECULATIVE_RULES, slots_for
 from serve.slots import (
@@ -211,12 +211,8 @@ class Engine:
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
       raise ValueError(f"speculative_tokens={speculative_tokens!r}: expected an integer >= 0 (0: off).")
     self.speculative_tokens = speculative_tokens
-    self.prompt_lookup = bool(prompt_lookup)
     if speculative_rule not in SPECULATIVE_RULES:
       raise ValueError(f"speculative_rule={speculative_rule!r}: expected one of {SPECULATIVE_RULES}.")
-    self.speculative_rule = speculative_rule
-    self.verify_cost = VerifyCost()  # what a verify and a generate step cost here, measured as they run
-    self._last_read: tuple[int, float] | None = None  # the last generate or verify read back: (step, when)
     if max_queue_per_tenant is not None and not 0 <= max_queue_per_tenant <= max_queue:
       raise ValueError(f"max_queue_per_tenant={max_queue_per_tenant}: expected None or in [0, max_queue].")
     self.cfg, self.params = cfg, params
@@ -225,6 +221,10 @@ class Engine:
     self.max_queue_per_tenant = max_queue if max_queue_per_tenant is None else max_queue_per_tenant
     self.chunks_per_step = prefill_chunks_per_step
     self.max_context = max_context  # tokens (prompt + output) a slot's KV cache holds; None: no 'A' layers
+    # Drafts and when to verify them (used with speculative_tokens > 0).
+    self.drafter = Drafter(
+      speculative_tokens, prompt_lookup=bool(prompt_lookup), rule=speculative_rule, max_context=max_context
+    )
     self.fns: SlotBackend = make_slots(
       model,
       cfg,
@@ -668,7 +668,7 @@ class Engine:
     packed = np.asarray(item.out)  # the one device-to-host copy of this step
     now = time.perf_counter()
     if self.speculative_tokens and item.kind != "insert":
-      self._time_call(item, now)
+      self.drafter.time_call(item.kind, item.step, item.timed, now)
     verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1) if item.kind == "verify" else None
     steps = StepOutput.unpack(packed) if verified is None else verified.steps  # verify: [S, K + 1] fields
     deliveries, n_tokens, finished = [], 0, []
@@ -719,8 +719,7 @@ class Engine:
     drafted = int(item.n_drafts[i])
     self.stats["drafted_tokens"] += drafted
     self.stats["accepted_tokens"] += n - 1
-    if drafted:
-      p.drafts.add_verify(n - 1, len(p.output_ids) + n)
+    self.drafter.learn(p, drafted, n)
 
   # ---- running ----
 
@@ -806,7 +805,7 @@ class Engine:
     self.reserved.clear()
     self.prefill = None
     self.pending.clear()
-    self._last_read = None  # the failed step's time is no call's cost
+    self.drafter.forget_timing()
     if self.state_io is not None:
       self.state_io.copies.clear()
     self._fail(live)
@@ -820,67 +819,13 @@ class Engine:
     self._fail(self._in_flight() + [m for r in waiting for m in self._members(r)])
 
   def _drafts(self):
-    """(drafts [S, K], n_drafts [S]) for the next step, or None: a plain generate step (no slot has a draft,
-    or the drafts would not pay: speculative_rule). A request drafts from its prediction, or with
-    prompt_lookup from its own tokens. Drafts follow the output so far, so every step in flight is read
-    back first. With attention layers every slot's KV cache must have room for K + 1 more tokens."""
-    K = self.speculative_tokens
-    # A prediction that the output has left (prediction_at None) drafts nothing: generate steps go on,
-    # pipelined, until a token read back finds its place in the prediction again. So do they while even K
-    # drafts for every slot that may draft would not pay for a verify (nothing is read back early).
-    may, n_may = [], []  # the requests that may draft, and at most how many tokens
-    for r in self.slot_req:
-      if r is None or r.progress.finish_reason is not None:
-        continue
-      at = r.progress.prediction_at
-      if r.prediction_ids and at is not None and at < len(r.prediction_ids):
-        may.append(r)
-        n_may.append(min(K, len(r.prediction_ids) - at))
-      elif not r.prediction_ids and self.prompt_lookup:
-        may.append(r)
-        n_may.append(K)
-    if not may or not self._verify_pays(may, n_may, upfront=True):
+    """(drafts [S, K], n_drafts [S]) for the next step, or None: a plain generate step (serve.drafting.Drafter).
+    Drafts follow the output so far, so the steps in flight are read back first, unless no drafts could pay."""
+    if not self.drafter.worth_reading_back(self.slot_req, self.active_slots):
       return None
     while self.pending:
       self._read_back(self.pending.popleft())
-    drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)
-    for s, r in enumerate(self.slot_req):
-      if r is None or r.progress.finish_reason is not None:
-        continue
-      p = r.progress
-      if self.max_context is not None and len(r.prompt_ids) + len(p.output_ids) + K + 1 > self.max_context:
-        return None
-      if r.prediction_ids:
-        d = [] if p.prediction_at is None else list(r.prediction_ids[p.prediction_at : p.prediction_at + K])
-      else:
-        d = p.lookup_index.drafts(r.prompt_ids, p.output_ids, K)
-        p.drafts.add_lookup(bool(d), len(p.output_ids))
-      drafts[s, : len(d)], n[s] = d, len(d)
-    drafting = [r for r, k in zip(self.slot_req, n) if k]
-    if not drafting or not self._verify_pays(drafting, n[n > 0].tolist()):
-      return None
-    return drafts, n
-
-  def _verify_pays(self, reqs: list[Request], n_drafts: list[int], upfront: bool = False) -> bool:
-    """Whether verifying n_drafts[i] drafts of each reqs[i] beats a generate step (speculative_rule);
-    upfront: before the lookups are made, K drafts each where they find any."""
-    if self.speculative_rule == "always":
-      return True
-    extra = sum(
-      r.progress.drafts.expected_extra(
-        n, len(r.progress.output_ids), may_find_none=upfront and not r.prediction_ids
-      )
-      for r, n in zip(reqs, n_drafts)
-    )
-    return self.verify_cost.pays(self.active_slots, extra)
-
-  def _time_call(self, item: Pending, now: float):
-    """A generate or verify call's cost as the engine runs it (one step in flight, host work beside it):
-    the time from the previous step's read-back to this one's, when the two steps follow each other and no
-    prefill ran beside this one."""
-    if item.timed and self._last_read is not None and self._last_read[0] == item.step - 1:
-      self.verify_cost.record(item.kind, now - self._last_read[1])
-    self._last_read = (item.step, now)
+    return self.drafter.drafts(self.slot_req, self.active_slots)
 
   def warmup(self):
     """Compile every function by serving one short request to completion."""

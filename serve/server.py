@@ -265,7 +265,7 @@ class Server:
         "verify_cost_ratio",
         "gauge",
         "A verify step's time over a generate step's, as the engine measured them (1 until measured).",
-        [("", round(e.verify_cost.ratio(), 3))],
+        [("", round(e.drafter.cost.ratio(), 3))],
       ),
       ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
       ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),

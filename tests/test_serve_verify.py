@@ -329,7 +329,7 @@ def test_prompt_lookup_gives_the_same_outputs(served):
   plain = [Request(**spec) for spec in specs]
   eng.generate(plain)
   assert eng.stats["drafted_tokens"] == 0
-  eng.prompt_lookup = True
+  eng.drafter.prompt_lookup = True
   looked = [Request(**spec) for spec in specs]
   eng.generate(looked)
   assert eng.stats["drafted_tokens"] > 0
@@ -391,17 +391,17 @@ def test_engine_verifies_only_when_the_cost_rule_says_it_pays(spec_engine):
   plain = Request(**spec)
   eng.generate([plain])
   want = plain.progress.output_ids
-  eng.speculative_rule = "cost"
+  eng.drafter.rule = "cost"
   try:
     for ratio, verified in ((100.0, False), (1.0, True)):
-      eng.verify_cost = _FixedCost(ratio)
+      eng.drafter.cost = _FixedCost(ratio)
       r = Request(**spec, prediction_ids=want)
       eng.generate([r])
       assert r.progress.output_ids == want
       assert (r.progress.drafts.verifies > 0) is verified, (ratio, r.progress.drafts)
-    eng.verify_cost = VerifyCost()
+    eng.drafter.cost = VerifyCost()
     eng.generate([Request(**spec, prediction_ids=want[:6] + [0] * 6), Request(**spec)])
-    assert eng.verify_cost.seconds["verify"] and eng.verify_cost.seconds["gen"]
-    assert 0 < eng.verify_cost.ratio() < float("inf")
+    assert eng.drafter.cost.seconds["verify"] and eng.drafter.cost.seconds["gen"]
+    assert 0 < eng.drafter.cost.ratio() < float("inf")
   finally:
-    eng.speculative_rule, eng.verify_cost = "always", VerifyCost()
+    eng.drafter.rule, eng.drafter.cost = "always", VerifyCost()
