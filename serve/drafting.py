@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from serve.engine_config import SPECULATIVE_RULES
+
 LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
 
 
@@ -101,11 +103,6 @@ def _tokens(prompt_ids: Sequence[int], output_ids: Sequence[int], lo: int, hi: i
   return [*prompt_ids[lo:], *output_ids[: hi - P]]
 
 
-def lookup_drafts(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int) -> list[int]:
-  """`LookupIndex.drafts` of a fresh index (one lookup)."""
-  return LookupIndex().drafts(prompt_ids, output_ids, k)
-
-
 # A request's record counts its recent drafts most: each output token it makes weighs what came before by
 # FORGET, so a request whose drafts failed is tried again some tokens later (an output can leave its
 # prediction and come back; a sequence can start quoting). PRIOR: pseudo-tries that succeeded fully, so an
@@ -163,7 +160,7 @@ class VerifyCost:
   """Seconds per generate step and per verify call, measured as the engine runs them, and the rule that
   decides between them: verify when the tokens it is expected to give per second beat a generate step's,
   (active slots + Σ DraftRecord.expected_extra) · t_generate >= active slots · t_verify. Each time is the
-  median of the last `window` the engine measured (Engine._time_call). Until each call has `min_samples`
+  median of the last `window` the engine measured (Drafter.time_call). Until each call has `min_samples`
   of them a verify is taken to cost a generate step's, so the first verifies are tried and measured in
   service (calls timed at warm-up run on cold caches, several times slower than in steady serving)."""
 
@@ -197,6 +194,8 @@ class Drafter:
   verify taught the request's record. The engine owns one and hands it its slots' requests."""
 
   def __init__(self, k: int, *, prompt_lookup: bool, rule: str, max_context: int | None):
+    if rule not in SPECULATIVE_RULES:
+      raise ValueError(f"speculative_rule={rule!r}: expected one of {SPECULATIVE_RULES}.")
     self.k, self.prompt_lookup, self.rule, self.max_context = k, prompt_lookup, rule, max_context
     self.cost = VerifyCost()  # what a verify and a generate step cost here, measured as they run
     self._last_read: tuple[int, float] | None = None  # the last generate or verify read back: (step, when)

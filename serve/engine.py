@@ -25,7 +25,7 @@ import numpy as np
 from laplace_jax import model as laplace_model
 from serve.drafting import Drafter, DraftRecord, LookupIndex, PredictionIndex, follow_prediction
 from serve.engine_cache import StateCacheIO
-from serve.engine_config import DEFAULTS, SPECULATIVE_RULES, slots_for
+from serve.engine_config import DEFAULTS, slots_for
 from serve.slots import (
   PrefillRows,
   PromptScores,
@@ -211,8 +211,6 @@ class Engine:
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
       raise ValueError(f"speculative_tokens={speculative_tokens!r}: expected an integer >= 0 (0: off).")
     self.speculative_tokens = speculative_tokens
-    if speculative_rule not in SPECULATIVE_RULES:
-      raise ValueError(f"speculative_rule={speculative_rule!r}: expected one of {SPECULATIVE_RULES}.")
     if max_queue_per_tenant is not None and not 0 <= max_queue_per_tenant <= max_queue:
       raise ValueError(f"max_queue_per_tenant={max_queue_per_tenant}: expected None or in [0, max_queue].")
     self.cfg, self.params = cfg, params

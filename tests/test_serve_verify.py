@@ -13,7 +13,7 @@ from serve_fixtures import GPT2_VOCAB
 from laplace_jax import model, neuron_check, platform
 from laplace_jax.config import get_config
 from serve import drafting
-from serve.drafting import FORGET, DraftRecord, PredictionIndex, VerifyCost, lookup_drafts
+from serve.drafting import FORGET, DraftRecord, LookupIndex, PredictionIndex, VerifyCost
 from serve.engine import Engine, Request
 from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
 
@@ -251,6 +251,10 @@ def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
       st, err = sf.call(url, body={**body, "prediction": bad})
       assert st == 400 and err["error"]["param"] == "prediction" and needle in err["error"]["message"], err
   spec_engine.on_deliver = on_deliver
+
+
+def lookup_drafts(prompt_ids, output_ids, k):
+  return LookupIndex().drafts(prompt_ids, output_ids, k)
 
 
 def test_prompt_lookup_drafts_follow_the_latest_earlier_match():
