@@ -113,6 +113,12 @@ def parse_args(argv=None):
     help="the throughput and overhead engines' --speculative_tokens: their verify path in place, with no "
     "prediction to draft from (default: 0)",
   )
+  p.add_argument(
+    "--decode-steps",
+    type=int,
+    default=1,
+    help="the throughput and overhead engines' --decode_steps: tokens per slot and generate call (default: 1)",
+  )
   p.add_argument("--json", help="also write every number to this file")
   bench_cache.add_args(p)
   return p.parse_args(argv)
@@ -183,6 +189,7 @@ def _engine(params, cfg, slots, args) -> Engine:
     max_queue=0,
     valid_vocab=VOCAB_SIZE,
     speculative_tokens=args.speculative_tokens,
+    decode_steps=args.decode_steps,
   )
 
 
@@ -215,9 +222,11 @@ def run_throughput(args, out):
       engine.step()
     engine.step()
     admit_s = time.perf_counter() - t0
+    engine.read_back_all()  # the timed window starts and ends with nothing in flight
     tok0, t0 = engine.stats["tokens"], time.perf_counter()
     for _ in range(args.steps):
       engine.step()
+    engine.read_back_all()
     engine_tps = (engine.stats["tokens"] - tok0) / (time.perf_counter() - t0)
     for r in reqs:
       engine.cancel(r)
@@ -420,16 +429,22 @@ def run_overhead(args, out):
     floor_step()
     calls = {"table": engine.fns.empty_table()}
 
-    def engine_calls(fns=engine.fns, calls=calls):  # the engine's compiled step: no pipelining, no host work
-      calls["table"], packed = fns.generate(params, calls["table"])
+    M = args.decode_steps
+    n_calls = -(-args.steps // M)  # engine steps (calls) per round: about --steps tokens per slot
+
+    def engine_calls(fns=engine.fns, calls=calls):  # the engine's compiled call: no pipelining, no host work
+      calls["table"], packed = fns.generate(params, calls["table"], M)
       packed.block_until_ready()
 
     engine_calls()
     eng_s, bare_s, floor_s, calls_s, greedy_s = [], [], [], [], []
     for _ in range(args.overhead_rounds):
+      # The window starts and ends with nothing in flight: no call of the window runs before or after it.
+      engine.read_back_all()
       tok0, t0 = engine.stats["tokens"], time.perf_counter()
-      for _ in range(args.steps):
+      for _ in range(n_calls):
         engine.step()
+      engine.read_back_all()
       eng_s.append((time.perf_counter() - t0) * c / (engine.stats["tokens"] - tok0))
       t0 = time.perf_counter()
       for _ in range(args.steps):
@@ -440,9 +455,9 @@ def run_overhead(args, out):
         greedy()
       greedy_s.append((time.perf_counter() - t0) / args.steps)
       t0 = time.perf_counter()
-      for _ in range(args.steps):
+      for _ in range(n_calls):
         engine_calls()
-      calls_s.append((time.perf_counter() - t0) / args.steps)
+      calls_s.append((time.perf_counter() - t0) / (n_calls * M))
       floor_s.append(median_seconds(floor_step, args.steps, warmup=0))
     for r in reqs:
       engine.cancel(r)
@@ -487,7 +502,7 @@ def run_overhead(args, out):
     )
   _table(
     f"engine overhead ({args.throughput_preset}; greedy; speculative_tokens {args.speculative_tokens}; "
-    f"{args.overhead_rounds} rounds of {args.steps} steps, interleaved)",
+    f"decode_steps {args.decode_steps}; {args.overhead_rounds} rounds of {args.steps} steps, interleaved)",
     [
       "concurrent",
       "engine ms/step",
@@ -506,6 +521,7 @@ def run_overhead(args, out):
   out["overhead"] = {
     "preset": args.throughput_preset,
     "speculative_tokens": args.speculative_tokens,
+    "decode_steps": args.decode_steps,
     "points": res,
   }
 

@@ -83,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     "'User: ...' / 'Assistant:' text (serve/chat.py)",
   )
   e = p.add_argument_group("engine")
-  for name in ("n_slots", "prefill_batch", "prefill_chunks_per_step", "max_queue", "speculative_tokens"):
+  for name in (
+    "n_slots",
+    "prefill_batch",
+    "prefill_chunks_per_step",
+    "max_queue",
+    "speculative_tokens",
+    "decode_steps",
+  ):
     _engine_flag(e, name)
   e.add_argument("--prompt_lookup", action="store_true", help=cli.field_help(EngineConfig, "prompt_lookup"))
   e.add_argument(
@@ -185,6 +192,7 @@ def parse_args(argv=None):
     ("max_prediction_tokens", 0, 1 << 20),
     ("max_queue", 0, 1 << 20),
     ("speculative_tokens", 0, 64),
+    ("decode_steps", 1, 64),
   ):
     v = getattr(args, name)
     if not lo <= v <= hi:
@@ -248,6 +256,7 @@ def lower_target(args) -> int:
     params_dtype=args.params_dtype,
     max_context=args.max_context,
     speculative_tokens=args.speculative_tokens,
+    decode_steps=args.decode_steps,
   )
   lower_s = time.perf_counter() - t
   reports, text = neuron_check.check_programs(texts, args.hlo_dir)
@@ -318,6 +327,7 @@ def build(args):
     speculative_tokens=args.speculative_tokens,
     prompt_lookup=args.prompt_lookup,
     speculative_rule=args.speculative_rule,
+    decode_steps=args.decode_steps,
     max_queue=args.max_queue,
     max_queue_per_tenant=share,
     valid_vocab=tok.vocab_size,

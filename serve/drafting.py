@@ -254,12 +254,12 @@ class Drafter:
     )
     return self.cost.pays(n_active, extra)
 
-  def time_call(self, kind: str, step: int, timed: bool, now: float) -> None:
-    """A generate or verify call's cost as the engine runs it (one step in flight, host work beside it): the
-    time from the previous step's read-back to this one's (`now`, step number `step`), when the two steps
-    follow each other and no prefill ran beside this one (`timed`)."""
+  def time_call(self, kind: str, step: int, timed: bool, now: float, steps: int = 1) -> None:
+    """A generate or verify call's cost as the engine runs it (one call in flight, host work beside it): the
+    time from the previous call's read-back to this one's (`now`, call number `step`), when the two calls
+    follow each other and no prefill ran beside this one (`timed`); a generate of several `steps`, per step."""
     if timed and self._last_read is not None and self._last_read[0] == step - 1:
-      self.cost.record(kind, now - self._last_read[1])
+      self.cost.record(kind, (now - self._last_read[1]) / steps)
     self._last_read = (step, now)
 
   def forget_timing(self) -> None:

@@ -1,9 +1,10 @@
 """Continuous-batching decode engine over a fixed number of slots (JetStream-style).
 
 Each `step()`: drop cancelled requests, admit queued prompts into free slots (prefill in 128-token chunks,
-a few chunks per step while others decode, then insert), run one compiled generate step over all slots,
-and hand out the tokens of the step before (one device-to-host copy per step; the next step is already
-queued on the device while the host reads the last). Requests only meet the engine through `submit`,
+a few chunks per step while others decode, then insert), run one compiled generate call over all slots
+(`decode_steps` tokens each while no prompt waits, else one), and hand out the tokens of the call before
+(one device-to-host copy per call; the next call is already queued on the device while the host reads the
+last). Requests only meet the engine through `submit`,
 `cancel` and the `on_deliver` callback, so it runs the same in a test loop or a server thread.
 """
 
@@ -33,7 +34,7 @@ from serve.slots import (
   SlotFunctions,
   SlotSettings,
   StepOutput,
-  VerifyOutput,
+  StepsOutput,
   host_settings,
 )
 from serve.state_cache import StateCache, layout_of
@@ -112,7 +113,6 @@ class Progress:
   cancelled: bool = False
   slot: int | None = None  # the slot it decodes in, while it does
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
-  gen_base: int = 0  # the engine's step count when it entered its slot, less the extra tokens verify gave it
   prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
   prediction_index: PredictionIndex | None = None  # built when the output first leaves the prediction
   lookup_index: LookupIndex = dataclasses.field(default_factory=LookupIndex)  # prompt lookup's n-grams
@@ -147,11 +147,17 @@ class Pending(NamedTuple):
   """A dispatched insert, generate or verify whose output is not read back yet."""
 
   kind: str  # "insert", "gen" or "verify"
-  out: jax.Array  # the step's StepOutput (verify: VerifyOutput), packed: one host copy reads it all
+  out: jax.Array  # the call's StepOutput (width > 1: StepsOutput), packed: one host copy reads it all
   owners: tuple  # entry i's request, or None
+  width: int = 1  # tokens a slot may emit: a generate's steps, a verify's K + 1
   n_drafts: np.ndarray | None = None  # verify: each slot's drafts
-  step: int = -1  # generate and verify: the engine's step count at dispatch
+  step: int = -1  # generate and verify: the engine's call count at dispatch
   timed: bool = False  # and whether its time is its own (no prefill was dispatched beside it)
+
+  def runs_finished_slots_on(self) -> bool:
+    """Whether this call feeds a slot whose next input ended it (a single generate step or a verify do;
+    a generate of several steps leaves such a slot as it is)."""
+    return self.kind == "verify" or (self.kind == "gen" and self.width == 1)
 
 
 class Engine:
@@ -180,6 +186,7 @@ class Engine:
     speculative_tokens: int = DEFAULTS.speculative_tokens,
     prompt_lookup: bool = DEFAULTS.prompt_lookup,
     speculative_rule: str = DEFAULTS.speculative_rule,
+    decode_steps: int = DEFAULTS.decode_steps,
     max_context: int | None = None,
     make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
@@ -203,6 +210,7 @@ class Engine:
       ("prefill_chunks_per_step", prefill_chunks_per_step),
       ("snapshot_every", snapshot_every),
       ("cache_min_tokens", cache_min_tokens),
+      ("decode_steps", decode_steps),
     ):
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r}: expected a positive integer.")
@@ -211,6 +219,7 @@ class Engine:
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
       raise ValueError(f"speculative_tokens={speculative_tokens!r}: expected an integer >= 0 (0: off).")
     self.speculative_tokens = speculative_tokens
+    self.decode_steps = decode_steps
     if max_queue_per_tenant is not None and not 0 <= max_queue_per_tenant <= max_queue:
       raise ValueError(f"max_queue_per_tenant={max_queue_per_tenant}: expected None or in [0, max_queue].")
     self.cfg, self.params = cfg, params
@@ -271,7 +280,7 @@ class Engine:
         snapshot_every=snapshot_every,
         chunk_size=self.cfg.chunk_size,
       )
-    self._gens = 0  # generate steps dispatched (a slot's state has consumed one token per step)
+    self._gens = 0  # generate and verify calls dispatched
 
   @property
   def cache(self) -> StateCache | None:
@@ -447,12 +456,18 @@ class Engine:
     if self.active_slots:
       drafts = self._drafts() if self.speculative_tokens else None
       if drafts is None:
-        self.table, out = self.fns.generate(self.params, self.table)
-        self.pending.append(Pending("gen", out, tuple(self.slot_req), step=self._gens, timed=timed))
+        # Several tokens a call only while no prompt waits for a slot: admission goes on between calls.
+        steps = 1 if self.queue or self.prefill is not None else self.decode_steps
+        greedy = steps > 1 and all(
+          r is None or (r.temperature == 0 and r.logprobs is None) for r in self.slot_req
+        )
+        self.table, out = self.fns.generate(self.params, self.table, steps, greedy)
+        self.pending.append(Pending("gen", out, tuple(self.slot_req), steps, step=self._gens, timed=timed))
       else:
+        K = self.speculative_tokens
         self.table, out = self.fns.verify(self.params, self.table, drafts[0], drafts[1])
         self.pending.append(
-          Pending("verify", out, tuple(self.slot_req), drafts[1], step=self._gens, timed=timed)
+          Pending("verify", out, tuple(self.slot_req), K + 1, drafts[1], step=self._gens, timed=timed)
         )
       self.stats["steps"] += 1
       self._gens += 1
@@ -463,6 +478,12 @@ class Engine:
     while self.pending and (len(self.pending) > 1 or not dispatched):
       self._read_back(self.pending.popleft())
     return not self.idle()
+
+  def read_back_all(self):
+    """Read back every call in flight: the host then holds every token dispatched so far (the engine's
+    thread only; benchmarks use it to end a timed window with nothing left running)."""
+    while self.pending:
+      self._read_back(self.pending.popleft())
 
   def _apply_cancels(self):
     with self._lock:
@@ -479,9 +500,12 @@ class Engine:
       and r.progress.slot is not None
       and self.slot_req[r.progress.slot] is r
     ]
-    # A stop string ends a request by cancelling it: its context is still worth keeping.
-    if self.state_io is not None:
-      self.state_io.copy_out(self.table.model, live, self._gens)
+    # A stop string ends a request by cancelling it: its context is still worth keeping. What the calls in
+    # flight fed its slot is known once they are read back; then its state holds every token but the last.
+    if self.state_io is not None and live:
+      self.read_back_all()
+      live = [r for r in live if r.progress.finish_reason is None]
+      self.state_io.copy_out(self.table.model, [(r, len(r.progress.output_ids) - 1) for r in live])
     for r in cancels:
       if r.progress.finish_reason is None:
         self._finish(r, "cancelled")
@@ -627,7 +651,7 @@ class Engine:
         if (
           slot is not None and m.progress.finish_reason is None
         ):  # cancelled during prefill: leave the slot free
-          self.slot_req[slot], m.progress.slot, m.progress.gen_base = m, slot, self._gens
+          self.slot_req[slot], m.progress.slot = m, slot
           owners.append(m)
         else:
           owners.append(None)
@@ -663,28 +687,29 @@ class Engine:
         m.progress.prompt_logprobs = out
 
   def _read_back(self, item: Pending):
-    packed = np.asarray(item.out)  # the one device-to-host copy of this step
+    packed = np.asarray(item.out)  # the one device-to-host copy of this call
     now = time.perf_counter()
     if self.speculative_tokens and item.kind != "insert":
-      self.drafter.time_call(item.kind, item.step, item.timed, now)
-    verified = VerifyOutput.unpack(packed, self.speculative_tokens + 1) if item.kind == "verify" else None
-    steps = StepOutput.unpack(packed) if verified is None else verified.steps  # verify: [S, K + 1] fields
+      self.drafter.time_call(item.kind, item.step, item.timed, now, item.width if item.kind == "gen" else 1)
+    multi = StepsOutput.unpack(packed, item.width) if item.width > 1 else None
+    steps = StepOutput.unpack(packed) if multi is None else multi.steps  # multi: [S, width] fields
     deliveries, n_tokens, finished = [], 0, []
-    if verified is None:  # Python ints and bools at once (indexing numpy per slot costs more)
-      tokens, dones = steps.token.tolist(), steps.done.tolist()
+    # Python ints and bools at once (indexing numpy per slot costs more): [S], or [S][width] with emitted [S]
+    tokens, dones = steps.token.tolist(), steps.done.tolist()
+    emitted = None if multi is None else multi.emitted.tolist()
     for i, r in enumerate(item.owners):
       if r is None or r.progress.finish_reason is not None:
         continue
       p = r.progress
-      if verified is None:  # the plain step's path, kept lean: it runs for every slot every step
+      if emitted is None:  # the single step's path
         toks, done = [tokens[i]], dones[i]
         if r.logprobs is not None:
           p.token_logprobs.append(steps.logprobs_of(i))
       else:
-        toks = verified.tokens_of(i)
-        n = len(toks)
-        self._count_drafts(p, item, i, n)
-        done = bool(steps.done[i, n - 1])
+        n = emitted[i]
+        toks, done = tokens[i][:n], dones[i][n - 1]
+        if item.kind == "verify":
+          self._count_drafts(p, item, i, n)
         if r.logprobs is not None:
           p.token_logprobs.extend(steps.logprobs_of((i, j)) for j in range(n))
       p.output_ids.extend(toks)
@@ -701,7 +726,14 @@ class Engine:
       else:
         deliveries.append(Delivery(r, toks, None))
     if finished and self.state_io is not None:
-      self.state_io.copy_out(self.table.model, finished, self._gens)
+      # A finished slot's state holds its prompt and every output token but the last, and the last too once
+      # the call in flight has fed it (a single step or a verify does; a call of several steps does not).
+      later = [x for x in self.pending if x.kind != "insert"]
+      if len(later) <= 1:  # (one call at most is ever in flight behind the one read back)
+        extra = int(bool(later) and later[0].runs_finished_slots_on())
+        self.state_io.copy_out(
+          self.table.model, [(r, len(r.progress.output_ids) - 1 + extra) for r in finished]
+        )
     self.stats["tokens"] += n_tokens
     self._rate.append((now, n_tokens))
     while self._rate[0][0] < now - 60:
@@ -710,10 +742,9 @@ class Engine:
       self.on_deliver(deliveries)
 
   def _count_drafts(self, p: Progress, item: Pending, i: int, n: int):
-    """A verify step fed slot i's state n tokens at once (as n - 1 more steps would have) and took n - 1 of
-    its drafts: the state cache's token count, the engine's draft counters and the request's record."""
+    """A verify call fed slot i's state n tokens at once (as n - 1 more steps would have) and took n - 1 of
+    its drafts: the engine's draft counters and the request's record."""
     assert item.n_drafts is not None
-    p.gen_base -= n - 1
     drafted = int(item.n_drafts[i])
     self.stats["drafted_tokens"] += drafted
     self.stats["accepted_tokens"] += n - 1
@@ -821,13 +852,16 @@ class Engine:
     Drafts follow the output so far, so the steps in flight are read back first, unless no drafts could pay."""
     if not self.drafter.worth_reading_back(self.slot_req, self.active_slots):
       return None
-    while self.pending:
-      self._read_back(self.pending.popleft())
+    self.read_back_all()
     return self.drafter.drafts(self.slot_req, self.active_slots)
 
   def warmup(self):
     """Compile every function by serving one short request to completion."""
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
+    if self.decode_steps > 1:  # the generates of several steps, over slots that hold no request
+      for greedy in (False, True):
+        self.table, out = self.fns.generate(self.params, self.table, self.decode_steps, greedy)
+        np.asarray(out)
     if self.speculative_tokens:  # the verify step, over slots that hold no request
       K = self.speculative_tokens
       drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)

@@ -83,14 +83,13 @@ class StateCacheIO:
         sib.progress.cached_tokens = r.progress.cached_tokens
     return self.fns.load_prefill(DecodeState.from_dict(host))
 
-  def copy_out(self, table_model: DecodeState, reqs, generate_steps: int):
+  def copy_out(self, table_model: DecodeState, fed_reqs):
     """Start copying the slot states of these requests to the host (their slots are still theirs: called
-    before anything can be inserted over them). A state has consumed the prompt and one output token per
-    generate step dispatched since its insert (`generate_steps` - `progress.gen_base`)."""
+    before anything can be inserted over them). fed_reqs: (request, how many of its output tokens its state
+    has consumed after the prompt), as the engine knows it from the calls it dispatched."""
     rows, ids = [], []
-    for r in reqs:
-      fed = generate_steps - r.progress.gen_base
-      if fed > len(r.progress.output_ids) or len(r.prompt_ids) + fed < self.min_tokens:
+    for r, fed in fed_reqs:
+      if not 0 <= fed <= len(r.progress.output_ids) or len(r.prompt_ids) + fed < self.min_tokens:
         continue
       rows.append(r.progress.slot)
       ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.progress.output_ids[:fed]))

@@ -33,6 +33,10 @@ class EngineConfig:
   prompt_lookup: bool = False
   """with speculative_tokens: a request without a prediction drafts from its own prompt and output, the
   tokens that followed the latest earlier occurrence of its last 3 (else 2, else 1) tokens"""
+  decode_steps: int = 1
+  """tokens each slot generates per compiled call while no prompt waits for a slot: the host reads back and
+  delivers once per call (more than 1 pays where the host's work per call bounds the engine, short steps on
+  a CPU; one compiled generate per value)"""
   speculative_rule: str = "cost"
   """when a step verifies drafts: 'cost', when the tokens they are expected to give pay for a verify's
   measured cost over a generate step's (serve.drafting.VerifyCost); 'always', whenever a slot has one"""

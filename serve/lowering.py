@@ -4,7 +4,7 @@ shapes with the choices made on the target, and checked by laplace_jax.neuron_ch
 The programs are the jitted functions of `serve.slots.SlotFunctions` as the engine calls them: the slot table
 and prefill batch made at start, a prefill chunk (plain and scored for echo/logprobs), insert (first token
 sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows),
-and the state cache's gathers (from the slot table and from a prefill batch) and restore. No weights or
+the generate of several steps and the verify where the engine runs them, and the state cache's gathers (from the slot table and from a prefill batch) and restore. No weights or
 states are materialised: laplace-3b with 1,280 slots on 64 simulated devices lowers on a laptop-class CPU.
 """
 
@@ -35,9 +35,9 @@ def abstract_params(cfg, mesh, dtype: str = PARAMS_DTYPES[0]):
   return _sds(shapes, None if mesh is None else sharding.replicated(mesh))
 
 
-def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0) -> dict:
+def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode_steps: int = 1) -> dict:
   """{program name: jax Lowered} for every function the engine compiles, from abstract arguments (verify:
-  with speculative_tokens K > 0, for K drafts per slot)."""
+  with speculative_tokens K > 0, for K drafts per slot; the generate of several steps with decode_steps > 1)."""
   cfg, S, P, C = fns.cfg, fns.n_slots, fns.prefill_batch, fns.cfg.chunk_size
   mesh = fns.mesh
   rep = None if mesh is None else sharding.replicated(mesh)
@@ -61,6 +61,9 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0) -> dic
       if speculative_tokens
       else {}
     )
+    if decode_steps > 1:
+      for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
+        verify[name] = fns._generate_steps.lower(params, table, decode_steps, greedy)
   return verify | {
     "empty_table": fns.empty_table.lower(),
     "empty_prefill": fns.empty_prefill.lower(),
@@ -87,6 +90,7 @@ def lower_for_target(
   params_dtype: str = PARAMS_DTYPES[0],
   max_context: int | None = None,
   speculative_tokens: int = 0,
+  decode_steps: int = 1,
 ) -> dict:
   """{program name: StableHLO text} of the engine's programs with every choice made as on `target`."""
   with platform.lowering_for(target):
@@ -100,5 +104,5 @@ def lower_for_target(
       mesh=mesh,
       max_context=max_context,
     )
-    lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype), speculative_tokens)
+    lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype), speculative_tokens, decode_steps)
   return {name: low.as_text() for name, low in lowered.items()}

@@ -142,13 +142,15 @@ class StepOutput:
 
 
 @struct.dataclass
-class VerifyOutput:
-  """What one verify call produced per slot, S slots over T = K + 1 positions. Position j holds the token
-  sampled after the slot's next input and its first j drafts (index last_output_index + 1 + j of its
-  output, drawn exactly as the j-th next generate step would draw it); the slot emits positions
-  0 … emitted − 1 and nothing after them."""
+class StepsOutput:
+  """What a call that advances each slot by up to T tokens produced, S slots over T positions: a verify
+  (T = K + 1; position j holds the token sampled after the slot's next input and its first j drafts) or a
+  generate of T steps. Position j is index last_output_index + 1 + j of the slot's output, drawn exactly as
+  the j-th next single generate step would draw it; the slot emits positions 0 … emitted − 1 and nothing
+  after them."""
 
-  emitted: Array  # i32 [S] tokens the slot emits: its accepted drafts + 1 (1 … T)
+  emitted: Array  # i32 [S] tokens the slot emits (1 … T): a verify's accepted drafts + 1; a generate's
+  # tokens up to the one that ends the slot, else T
   steps: StepOutput  # [S, T] fields (top ids and logprobs [S, T, N]); done: that token ends the slot
 
   def pack(self) -> Array:
@@ -160,7 +162,7 @@ class VerifyOutput:
     return xp.concatenate([flat.pack(), xp.repeat(self.emitted.astype(xp.int32), T)[None]])
 
   @classmethod
-  def unpack(cls, packed: np.ndarray, n_positions: int, n_top: int = N_TOP) -> VerifyOutput:
+  def unpack(cls, packed: np.ndarray, n_positions: int, n_top: int = N_TOP) -> StepsOutput:
     """The inverse of `pack` on the host (numpy arrays), T = n_positions."""
     flat = StepOutput.unpack(packed[:-1], n_top)
     S = packed.shape[1] // n_positions
@@ -205,13 +207,15 @@ class SlotBackend(Protocol):
     (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
     ...
 
-  def generate(self, params, table: SlotTable):
-    """Advance every slot by one sampled token. Returns (table, packed StepOutput of the slots)."""
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
+    """Advance every slot by `steps` sampled tokens. Returns (table, packed StepOutput of the slots), for
+    steps > 1 a packed StepsOutput over `steps` positions; greedy: every slot in use is greedy and wants
+    no logprobs. See SlotFunctions.generate."""
     ...
 
   def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
     """Advance every slot by its next input and its first n_drafts_S[s] drafts in one pass, emitting what as
-    many generate calls would. Returns (table, packed VerifyOutput); see SlotFunctions.verify."""
+    many generate calls would. Returns (table, packed StepsOutput); see SlotFunctions.verify."""
     ...
 
   def gather(self, state, rows_E):
@@ -286,6 +290,11 @@ class SlotFunctions:
     )
     self._decode = _jit(self._decode_logits, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
+    self._generate_steps = (
+      jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1)
+      if mesh is None
+      else jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1, out_shardings=both)
+    )  # one program per step count and greedy
     self._verify = _jit(self._verify_drafts, donate=(1,), out=both)  # one program per draft length K
     # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
     # step that follows runs on), and start a prefill batch from host states.
@@ -350,18 +359,23 @@ class SlotFunctions:
     return self._step_output(logits_SxV, tok_S, done_S, want_S).pack()
 
   def _step_output(self, logits_SxV, tok_S, done_S, want_S) -> StepOutput:
-    """The step's StepOutput (its logprob fields only when some want_S >= 0)."""
+    """The step's StepOutput (its logprob fields only when some want_S >= 0; never when want_S is None)."""
     S = tok_S.shape[0]
     branch_free = sampling.branch_free_default() if self.branch_free is None else self.branch_free
-    chosen, vals, ids = sampling.when_any(
-      want_S >= 0,
-      lambda: sampling.logprobs(logits_SxV, tok_S, valid_vocab=self.valid_vocab),
-      lambda: (
-        jnp.zeros((S,), jnp.float32),
-        jnp.zeros((S, N_TOP), jnp.float32),
-        jnp.zeros((S, N_TOP), jnp.int32),
-      ),
-      branch_free,
+    zeros = lambda: (
+      jnp.zeros((S,), jnp.float32),
+      jnp.zeros((S, N_TOP), jnp.float32),
+      jnp.zeros((S, N_TOP), jnp.int32),
+    )
+    chosen, vals, ids = (
+      zeros()
+      if want_S is None
+      else sampling.when_any(
+        want_S >= 0,
+        lambda: sampling.logprobs(logits_SxV, tok_S, valid_vocab=self.valid_vocab),
+        zeros,
+        branch_free,
+      )
     )
     return StepOutput(token=tok_S, done=done_S, logprob=chosen, top_ids=ids, top_logprobs=vals)
 
@@ -411,14 +425,25 @@ class SlotFunctions:
       logits=jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32),
     )
 
-  def generate(self, params, table: SlotTable):
-    """Advance every slot by one token. Returns (table, packed StepOutput of the S slots).
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
+    """Advance every slot by `steps` tokens. Returns (table, packed output): one step's StepOutput, or for
+    steps > 1 a StepsOutput over T = steps positions (StepsOutput.unpack(out, steps)), the tokens and draws
+    of as many single steps. `greedy` (the caller's promise that every slot in use samples greedily and
+    wants no logprobs) lets a generate of several steps leave out the sampler and the logprob rows, whose
+    untaken branches cost ~10% of its time at 64 `tiny` slots on the CPU; one program per (steps, greedy).
 
-    Two compiled calls, decode then sampling: compiled into one program on the CPU, the (untaken)
-    sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots."""
+    One step is two compiled calls, decode then sampling: compiled into one program on the CPU, the
+    (untaken) sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots.
+    More steps are one compiled program per value, a scan of both: the host reads back and delivers once per
+    call. In it a slot whose next input ends it (a stop id, or its last allowed token) is left as it is, so
+    a finished slot's state holds its prompt and every output token but the last, however many steps of
+    the call follow; that select over the state costs a pass over it per step (18% of the step of `small`
+    at 64 slots), hence one step per call unless the host's work per call is what bounds the engine."""
     # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
     # kernel (one device's program) knows to leave a multi-device table to XLA.
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      if steps > 1:
+        return self._generate_steps(params, table, steps, greedy)
       table, logits = self._decode(params, table)
     return self._sample(logits, table)
 
@@ -427,13 +452,47 @@ class SlotFunctions:
     return dataclasses.replace(table, model=state), logits
 
   def _sample_next(self, logits, table: SlotTable):
+    table, out = self._sample_step(logits, table)
+    return table, out.pack()
+
+  def _sample_step(self, logits, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
     index = table.last_output_index + 1  # also the draw's position in the slot's random stream
     s = table.settings
-    tok = self.sample(logits, s.temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
-    done = _done(tok, index, s.max_tokens, s.stop_ids)
-    return dataclasses.replace(table, tokens=tok, last_output_index=index), self._output(
-      logits, tok, done, s.logprobs
-    )
+    if greedy:  # the sampler's own greedy path (its rows at temperature 0), without its branches
+      tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab)
+      out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), None)
+    else:
+      tok = self.sample(logits, s.temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
+      out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), s.logprobs)
+    return dataclasses.replace(table, tokens=tok, last_output_index=index), out
+
+  def _steps(self, params, table: SlotTable, steps: int, greedy: bool):
+    s = table.settings
+
+    def one(table: SlotTable, _):
+      ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)  # its input ends it
+      moved, logits = self._decode_logits(params, table)
+      moved, out = self._sample_step(logits, moved, greedy)
+
+      def keep(new, old, axis):
+        shape = [1] * new.ndim
+        shape[axis] = ended_S.shape[0]
+        return jnp.where(ended_S.reshape(shape), old, new)
+
+      kept = SlotTable(
+        model=jax.tree.map(keep, moved.model, table.model, self.axes),
+        tokens=keep(moved.tokens, table.tokens, 0),
+        last_output_index=keep(moved.last_output_index, table.last_output_index, 0),
+        settings=s,
+      )
+      return kept, out
+
+    table, outs = jax.lax.scan(one, table, None, length=steps)
+    out = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [T, S, ...] -> [S, T, ...]
+    # Up to the first token that ends the slot (a min over indices: no argmax, a variadic reduce on Neuron).
+    first_end = jnp.where(out.done, jnp.arange(steps)[None, :], steps).min(1)
+    emitted = jnp.minimum(first_end + 1, steps)
+    return table, StepsOutput(emitted=emitted, steps=out).pack()
 
   def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
     """Advance every slot by 1 … K + 1 tokens in one pass: its next input and its first n_drafts_S[s]
@@ -443,7 +502,7 @@ class SlotFunctions:
     does not end the slot). Each slot emits its accepted drafts + 1 tokens, those that as many
     `generate` calls would have produced (the same draws; the logits equal up to fp32 rounding, the chunk
     form's against the recurrence's, so a near-tie may be chosen otherwise), and its state is committed at
-    that length (laplace_jax.speculative). Returns (table, packed VerifyOutput; VerifyOutput.unpack(out, K + 1)).
+    that length (laplace_jax.speculative). Returns (table, packed StepsOutput; StepsOutput.unpack(out, K + 1)).
 
     Slots of models with attention layers need K + 1 free rows in their KV cache (the engine verifies
     only then): a row that would outgrow it gets NaN logits, as in decode."""
@@ -477,7 +536,7 @@ class SlotFunctions:
     )
     steps = self._step_output(flat, tok, done, st.logprobs)
     steps = jax.tree.map(lambda x: x.reshape(S, T, *x.shape[1:]), steps)
-    return new, VerifyOutput(emitted=emitted, steps=steps).pack()
+    return new, StepsOutput(emitted=emitted, steps=steps).pack()
 
 
 def entry_writes(slot_E, n_slots: int):

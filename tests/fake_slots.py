@@ -19,7 +19,16 @@ import jax
 import numpy as np
 
 from laplace_jax.state import DecodeState
-from serve.slots import N_TOP, PrefillRows, PromptScores, SlotSettings, SlotTable, StepOutput, host_settings
+from serve.slots import (
+  N_TOP,
+  PrefillRows,
+  PromptScores,
+  SlotSettings,
+  SlotTable,
+  StepOutput,
+  StepsOutput,
+  host_settings,
+)
 
 CANDIDATES = 16
 # The logits of the candidates, most likely first: a softmax over them is far from one-hot, so sampling,
@@ -114,6 +123,13 @@ def reference(prompt, max_tokens: int, valid_vocab: int, *, temperature=0.0, top
   return out
 
 
+def _keep(ended_S, new, old, axis: int):
+  """old where the slot ended, else new (ended_S along `axis`)."""
+  shape = [1] * new.ndim
+  shape[axis] = len(ended_S)
+  return np.where(ended_S.reshape(shape), old, new)
+
+
 class FakeSlots:
   """`serve.slots.SlotFunctions`' interface (the engine's prefill / insert / generate, the state cache's
   gather and load) over hash states in numpy; constructed with SlotFunctions' arguments."""
@@ -175,10 +191,10 @@ class FakeSlots:
     chosen, top, ids = (np.stack(x, 1) for x in zip(*scores))
     return PrefillRows(model=state, logits=None), PromptScores(logprob=chosen, top_logprobs=top, top_ids=ids)
 
-  def _emit(self, h, tok, index, settings: SlotSettings):
+  def _output(self, h, tok, index, settings: SlotSettings) -> StepOutput:
     done = (tok[:, None] == settings.stop_ids).any(-1) | (index + 1 >= settings.max_tokens)
     chosen, top, ids = logprobs(h, tok, self.valid_vocab)
-    return StepOutput(token=tok, done=done, logprob=chosen, top_ids=ids, top_logprobs=top).pack()
+    return StepOutput(token=tok, done=done, logprob=chosen, top_ids=ids, top_logprobs=top)
 
   def insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
     del params
@@ -194,20 +210,45 @@ class FakeSlots:
       table.tokens[s], table.last_output_index[s] = tok[e], 0
       for f in dataclasses.fields(SlotSettings):
         getattr(table.settings, f.name)[s] = getattr(settings, f.name)[e]
-    return table, self._emit(h, tok, zero, settings)
+    return table, self._output(h, tok, zero, settings).pack()
 
-  def generate(self, params, table: SlotTable):
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
     del params
     self.calls["generate"] += 1
     if self.step_s:
-      time.sleep(self.step_s)
+      time.sleep(self.step_s * steps)
+    if steps == 1:
+      table, out = self._step(table)
+      return table, out.pack()
+    outs = []
+    for _ in range(steps):  # as SlotFunctions: a slot whose next input ends it is left as it is
+      s = table.settings
+      ended = (table.tokens[:, None] == s.stop_ids).any(-1) | (table.last_output_index + 1 >= s.max_tokens)
+      moved, out = self._step(table, greedy)
+      table = SlotTable(
+        model=jax.tree.map(
+          lambda new, old, axis: _keep(ended, new, old, axis), moved.model, table.model, self.axes
+        ),
+        tokens=_keep(ended, moved.tokens, table.tokens, 0),
+        last_output_index=_keep(ended, moved.last_output_index, table.last_output_index, 0),
+        settings=s,
+      )
+      outs.append(out)
+    out = jax.tree.map(lambda *x: np.stack(x, 1), *outs)
+    first_end = np.where(out.done, np.arange(steps)[None], steps).min(1)
+    return table, StepsOutput(emitted=np.minimum(first_end + 1, steps), steps=out).pack()
+
+  def _step(self, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
     h = consume(table.model.conv[0, :, 0, 0], table.tokens)
     index = table.last_output_index + 1
-    tok = sample(h, table.settings, index, self.valid_vocab)
+    s = table.settings
+    if greedy:  # as SlotFunctions: argmax for every slot (a sampled request would get other tokens)
+      s = dataclasses.replace(s, temperature=np.zeros_like(s.temperature))
+    tok = sample(h, s, index, self.valid_vocab)
     new = SlotTable(
       model=DecodeState(pos=table.model.pos + 1, conv=h.reshape(1, -1, 1, 1)),
       tokens=tok,
       last_output_index=index,
       settings=table.settings,
     )
-    return new, self._emit(h, tok, index, table.settings)
+    return new, self._output(h, tok, index, table.settings)

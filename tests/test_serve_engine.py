@@ -58,6 +58,19 @@ def _requests(seed, n, **fixed):
   return out
 
 
+def _run_in_two_waves(eng, reqs, first: int, steps: int):
+  """Arrivals spread over time: the first `first` requests, `steps` engine steps, then the rest join while
+  those decode; run to the end. Returns reqs."""
+  for r in reqs[:first]:
+    eng.submit(r)
+  for _ in range(steps):
+    eng.step()
+  for r in reqs[first:]:
+    eng.submit(r)
+  eng.run_until_idle()
+  return reqs
+
+
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_concurrent_requests_match_each_decoded_alone_without_compiling(engine, kind):
   fixed = dict(temperature=0.0) if kind == "greedy" else {}
@@ -65,14 +78,7 @@ def test_concurrent_requests_match_each_decoded_alone_without_compiling(engine, 
   _COUNTER.n, _COUNTER.on = 0, True
   try:
     alone = [engine.generate([Request(**s)])[0] for s in specs]
-    reqs = [Request(**s) for s in specs]
-    for r in reqs[:6]:  # arrivals spread over time: later ones join while earlier ones decode
-      engine.submit(r)
-    for _ in range(3):
-      engine.step()
-    for r in reqs[6:]:
-      engine.submit(r)
-    engine.run_until_idle()
+    reqs = _run_in_two_waves(engine, [Request(**s) for s in specs], 6, 3)
   finally:
     _COUNTER.on = False
   assert _COUNTER.n == 0, f"{_COUNTER.n} compiles after warm-up"
@@ -81,6 +87,40 @@ def test_concurrent_requests_match_each_decoded_alone_without_compiling(engine, 
     assert len(a) <= s["max_tokens"] and r.progress.finish_reason in ("stop", "length")
     assert all(0 <= t < GPT2_VOCAB for t in a)
   assert engine.active_slots == 0 and engine.queue_depth == 0
+
+
+def test_several_steps_a_call_give_the_same_tokens_logprobs_and_ends(engine, cfg, params):
+  """An engine that generates 4 tokens a call while no prompt waits (over the same compiled functions, so
+  only that call compiles) gives every request the tokens, logprobs and finish reasons of one step a call,
+  with arrivals that make it mix both kinds of call, stop ids ending requests inside a call and logprobs."""
+  multi = sf.engine(
+    params,
+    cfg,
+    n_slots=8,
+    prefill_batch=2,
+    max_queue=64,
+    decode_steps=4,
+    make_slots=lambda *a, **kw: engine.fns,
+  )
+  specs = _requests(3, 10)
+  for i, s in enumerate(specs):
+    s["max_tokens"] = 6 + 2 * i
+    if i % 3 == 1:
+      s["logprobs"] = 2
+  first = engine.generate([Request(**specs[4])])[0]
+  specs[4]["stop_ids"] = [first[2]]  # ends at its third token (or earlier), inside a call
+  runs = []
+  for eng in (engine, multi):
+    runs.append(_run_in_two_waves(eng, [Request(**s) for s in specs], 5, 6))
+  assert multi.stats["tokens"] > multi.stats["steps"]  # some calls gave several tokens
+  for one, many in zip(*runs):
+    assert many.progress.output_ids == one.progress.output_ids
+    assert many.progress.finish_reason == one.progress.finish_reason
+    assert len(many.progress.token_logprobs) == len(one.progress.token_logprobs)
+    for (lp_a, top_a), (lp_b, top_b) in zip(one.progress.token_logprobs, many.progress.token_logprobs):
+      np.testing.assert_allclose(lp_b, lp_a, rtol=1e-4, atol=1e-5)
+      assert [t for t, _ in top_b] == [t for t, _ in top_a]
+  assert runs[0][4].progress.finish_reason == "stop"
 
 
 def test_greedy_matches_the_model_called_directly(engine, cfg, params):

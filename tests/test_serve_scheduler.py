@@ -1,7 +1,8 @@
 """serve.engine's scheduling over the numpy fake of its slot functions (tests/fake_slots.py): requests
 arriving at any time, longer than a chunk, with several choices, cancelled in the queue, during their prefill
 or while decoding, each get exactly the tokens the fake gives them decoded alone; the queue is bounded and
-every slot comes free. The same engine over the compiled model: tests/test_serve_engine.py."""
+every slot comes free; one or several decode steps a call alike. The same engine over the compiled model:
+tests/test_serve_engine.py."""
 
 import fake_slots
 import numpy as np
@@ -10,11 +11,14 @@ import serve_fixtures as sf
 from serve_fixtures import GPT2_VOCAB
 
 from serve.engine import QueueFull, Request
+from serve.state_cache import StateCache
 
 
-@pytest.fixture
-def engine():
-  return sf.fake_engine(n_slots=8, prefill_batch=2, max_queue=64, prefill_chunks_per_step=1)
+@pytest.fixture(params=[1, 3], ids=["one step a call", "three steps a call"])
+def engine(request):
+  return sf.fake_engine(
+    n_slots=8, prefill_batch=2, max_queue=64, prefill_chunks_per_step=1, decode_steps=request.param
+  )
 
 
 def _specs(seed, n):
@@ -126,3 +130,41 @@ def test_queue_bound_and_cancel_free_slots(engine):
   assert engine.active_slots == 0 and engine.queue_depth == 0
   assert all(r.progress.finish_reason == "cancelled" and r.progress.done.is_set() for r in reqs)
   assert not engine.reserved and not engine.pending and engine.prefill is None
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_cached_state_has_consumed_exactly_the_tokens_it_is_cached_under(steps):
+  """However a request ended (its length, a stop id, a cancel with a call in flight) and however many steps
+  a call runs, the state the engine copied into the cache has consumed exactly the ids it is cached under
+  (the fake's state is the count and a hash of the tokens it consumed): all of the request's, or all but
+  the last."""
+  cache = StateCache("fake-model", 1 << 30)
+  eng = sf.fake_engine(n_slots=4, prefill_batch=2, state_cache=cache, cache_min_tokens=16, decode_steps=steps)
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, GPT2_VOCAB, 40).tolist() for _ in range(4)]
+  stop = _alone(dict(prompt_ids=prompts[1], max_tokens=12))[4]
+  reqs = [
+    Request(prompt_ids=prompts[0], max_tokens=7),
+    Request(prompt_ids=prompts[1], max_tokens=12, stop_ids=[stop]),
+    Request(prompt_ids=prompts[2], max_tokens=1000),
+    Request(prompt_ids=prompts[3], max_tokens=1000, temperature=1.0, seed=3),
+  ]
+  eng.submit_all(reqs)
+  for cancelled in reqs[2:]:
+    for _ in range(4):
+      eng.step()
+    eng.cancel(cancelled)
+  eng.run_until_idle()
+  eng.state_io.collect(block=True)
+  assert [r.progress.finish_reason for r in reqs] == ["length", "stop", "cancelled", "cancelled"]
+  for r in reqs:
+    ids = list(r.prompt_ids) + r.progress.output_ids
+    n, state = cache.lookup(ids + [0], len(ids))
+    assert n in (len(ids) - 1, len(ids)), (r.progress.finish_reason, n, len(ids))
+    h = 0
+    for t in ids[:n]:
+      h = fake_slots.consume(h, t)
+    # (the hash's low 32 bits: the gather makes it a jax array, int32 without x64)
+    assert (
+      state is not None and state["pos"] == n and state["conv"].ravel()[0] == np.int64(h).astype(np.int32)
+    )

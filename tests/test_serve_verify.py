@@ -1,7 +1,9 @@
-"""SlotFunctions.verify against SlotFunctions.generate: every slot emits exactly the tokens (and logprobs) that
-as many generate steps give it, whatever its drafts (right, half right, random, none), greedy and seeded
-alike, a finished slot accepts nothing after its last token, and its state is committed at the length it
-emitted. The model half (speculative.verify / commit against decode_step): tests/test_speculative.py."""
+"""Calls that advance a slot by several tokens against single generate steps. SlotFunctions.verify: every
+slot emits exactly the tokens (and logprobs) that as many generate steps give it, whatever its drafts (right,
+half right, random, none), greedy and seeded alike, a finished slot accepts nothing after its last token,
+and its state is committed at the length it emitted. generate(steps=T): the same tokens, T a call, and a
+finished slot stays as it ended. The model half of verify (speculative.verify / commit against
+decode_step): tests/test_speculative.py."""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from laplace_jax.config import get_config
 from serve import drafting
 from serve.drafting import FORGET, DraftRecord, LookupIndex, PredictionIndex, VerifyCost
 from serve.engine import Engine, Request
-from serve.slots import SlotFunctions, SlotSettings, StepOutput, VerifyOutput, host_settings
+from serve.slots import SlotFunctions, SlotSettings, StepOutput, StepsOutput, host_settings
 
 CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
 S, K, MAX_CONTEXT, STEPS = 4, 4, 96, 30
@@ -72,6 +74,7 @@ def _drafts(kind: str, want: list[int], rng) -> list[int]:
 
 def test_verify_emits_what_generate_would_and_commits_the_state_at_that_length(served):
   fns, params, table, outputs, tables = served
+  table = jax.tree.map(jnp.copy, table)  # the fixture's stays whole for the next test (verify donates)
   ref = [[int(o.token[s]) for o in outputs] for s in range(S)]
   kinds = ["right", "half", "random", "none"]
   got = [[ref[s][0]] for s in range(S)]  # insert's first token
@@ -84,7 +87,7 @@ def test_verify_emits_what_generate_would_and_commits_the_state_at_that_length(s
       d = _drafts(kind, ref[s][len(got[s]) :], rng)
       drafts[s, : len(d)], n[s] = d, len(d)
     table, packed = fns.verify(params, table, jnp.asarray(drafts), jnp.asarray(n))
-    out = VerifyOutput.unpack(np.asarray(packed), K + 1)
+    out = StepsOutput.unpack(np.asarray(packed), K + 1)
     emitted_by_round.append(out.emitted.tolist())
     for s in range(S):
       c = len(got[s])
@@ -114,25 +117,66 @@ def test_verify_emits_what_generate_would_and_commits_the_state_at_that_length(s
   # the KV cache, the rows the sequence has reached: verify also writes its rejected rows, past them, where
   # no query reads before they are overwritten)
   final = jax.tree.map(np.asarray, table)
-  close = lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
   for s in range(S):
-    want = tables[len(got[s]) - 1]
-    assert final.tokens[s] == want.tokens[s] and final.last_output_index[s] == want.last_output_index[s]
-    g, w = final.model, want.model
-    pos = int(w.pos[s])
-    assert int(g.pos[s]) == pos
-    for name in ("conv", "gla"):
-      close(getattr(g, name)[:, s], getattr(w, name)[:, s])
-    for a, b in ((g.ring.k, w.ring.k), (g.ring.v, w.ring.v)):
-      close(a[:, s], b[:, s])
-    for a, b in ((g.kv.k, w.kv.k), (g.kv.v, w.kv.v)):
-      close(a[:, s, :pos], b[:, s, :pos])
+    _assert_state_is(final, tables[len(got[s]) - 1], s)
 
 
-def test_verify_lowers_clean_for_neuron():
-  """The whole verify call (model pass, sampling at every position, acceptance, commit, packing), lowered as
-  for Trainium (with its PRNG, as `python -m serve --target neuron` picks it): no construct the Neuron
-  compiler rejects."""
+def _assert_state_is(final, want, s):
+  """Slot s of table `final` holds `want`'s state, next input and output index (of the KV cache, the rows
+  the sequence has reached)."""
+  close = lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+  assert final.tokens[s] == want.tokens[s] and final.last_output_index[s] == want.last_output_index[s]
+  g, w = final.model, want.model
+  pos = int(w.pos[s])
+  assert int(g.pos[s]) == pos
+  for name in ("conv", "gla"):
+    close(getattr(g, name)[:, s], getattr(w, name)[:, s])
+  for a, b in ((g.ring.k, w.ring.k), (g.ring.v, w.ring.v)):
+    close(a[:, s], b[:, s])
+  for a, b in ((g.kv.k, w.kv.k), (g.kv.v, w.kv.v)):
+    close(a[:, s, :pos], b[:, s, :pos])
+
+
+def test_generate_steps_emit_what_single_steps_would_and_leave_a_finished_slot_as_it_ended(served):
+  fns, params, table, outputs, tables = served
+  T = 4
+  t, g = jax.tree.map(jnp.copy, table), jax.tree.map(jnp.copy, table)  # generate donates them
+  got = [[int(outputs[0].token[s])] for s in range(S)]
+  ended = [bool(outputs[0].done[s]) for s in range(S)]
+  for _ in range(STEPS // T):
+    t, packed = fns.generate(params, t, T)
+    out = StepsOutput.unpack(np.asarray(packed), T)
+    # greedy=True (argmax for every slot, no logprobs): the greedy slot's tokens as the sampler's
+    g, greedy = fns.generate(params, g, T, greedy=True)
+    greedy = StepsOutput.unpack(np.asarray(greedy), T)
+    if not ended[0]:
+      assert greedy.tokens_of(0) == out.tokens_of(0) and not greedy.steps.logprob.any()
+    for s in range(S):
+      if ended[s]:
+        continue
+      c, n = len(got[s]), int(out.emitted[s])
+      want = outputs[c : c + T]
+      ends = [j for j in range(T) if want[j].done[s]]
+      assert n == (ends[0] + 1 if ends else T), s  # up to the token that ends the slot
+      for j in range(n):
+        assert out.steps.token[s, j] == want[j].token[s] and out.steps.done[s, j] == want[j].done[s]
+        if SETTINGS[s]["logprobs"] >= 0:
+          np.testing.assert_allclose(out.steps.logprob[s, j], want[j].logprob[s], rtol=1e-4, atol=1e-5)
+          np.testing.assert_array_equal(out.steps.top_ids[s, j], want[j].top_ids[s])
+      got[s] += out.tokens_of(s)
+      ended[s] = bool(out.steps.done[s, n - 1])
+  assert ended == [True, False, False, False] and len(got[0]) == 7 and len(got[1]) == 1 + STEPS // T * T
+  final = jax.tree.map(np.asarray, t)
+  for s in range(S):
+    # slot 0 ended at its 7th token: its state has fed the six before it, as after the single step that
+    # sampled that token, and the calls after it left it so
+    _assert_state_is(final, tables[len(got[s]) - 1], s)
+
+
+def test_verify_and_generate_steps_lower_clean_for_neuron():
+  """The whole verify call (model pass, sampling at every position, acceptance, commit, packing) and a
+  generate of several steps, lowered as for Trainium (with its PRNG, as `python -m serve --target neuron`
+  picks it): no construct the Neuron compiler rejects."""
   with platform.lowering_for("neuron"), platform.using_prng("auto"):
     fns = SlotFunctions(
       model, CFG, n_slots=S, prefill_batch=S, n_stop=2, valid_vocab=CFG.vocab_size, max_context=MAX_CONTEXT
@@ -141,7 +185,9 @@ def test_verify_lowers_clean_for_neuron():
     table = jax.eval_shape(fns._empty_table)
     drafts, n = jax.ShapeDtypeStruct((S, K), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32)
     text = fns._verify.lower(params, table, drafts, n).as_text()
+    steps_texts = [fns._generate_steps.lower(params, table, 4, greedy).as_text() for greedy in (False, True)]
   assert neuron_check.violations(text) == []
+  assert [neuron_check.violations(t) for t in steps_texts] == [[], []]
 
 
 @pytest.fixture(scope="module")
