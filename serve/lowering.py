@@ -61,9 +61,9 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
       if speculative_tokens
       else {}
     )
-    if decode_steps > 1:
+    if decode_steps > 1:  # as with a state cache (without one, the same programs less a select)
       for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
-        verify[name] = fns._generate_steps.lower(params, table, decode_steps, greedy)
+        verify[name] = fns._generate_steps.lower(params, table, decode_steps, greedy, True)
   return verify | {
     "empty_table": fns.empty_table.lower(),
     "empty_prefill": fns.empty_prefill.lower(),

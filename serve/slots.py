@@ -207,10 +207,13 @@ class SlotBackend(Protocol):
     (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
     ...
 
-  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
+  def generate(
+    self, params, table: SlotTable, steps: int = 1, greedy: bool = False, keep_finished: bool = True
+  ):
     """Advance every slot by `steps` sampled tokens. Returns (table, packed StepOutput of the slots), for
     steps > 1 a packed StepsOutput over `steps` positions; greedy: every slot in use is greedy and wants
-    no logprobs. See SlotFunctions.generate."""
+    no logprobs; keep_finished: a slot whose next input ends it is left as it is (steps > 1). See
+    SlotFunctions.generate."""
     ...
 
   def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
@@ -291,10 +294,10 @@ class SlotFunctions:
     self._decode = _jit(self._decode_logits, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
     self._generate_steps = (
-      jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1)
+      jax.jit(self._steps, static_argnums=(2, 3, 4), donate_argnums=1)
       if mesh is None
-      else jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1, out_shardings=both)
-    )  # one program per step count and greedy
+      else jax.jit(self._steps, static_argnums=(2, 3, 4), donate_argnums=1, out_shardings=both)
+    )
     self._verify = _jit(self._verify_drafts, donate=(1,), out=both)  # one program per draft length K
     # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
     # step that follows runs on), and start a prefill batch from host states.
@@ -425,25 +428,28 @@ class SlotFunctions:
       logits=jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32),
     )
 
-  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
+  def generate(
+    self, params, table: SlotTable, steps: int = 1, greedy: bool = False, keep_finished: bool = True
+  ):
     """Advance every slot by `steps` tokens. Returns (table, packed output): one step's StepOutput, or for
     steps > 1 a StepsOutput over T = steps positions (StepsOutput.unpack(out, steps)), the tokens and draws
-    of as many single steps. `greedy` (the caller's promise that every slot in use samples greedily and
-    wants no logprobs) lets a generate of several steps leave out the sampler and the logprob rows, whose
-    untaken branches cost ~10% of its time at 64 `tiny` slots on the CPU; one program per (steps, greedy).
+    of as many single steps.
 
     One step is two compiled calls, decode then sampling: compiled into one program on the CPU, the
     (untaken) sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots.
-    More steps are one compiled program per value, a scan of both: the host reads back and delivers once per
-    call. In it a slot whose next input ends it (a stop id, or its last allowed token) is left as it is, so
-    a finished slot's state holds its prompt and every output token but the last, however many steps of
-    the call follow; that select over the state costs a pass over it per step (18% of the step of `small`
-    at 64 slots), hence one step per call unless the host's work per call is what bounds the engine."""
+    More steps are one compiled program per (steps, greedy, keep_finished), a scan of both: the host reads
+    back and delivers once per call. `greedy` (the caller's promise that every slot in use samples greedily
+    and wants no logprobs) leaves out the sampler and the logprob rows, whose untaken branches cost ~10% of
+    the call at 64 `tiny` slots on the CPU. With `keep_finished` (the state cache reads finished slots) a slot
+    whose next input ends it (a stop id, or its last allowed token) is left as it is, so a finished slot's
+    state holds its prompt and every output token but the last however many steps follow; that select over
+    the state costs about a pass over it per step (9% of the step of `small` at 64 slots). Without it a
+    finished slot runs on, as it does through single steps, at no cost."""
     # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
     # kernel (one device's program) knows to leave a multi-device table to XLA.
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
       if steps > 1:
-        return self._generate_steps(params, table, steps, greedy)
+        return self._generate_steps(params, table, steps, greedy, keep_finished)
       table, logits = self._decode(params, table)
     return self._sample(logits, table)
 
@@ -466,7 +472,7 @@ class SlotFunctions:
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), s.logprobs)
     return dataclasses.replace(table, tokens=tok, last_output_index=index), out
 
-  def _steps(self, params, table: SlotTable, steps: int, greedy: bool):
+  def _steps(self, params, table: SlotTable, steps: int, greedy: bool, keep_finished: bool):
     s = table.settings
 
     def one(table: SlotTable, _):
@@ -475,6 +481,8 @@ class SlotFunctions:
       moved, out = self._sample_step(logits, moved, greedy)
 
       def keep(new, old, axis):
+        if not keep_finished:
+          return new
         shape = [1] * new.ndim
         shape[axis] = ended_S.shape[0]
         return jnp.where(ended_S.reshape(shape), old, new)

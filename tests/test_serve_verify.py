@@ -185,7 +185,7 @@ def test_verify_and_generate_steps_lower_clean_for_neuron():
     table = jax.eval_shape(fns._empty_table)
     drafts, n = jax.ShapeDtypeStruct((S, K), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32)
     text = fns._verify.lower(params, table, drafts, n).as_text()
-    steps_texts = [fns._generate_steps.lower(params, table, 4, greedy).as_text() for greedy in (False, True)]
+    steps_texts = [fns._generate_steps.lower(params, table, 4, g, True).as_text() for g in (False, True)]
   assert neuron_check.violations(text) == []
   assert [neuron_check.violations(t) for t in steps_texts] == [[], []]
 
