@@ -23,7 +23,8 @@ def busy_engine(params, cfg, slots, one_program, rng):
   e = Engine(params, cfg, n_slots=slots, prefill_batch=min(slots, 64), max_queue=0, valid_vocab=VOCAB_SIZE)
   if one_program:
     f = e.fns
-    f.generate = jax.jit(lambda p, t: f._sample_next(*f._decode_logits(p, t)[::-1]), donate_argnums=1)
+    one = jax.jit(lambda p, t: f._sample_next(*f._decode_logits(p, t)[::-1]), donate_argnums=1)
+    f.generate = lambda p, t, steps=1, *flags: one(p, t)  # the engine's single steps (decode_steps 1)
   e.warmup()
   for _ in range(slots):
     e.submit(Request(prompt_ids=rng.integers(0, VOCAB_SIZE, 16).tolist(), max_tokens=1 << 20))
