@@ -117,7 +117,8 @@ def parse_args(argv=None):
     "--decode-steps",
     type=int,
     default=1,
-    help="the throughput and overhead engines' --decode_steps: tokens per slot and generate call (default: 1)",
+    help="the throughput, overhead and agent engines' --decode_steps: tokens per slot and generate call "
+    "(default: 1)",
   )
   p.add_argument("--json", help="also write every number to this file")
   bench_cache.add_args(p)

@@ -70,7 +70,7 @@ def run_agent(args, out):
   C, T = args.agent_conversations, args.agent_turns
   res = {}
   for on in (False, True):
-    eng = _engine(params, cfg, C, on)
+    eng = _engine(params, cfg, C, on, decode_steps=args.decode_steps)
     rng = np.random.default_rng(0)
     convs = [[] for _ in range(C)]
     turns = []
@@ -115,7 +115,7 @@ def run_agent(args, out):
     )
   _table(
     f"agent loop: {C} conversations x {T} turns (+{args.turn_tokens} tokens, {args.gen_tokens} generated "
-    f"per turn), {args.cache_preset}",
+    f"per turn), {args.cache_preset}, decode_steps {args.decode_steps}",
     ["turn", "prompt tokens", "prefill tokens off", "on", "ratio", "mean TTFT s off", "on", "ratio"],
     rows,
   )
