@@ -4,8 +4,8 @@ Each `step()`: drop cancelled requests, admit queued prompts into free slots (pr
 a few chunks per step while others decode, then insert), run one compiled generate call over all slots
 (`decode_steps` tokens each while no prompt waits, else one), and hand out the tokens of the call before
 (one device-to-host copy per call; the next call is already queued on the device while the host reads the
-last). Requests only meet the engine through `submit`,
-`cancel` and the `on_deliver` callback, so it runs the same in a test loop or a server thread.
+last). Requests only meet the engine through `submit`, `cancel` and the `on_deliver` callback, so it runs
+the same in a test loop or a server thread.
 """
 
 from __future__ import annotations
@@ -449,7 +449,7 @@ class Engine:
   # ---- the engine's side (one thread) ----
 
   def step(self) -> bool:
-    """One round: cancels, admission and prefill, one generate step, read back. False when idle."""
+    """One round: cancels, admission and prefill, one generate (or verify) call, read back. False when idle."""
     self._apply_cancels()
     prefilled = self.stats["prefill_tokens"]
     self._advance_prefill()

@@ -4,8 +4,9 @@ shapes with the choices made on the target, and checked by laplace_jax.neuron_ch
 The programs are the jitted functions of `serve.slots.SlotFunctions` as the engine calls them: the slot table
 and prefill batch made at start, a prefill chunk (plain and scored for echo/logprobs), insert (first token
 sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows),
-the generate of several steps and the verify where the engine runs them, and the state cache's gathers (from the slot table and from a prefill batch) and restore. No weights or
-states are materialised: laplace-3b with 1,280 slots on 64 simulated devices lowers on a laptop-class CPU.
+the generate of several steps and the verify where the engine runs them, and the state cache's gathers (from
+the slot table and from a prefill batch) and restore. No weights or states are materialised: laplace-3b with
+1,280 slots on 64 simulated devices lowers on a laptop-class CPU.
 """
 
 from __future__ import annotations
@@ -56,15 +57,15 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
   under_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)  # as SlotFunctions.generate
   with under_mesh:
     decode = fns._decode.lower(params, table)
-    verify = (
+    optional = (
       {"verify": fns._verify.lower(params, table, i32(S, speculative_tokens), i32(S))}
       if speculative_tokens
       else {}
     )
     if decode_steps > 1:  # as with a state cache (without one, the same programs less a select)
       for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
-        verify[name] = fns._generate_steps.lower(params, table, decode_steps, greedy, True)
-  return verify | {
+        optional[name] = fns._generate_steps.lower(params, table, decode_steps, greedy, True)
+  return optional | {
     "empty_table": fns.empty_table.lower(),
     "empty_prefill": fns.empty_prefill.lower(),
     "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),

@@ -253,7 +253,7 @@ class Server:
       ("queue_depth", "gauge", "Requests waiting for a slot.", [("", e.queue_depth)]),
       ("generated_tokens_total", "counter", "Output tokens produced.", [("", s["tokens"])]),
       ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prefill_tokens"])]),
-      ("decode_steps_total", "counter", "Compiled generate and verify steps run.", [("", s["steps"])]),
+      ("decode_steps_total", "counter", "Compiled generate and verify calls run.", [("", s["steps"])]),
       ("drafted_tokens_total", "counter", "Drafted tokens verified.", [("", s["drafted_tokens"])]),
       (
         "accepted_draft_tokens_total",
