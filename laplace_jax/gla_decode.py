@@ -105,7 +105,13 @@ def _pallas(q, k, v, g_gamma, table, layer, *, scale, block_b, interpret):
   )(layer_1, lam_H, q, k, v, table)
 
 
-def _xla(q, k, v, g_gamma, table, layer, *, scale):
+def _decays(g_gamma, live_B):
+  """Each row's per-head decay: λ = exp(g), or 1 for a row that is not live (λ [H], or [B, H] with live_B)."""
+  lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
+  return lam_H if live_B is None else jnp.where(live_B[:, None], lam_H[None, :], F32(1))
+
+
+def _xla(q, k, v, g_gamma, table, layer, *, scale, live_B=None):
   """The step as XLA:CPU emits it in three passes over the layer's state (two reads, one in-place write).
 
   o is taken from the old state, o = λ·(q·S) + (q·k)·v, so that S' = λ·S + k vᵀ has one user, the in-place
@@ -115,26 +121,31 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale):
   fuses with the slice; a dot or a one-input sum would go to a library call that reads a materialised copy
   of the slice. The write reads o through a select whose predicate is never true (per row, so no value
   crosses slots, nor devices when they are sharded), so it runs after the readout and the old rows need no
-  copy (CopyInsertion otherwise copies the table for the unordered reader).
+  copy (CopyInsertion otherwise copies the table for the unordered reader). A row that is not live (live_B
+  false) keeps its state: decay 1 and no k vᵀ, elementwise in the same fusion.
   """
-  out_dtype, lam_H = v.dtype, jnp.exp(jnp.asarray(g_gamma, F32))
+  out_dtype, lam = v.dtype, _decays(g_gamma, live_B)  # [H] or [B, H]
   q, k, v = q.astype(F32) * scale, k.astype(F32), v.astype(F32)
+  if live_B is not None:
+    k = jnp.where(live_B[:, None, None], k, F32(0))
   s1 = jax.lax.dynamic_slice_in_dim(table, layer, 1, 0)  # [1, B, H, K, V]
   qk = jnp.broadcast_to((q * k)[None, ..., None], s1.shape)
   qs, qk = jax.lax.reduce(
     (q[None, ..., None] * s1, qk), (F32(0), F32(0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (3,)
   )  # sums over K: [1, B, H, V]
-  o = lam_H[:, None] * qs[0] + qk[0] * v  # = q·(λS + k vᵀ)
+  o = lam[..., None] * qs[0] + qk[0] * v  # = q·(λS + k vᵀ)
   k = jnp.where(o[:, :1, :1] > jnp.inf, F32(0), k)  # never true (nor for NaN): each row's write after its o
-  s1 = lam_H[:, None, None] * s1 + (k[..., None] * v[..., None, :])[None]
+  s1 = lam[..., None, None] * s1 + (k[..., None] * v[..., None, :])[None]
   return o.astype(out_dtype), jax.lax.dynamic_update_slice_in_dim(table, s1, layer, 0)
 
 
-def _xla_einsum(q, k, v, g_gamma, table, layer, *, scale):
+def _xla_einsum(q, k, v, g_gamma, table, layer, *, scale, live_B=None):
   """The step with single-operand reductions only (for Neuron): S' = λ·S + k vᵀ, o = scale·qᵀS' (an einsum)."""
-  lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
+  lam = _decays(g_gamma, live_B)
+  lam_BxH = lam[None, :] if live_B is None else lam
+  k = k.astype(F32) if live_B is None else jnp.where(live_B[:, None, None], k.astype(F32), F32(0))
   s = jax.lax.dynamic_index_in_dim(table, layer, 0, keepdims=False)  # [B, H, K, V]
-  s = lam_H[None, :, None, None] * s + jnp.einsum("bhk,bhv->bhkv", k.astype(F32), v.astype(F32))
+  s = lam_BxH[:, :, None, None] * s + jnp.einsum("bhk,bhv->bhkv", k, v.astype(F32))
   o = jnp.einsum("bhk,bhkv->bhv", q.astype(F32) * scale, s)
   return o.astype(v.dtype), jax.lax.dynamic_update_index_in_dim(table, s, layer, 0)
 
@@ -163,10 +174,14 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   return impl
 
 
-def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = "auto", block_b: int = 16):
+def gla_decode_layer(
+  q, k, v, g_gamma, table, layer, *, scale=None, impl: str = "auto", block_b: int = 16, live_B=None
+):
   """One token for layer `layer` of table [L,B,H,K,V] fp32: (o [B,H,V] in v's dtype, table updated in place).
 
-  q, k [B,H,K], v [B,H,V] (any float dtype; math in fp32); g_gamma [H] log decays; `layer` a scalar int."""
+  q, k [B,H,K], v [B,H,V] (any float dtype; math in fp32); g_gamma [H] log decays; `layer` a scalar int.
+  live_B (bool [B], None: all): a row that is not live keeps its state exactly (its o is meaningless); the
+  Pallas kernel has no such rows, so with live_B the XLA step runs."""
   if table.ndim != 5 or table.dtype != F32:
     raise ValueError(
       f"table is {table.dtype}{list(table.shape)}: expected float32 [L, B, H, K, V], the "
@@ -183,6 +198,9 @@ def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = 
   scale = K**-0.5 if scale is None else float(scale)
   impl = resolve_impl(impl)
   mesh = jax.sharding.get_abstract_mesh()
+  if impl != "xla" and live_B is not None:
+    _log_once("gla_decode: rows that keep their state (live_B) take the XLA step, not the Pallas kernel.")
+    impl = "xla"
   if impl != "xla" and not mesh.empty and mesh.size > 1:
     # A pallas_call is one device's program: XLA cannot split it over a mesh's slots.
     _log_once(
@@ -202,5 +220,5 @@ def gla_decode_layer(q, k, v, g_gamma, table, layer, *, scale=None, impl: str = 
       impl = "xla"
   if impl == "xla":
     xla_step = _xla_einsum if platform.backend() == "neuron" else _xla
-    return xla_step(q, k, v, g_gamma, table, layer, scale=scale)
+    return xla_step(q, k, v, g_gamma, table, layer, scale=scale, live_B=live_B)
   return _pallas(q, k, v, g_gamma, table, layer, scale=scale, block_b=block_b, interpret=impl == "interpret")

@@ -135,7 +135,8 @@ class ShortConv(LayerPart):
       return self.on_span(h_BxTxD, kernel, bias, state, idx, offset, sp)
     if not self.has_state(state):
       return short_conv.conv_sequence(h_BxTxD, kernel, bias, offset_BxT=offset)[0], state
-    if T == 1 and mask_BxT is None:  # decode: one row per sequence written into the ring in place
+    if T == 1:  # decode: one row per sequence written into the ring in place
+      # (a masked row's write lands in the slot its next token overwrites before any read: see decode_step)
       out, table = short_conv.conv_decode(h_BxTxD, kernel, bias, state.conv, idx, state.pos)
       return out, state.replace(conv=table)
     self.sow("intermediates", "conv_in", h_BxTxD)  # model.verify's drafted inputs (only when collected)
@@ -192,10 +193,16 @@ class GLAMixer(LayerPart):
     v_BxTxHxV = v.reshape(B, T, H, V)
     g_gamma = jnp.asarray(log_decays(cfg))
     table = state.gla if self.has_state(state) else None  # every GLA layer's state [L_gla, B, H, K, V]
-    if T == 1 and table is not None and mask_BxT is None and segments is None:
-      # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs)
+    if T == 1 and table is not None and segments is None:
+      # this layer's rows of the state table rewritten in place (a Pallas kernel on GPUs); masked rows kept
       o1, table = gla_decode.gla_decode_layer(
-        q_BxTxHxK[:, 0], k_BxTxHxK[:, 0], v_BxTxHxV[:, 0], g_gamma, table, idx
+        q_BxTxHxK[:, 0],
+        k_BxTxHxK[:, 0],
+        v_BxTxHxV[:, 0],
+        g_gamma,
+        table,
+        idx,
+        live_B=None if mask_BxT is None else mask_BxT[:, 0],
       )
       o_BxTxHxV = o1[:, None]
     else:
@@ -297,9 +304,7 @@ class AttentionMixer(LayerPart):
       if self.state_field == "ring" and T > 1:  # model.verify's drafted keys and values (window layers)
         self.sow("intermediates", "ring_k", k)
         self.sow("intermediates", "ring_v", v)
-      o, state = self.attend_cached(
-        q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1 and mask_BxT is None
-      )
+      o, state = self.attend_cached(q, k, v, state, idx, lengths(mask_BxT, B, T), decoding=T == 1)
     else:
       o = self.attend_sequence(q, k, v, None if segments is None else segments.index, sp)
     return matmul(o.reshape(B, T, H * hd), w["w_o"], cfg), state

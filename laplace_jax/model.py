@@ -429,20 +429,30 @@ def check_capacity(state: DecodeState, new_tokens_B) -> None:
     )
 
 
-def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig):
-  """One token per sequence: (logits [B, V] fp32, new state). Pure; jit with cfg static."""
-  if jnp.ndim(tokens_B) != 1:
+def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig, live_B=None):
+  """One token per sequence: (logits [B, V] fp32, new state). Pure; jit with cfg static.
+
+  live_B (bool [B], None: every row): a row that is not live does not advance: its GLA state and position are
+  kept exactly and its logits are meaningless. Its conv ring, window ring or attention cache takes the token
+  in the slot its next token overwrites before anything reads it, so whatever follows is as if the step had
+  not happened (a batch whose finished sequences must keep their states, at no extra pass over them)."""
+  B = jnp.shape(tokens_B)[0] if jnp.ndim(tokens_B) == 1 else None
+  if B is None:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_B)}: expected [B], one token per sequence.")
-  check_state(state, cfg, jnp.shape(tokens_B)[0])
+  if live_B is not None and jnp.shape(live_B) != (B,):
+    raise ValueError(f"live_B has shape {jnp.shape(live_B)}: expected [B] = [{B}], one flag per sequence.")
+  check_state(state, cfg, B)
   check_tokens(tokens_B, cfg)
   check_capacity(state, 1)
-  return LaplaceLM(cfg).apply({"params": params}, tokens_B[:, None], state, last_only=True)
+  mask = None if live_B is None else jnp.asarray(live_B, bool)[:, None]
+  return LaplaceLM(cfg).apply({"params": params}, tokens_B[:, None], state, mask, last_only=True)
 
 
 def prefill_chunk(params, state: DecodeState, tokens_BxC, lengths_B, *, cfg: LaplaceConfig):
   """Consume one right-padded chunk: (logits at each row's last real token [B, V], new state).
 
-  A row with length 0 keeps its state exactly (its logits are meaningless)."""
+  A row with length 0 keeps its state exactly (its logits are meaningless); in a one-token chunk, which is
+  a decode step, as decode_step keeps a row that is not live."""
   B, C = jnp.shape(tokens_BxC)
   check_state(state, cfg, B)
   check_tokens(tokens_BxC, cfg)

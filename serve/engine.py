@@ -281,8 +281,6 @@ class Engine:
         chunk_size=self.cfg.chunk_size,
       )
     self._gens = 0  # generate and verify calls dispatched
-    # Calls of several steps leave a finished slot as it ended only for the state cache, its one reader.
-    self._keep_finished = self.state_io is not None
 
   @property
   def cache(self) -> StateCache | None:
@@ -463,7 +461,7 @@ class Engine:
         greedy = steps > 1 and all(
           r is None or (r.temperature == 0 and r.logprobs is None) for r in self.slot_req
         )
-        self.table, out = self.fns.generate(self.params, self.table, steps, greedy, self._keep_finished)
+        self.table, out = self.fns.generate(self.params, self.table, steps, greedy)
         self.pending.append(Pending("gen", out, tuple(self.slot_req), steps, step=self._gens, timed=timed))
       else:
         K = self.speculative_tokens
@@ -862,9 +860,7 @@ class Engine:
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
     if self.decode_steps > 1:  # the generates of several steps, over slots that hold no request
       for greedy in (False, True):
-        self.table, out = self.fns.generate(
-          self.params, self.table, self.decode_steps, greedy, self._keep_finished
-        )
+        self.table, out = self.fns.generate(self.params, self.table, self.decode_steps, greedy)
         np.asarray(out)
     if self.speculative_tokens:  # the verify step, over slots that hold no request
       K = self.speculative_tokens

@@ -62,9 +62,9 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
       if speculative_tokens
       else {}
     )
-    if decode_steps > 1:  # as with a state cache (without one, the same programs less a select)
+    if decode_steps > 1:
       for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
-        optional[name] = fns._generate_steps.lower(params, table, decode_steps, greedy, True)
+        optional[name] = fns._generate_steps.lower(params, table, decode_steps, greedy)
   return optional | {
     "empty_table": fns.empty_table.lower(),
     "empty_prefill": fns.empty_prefill.lower(),

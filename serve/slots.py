@@ -207,13 +207,10 @@ class SlotBackend(Protocol):
     (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
     ...
 
-  def generate(
-    self, params, table: SlotTable, steps: int = 1, greedy: bool = False, keep_finished: bool = True
-  ):
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
     """Advance every slot by `steps` sampled tokens. Returns (table, packed StepOutput of the slots), for
-    steps > 1 a packed StepsOutput over `steps` positions; greedy: every slot in use is greedy and wants
-    no logprobs; keep_finished: a slot whose next input ends it is left as it is (steps > 1). See
-    SlotFunctions.generate."""
+    steps > 1 a packed StepsOutput over `steps` positions in which a slot whose next input ends it is left
+    as it is; greedy: every slot in use is greedy and wants no logprobs. See SlotFunctions.generate."""
     ...
 
   def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
@@ -294,9 +291,9 @@ class SlotFunctions:
     self._decode = _jit(self._decode_logits, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
     self._generate_steps = (
-      jax.jit(self._steps, static_argnums=(2, 3, 4), donate_argnums=1)
+      jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1)
       if mesh is None
-      else jax.jit(self._steps, static_argnums=(2, 3, 4), donate_argnums=1, out_shardings=both)
+      else jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1, out_shardings=both)
     )
     self._verify = _jit(self._verify_drafts, donate=(1,), out=both)  # one program per draft length K
     # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
@@ -428,28 +425,25 @@ class SlotFunctions:
       logits=jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32),
     )
 
-  def generate(
-    self, params, table: SlotTable, steps: int = 1, greedy: bool = False, keep_finished: bool = True
-  ):
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
     """Advance every slot by `steps` tokens. Returns (table, packed output): one step's StepOutput, or for
     steps > 1 a StepsOutput over T = steps positions (StepsOutput.unpack(out, steps)), the tokens and draws
     of as many single steps.
 
     One step is two compiled calls, decode then sampling: compiled into one program on the CPU, the
     (untaken) sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots.
-    More steps are one compiled program per (steps, greedy, keep_finished), a scan of both: the host reads
-    back and delivers once per call. `greedy` (the caller's promise that every slot in use samples greedily
-    and wants no logprobs) leaves out the sampler and the logprob rows, whose untaken branches cost ~10% of
-    the call at 64 `tiny` slots on the CPU. With `keep_finished` (the state cache reads finished slots) a slot
-    whose next input ends it (a stop id, or its last allowed token) is left as it is, so a finished slot's
-    state holds its prompt and every output token but the last however many steps follow; that select over
-    the state costs about a pass over it per step (9% of the step of `small` at 64 slots). Without it a
-    finished slot runs on, as it does through single steps, at no cost."""
+    More steps are one compiled program per (steps, greedy), a scan of both: the host reads back and delivers
+    once per call. `greedy` (the caller's promise that every slot in use samples greedily and wants no
+    logprobs) leaves out the sampler and the logprob rows, whose untaken branches cost ~10% of the call at
+    64 `tiny` slots on the CPU. In it a slot whose next input ends it (a stop id, or its last allowed token)
+    does not advance (model.decode_step's live_B: no extra pass over the state), so a finished slot's state
+    holds its prompt and every output token but the last however many steps follow: what the state cache
+    copies out. (On GPUs such a call takes the XLA GLA step: the Pallas kernel has no rows that stand still.)"""
     # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
     # kernel (one device's program) knows to leave a multi-device table to XLA.
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
       if steps > 1:
-        return self._generate_steps(params, table, steps, greedy, keep_finished)
+        return self._generate_steps(params, table, steps, greedy)
       table, logits = self._decode(params, table)
     return self._sample(logits, table)
 
@@ -472,26 +466,17 @@ class SlotFunctions:
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), s.logprobs)
     return dataclasses.replace(table, tokens=tok, last_output_index=index), out
 
-  def _steps(self, params, table: SlotTable, steps: int, greedy: bool, keep_finished: bool):
+  def _steps(self, params, table: SlotTable, steps: int, greedy: bool):
     s = table.settings
 
     def one(table: SlotTable, _):
       ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)  # its input ends it
-      moved, logits = self._decode_logits(params, table)
-      moved, out = self._sample_step(logits, moved, greedy)
-
-      def keep(new, old, axis):
-        if not keep_finished:
-          return new
-        shape = [1] * new.ndim
-        shape[axis] = ended_S.shape[0]
-        return jnp.where(ended_S.reshape(shape), old, new)
-
-      kept = SlotTable(
-        model=jax.tree.map(keep, moved.model, table.model, self.axes),
-        tokens=keep(moved.tokens, table.tokens, 0),
-        last_output_index=keep(moved.last_output_index, table.last_output_index, 0),
-        settings=s,
+      logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=~ended_S)
+      moved, out = self._sample_step(logits, dataclasses.replace(table, model=state), greedy)
+      kept = dataclasses.replace(
+        moved,
+        tokens=jnp.where(ended_S, table.tokens, moved.tokens),
+        last_output_index=jnp.where(ended_S, table.last_output_index, moved.last_output_index),
       )
       return kept, out
 

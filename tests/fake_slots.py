@@ -212,9 +212,7 @@ class FakeSlots:
         getattr(table.settings, f.name)[s] = getattr(settings, f.name)[e]
     return table, self._output(h, tok, zero, settings).pack()
 
-  def generate(
-    self, params, table: SlotTable, steps: int = 1, greedy: bool = False, keep_finished: bool = True
-  ):
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
     del params
     self.calls["generate"] += 1
     if self.step_s:
@@ -226,7 +224,6 @@ class FakeSlots:
     for _ in range(steps):  # as SlotFunctions: a slot whose next input ends it is left as it is
       s = table.settings
       ended = (table.tokens[:, None] == s.stop_ids).any(-1) | (table.last_output_index + 1 >= s.max_tokens)
-      ended &= keep_finished
       moved, out = self._step(table, greedy)
       table = SlotTable(
         model=jax.tree.map(

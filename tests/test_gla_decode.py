@@ -48,6 +48,23 @@ def test_equals_reference_step_and_leaves_other_layers(impl, dtype, B):
     np.testing.assert_array_equal(new[other], table[other])
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla-neuron", "interpret"])
+def test_rows_not_live_keep_their_state_exactly(impl):
+  """live_B: live rows as without it, the others' state bit for bit as it was (the kernel asked for with
+  live_B takes the XLA step)."""
+  q, k, v, g, table = _inputs(5, jnp.float32)
+  live = jnp.asarray([True, False, True, True, False])
+  o_ref, s_ref = gla.recurrent_simple_gla_step(q, k, v, g, table[1])
+  with platform.lowering_for("neuron" if impl == "xla-neuron" else platform.backend()):
+    o, new = gla_decode.gla_decode_layer(q, k, v, g, table, 1, impl=impl.removesuffix("-neuron"), live_B=live)
+  for b in (0, 2, 3):
+    np.testing.assert_allclose(o[b], o_ref[b], rtol=1e-5, atol=1e-5 * float(jnp.abs(o_ref).max()))
+    np.testing.assert_allclose(new[1, b], s_ref[b], rtol=1e-5, atol=1e-5 * float(jnp.abs(s_ref).max()))
+  np.testing.assert_array_equal(new[1, 1], table[1, 1])
+  np.testing.assert_array_equal(new[1, 4], table[1, 4])
+  np.testing.assert_array_equal(new[0], table[0])
+
+
 def test_kernel_under_jit_with_traced_layer_and_donated_table():
   q, k, v, g, table = _inputs(8, jnp.float32)
   f = jax.jit(functools.partial(gla_decode.gla_decode_layer, impl="interpret", block_b=4), donate_argnums=4)

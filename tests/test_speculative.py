@@ -67,6 +67,40 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(mixers):
     nxt = np.asarray(jnp.argmax(w, -1), np.int32)
 
 
+@pytest.mark.parametrize("mixers", ["G", "GSA"])
+def test_decode_step_rows_not_live_do_not_advance(mixers):
+  """decode_step with live_B: live rows as without it; a row that is not live keeps its GLA state and position
+  bit for bit, and the steps after it give what they give from the state before (its rings and KV cache took
+  the token only in the slot its next token writes first)."""
+  cfg = _cfg(mixers)
+  params = model.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(0, cfg.vocab_size, (B, max(PROMPTS))).astype(np.int32)
+  _, state = model.prefill(params, model.init_state(cfg, B, MAX_LEN), prompt, np.asarray(PROMPTS), cfg=cfg)
+  tokens = rng.integers(0, cfg.vocab_size, (B, 4)).astype(np.int32)
+  step = jax.jit(lambda p, s, t: model.decode_step(p, s, t, cfg=cfg))
+  masked = jax.jit(lambda p, s, t, live: model.decode_step(p, s, t, cfg=cfg, live_B=live))
+  live = np.asarray([True, False, True])
+  want_logits, want = step(params, state, tokens[:, 0])
+  got_logits, got = masked(params, state, tokens[:, 0], live)
+  np.testing.assert_allclose(got_logits[live], want_logits[live], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got.pos, np.asarray(PROMPTS) + live)
+  np.testing.assert_array_equal(got.gla[:, 1], state.gla[:, 1])
+  np.testing.assert_allclose(got.gla[:, live], want.gla[:, live], rtol=1e-5, atol=1e-5)
+  # then every row decodes on: row 1 as from the state before the step, the others as from `want`
+  before, after = state, want
+  for j in range(1, 4):
+    (a, got), (w_live, after), (w_dead, before) = (
+      step(params, got, tokens[:, j]),
+      step(params, after, tokens[:, j]),
+      step(params, before, tokens[:, j]),
+    )
+    np.testing.assert_allclose(a[live], w_live[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a[1], w_dead[1], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="live_B has shape"):
+    model.decode_step(params, state, tokens[:, 0], cfg=cfg, live_B=np.ones((2,), bool))
+
+
 def test_verify_refuses_a_single_token_and_commit_an_impossible_length():
   cfg = _cfg("G")
   params = model.init_params(cfg, jax.random.key(0))
