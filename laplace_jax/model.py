@@ -435,7 +435,8 @@ def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig, liv
   live_B (bool [B], None: every row): a row that is not live does not advance: its GLA state and position are
   kept exactly and its logits are meaningless. Its conv ring, window ring or attention cache takes the token
   in the slot its next token overwrites before anything reads it, so whatever follows is as if the step had
-  not happened (a batch whose finished sequences must keep their states, at no extra pass over them)."""
+  not happened (a batch whose finished sequences must keep their states, at no extra pass over them). A row
+  whose attention cache is full, which can take no next token, has that write clamped onto its last row."""
   B = jnp.shape(tokens_B)[0] if jnp.ndim(tokens_B) == 1 else None
   if B is None:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_B)}: expected [B], one token per sequence.")
