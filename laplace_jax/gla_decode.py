@@ -105,10 +105,13 @@ def _pallas(q, k, v, g_gamma, table, layer, *, scale, block_b, interpret):
   )(layer_1, lam_H, q, k, v, table)
 
 
-def _decays(g_gamma, live_B):
-  """Each row's per-head decay: λ = exp(g), or 1 for a row that is not live (λ [H], or [B, H] with live_B)."""
-  lam_H = jnp.exp(jnp.asarray(g_gamma, F32))
-  return lam_H if live_B is None else jnp.where(live_B[:, None], lam_H[None, :], F32(1))
+def _decays_and_keys(g_gamma, k, live_B):
+  """(λ, k in fp32) for S' = λ·S + k vᵀ: λ = exp(g) per head [H], or with live_B per row and head [B, H], 1 for
+  a row that is not live, whose keys are zeroed too, so its state stays as it was."""
+  lam_H, k = jnp.exp(jnp.asarray(g_gamma, F32)), k.astype(F32)
+  if live_B is None:
+    return lam_H, k
+  return jnp.where(live_B[:, None], lam_H[None, :], F32(1)), jnp.where(live_B[:, None, None], k, F32(0))
 
 
 def _xla(q, k, v, g_gamma, table, layer, *, scale, live_B=None):
@@ -124,10 +127,8 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale, live_B=None):
   copy (CopyInsertion otherwise copies the table for the unordered reader). A row that is not live (live_B
   false) keeps its state: decay 1 and no k vᵀ, elementwise in the same fusion.
   """
-  out_dtype, lam = v.dtype, _decays(g_gamma, live_B)  # [H] or [B, H]
-  q, k, v = q.astype(F32) * scale, k.astype(F32), v.astype(F32)
-  if live_B is not None:
-    k = jnp.where(live_B[:, None, None], k, F32(0))
+  out_dtype, (lam, k) = v.dtype, _decays_and_keys(g_gamma, k, live_B)  # λ [H] or [B, H]
+  q, v = q.astype(F32) * scale, v.astype(F32)
   s1 = jax.lax.dynamic_slice_in_dim(table, layer, 1, 0)  # [1, B, H, K, V]
   qk = jnp.broadcast_to((q * k)[None, ..., None], s1.shape)
   qs, qk = jax.lax.reduce(
@@ -141,11 +142,9 @@ def _xla(q, k, v, g_gamma, table, layer, *, scale, live_B=None):
 
 def _xla_einsum(q, k, v, g_gamma, table, layer, *, scale, live_B=None):
   """The step with single-operand reductions only (for Neuron): S' = λ·S + k vᵀ, o = scale·qᵀS' (an einsum)."""
-  lam = _decays(g_gamma, live_B)
-  lam_BxH = lam[None, :] if live_B is None else lam
-  k = k.astype(F32) if live_B is None else jnp.where(live_B[:, None, None], k.astype(F32), F32(0))
+  lam, k = _decays_and_keys(g_gamma, k, live_B)  # λ [H] or [B, H]
   s = jax.lax.dynamic_index_in_dim(table, layer, 0, keepdims=False)  # [B, H, K, V]
-  s = lam_BxH[:, :, None, None] * s + jnp.einsum("bhk,bhv->bhkv", k, v.astype(F32))
+  s = lam[..., None, None] * s + jnp.einsum("bhk,bhv->bhkv", k, v.astype(F32))
   o = jnp.einsum("bhk,bhkv->bhv", q.astype(F32) * scale, s)
   return o.astype(v.dtype), jax.lax.dynamic_update_index_in_dim(table, s, layer, 0)
 

@@ -437,9 +437,9 @@ def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig, liv
   in the slot its next token overwrites before anything reads it, so whatever follows is as if the step had
   not happened (a batch whose finished sequences must keep their states, at no extra pass over them). A row
   whose attention cache is full, which can take no next token, has that write clamped onto its last row."""
-  B = jnp.shape(tokens_B)[0] if jnp.ndim(tokens_B) == 1 else None
-  if B is None:
+  if jnp.ndim(tokens_B) != 1:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_B)}: expected [B], one token per sequence.")
+  B = jnp.shape(tokens_B)[0]
   if live_B is not None and jnp.shape(live_B) != (B,):
     raise ValueError(f"live_B has shape {jnp.shape(live_B)}: expected [B] = [{B}], one flag per sequence.")
   check_state(state, cfg, B)

@@ -447,8 +447,8 @@ class SlotFunctions:
       table, logits = self._decode(params, table)
     return self._sample(logits, table)
 
-  def _decode_logits(self, params, table: SlotTable):
-    logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg)
+  def _decode_logits(self, params, table: SlotTable, live_S=None):
+    logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=live_S)
     return dataclasses.replace(table, model=state), logits
 
   def _sample_next(self, logits, table: SlotTable):
@@ -471,8 +471,8 @@ class SlotFunctions:
 
     def one(table: SlotTable, _):
       ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)  # its input ends it
-      logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=~ended_S)
-      moved, out = self._sample_step(logits, dataclasses.replace(table, model=state), greedy)
+      moved, logits = self._decode_logits(params, table, live_S=~ended_S)
+      moved, out = self._sample_step(logits, moved, greedy)
       kept = dataclasses.replace(
         moved,
         tokens=jnp.where(ended_S, table.tokens, moved.tokens),

@@ -123,6 +123,11 @@ def reference(prompt, max_tokens: int, valid_vocab: int, *, temperature=0.0, top
   return out
 
 
+def _ends(tok, index, settings: SlotSettings):
+  """Whether output token tok, the index-th, ends its slot (a stop id, or max_tokens reached)."""
+  return (tok[:, None] == settings.stop_ids).any(-1) | (index + 1 >= settings.max_tokens)
+
+
 def _keep(ended_S, new, old, axis: int):
   """old where the slot ended, else new (ended_S along `axis`)."""
   shape = [1] * new.ndim
@@ -192,7 +197,7 @@ class FakeSlots:
     return PrefillRows(model=state, logits=None), PromptScores(logprob=chosen, top_logprobs=top, top_ids=ids)
 
   def _output(self, h, tok, index, settings: SlotSettings) -> StepOutput:
-    done = (tok[:, None] == settings.stop_ids).any(-1) | (index + 1 >= settings.max_tokens)
+    done = _ends(tok, index, settings)
     chosen, top, ids = logprobs(h, tok, self.valid_vocab)
     return StepOutput(token=tok, done=done, logprob=chosen, top_ids=ids, top_logprobs=top)
 
@@ -223,7 +228,7 @@ class FakeSlots:
     outs = []
     for _ in range(steps):  # as SlotFunctions: a slot whose next input ends it is left as it is
       s = table.settings
-      ended = (table.tokens[:, None] == s.stop_ids).any(-1) | (table.last_output_index + 1 >= s.max_tokens)
+      ended = _ends(table.tokens, table.last_output_index, s)  # its next input ends it
       moved, out = self._step(table, greedy)
       table = SlotTable(
         model=jax.tree.map(
