@@ -434,7 +434,8 @@ def run_overhead(args, out):
     n_calls = -(-args.steps // M)  # engine steps (calls) per round: about --steps tokens per slot
 
     def engine_calls(fns=engine.fns, calls=calls):  # the engine's compiled call: no pipelining, no host work
-      calls["table"], packed = fns.generate(params, calls["table"], M)
+      # greedy: the program the engine runs for these all-greedy requests (ignored for one step)
+      calls["table"], packed = fns.generate(params, calls["table"], M, greedy=True)
       packed.block_until_ready()
 
     engine_calls()
