@@ -193,7 +193,7 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
       "logprobs",
     )
   top = obj.get("top_logprobs")
-  if top is not None and (not protocol._is_int(top) or not 0 <= top <= 5):
+  if top is not None and (not protocol.is_int(top) or not 0 <= top <= 5):
     raise ApiError(
       400, f"'top_logprobs' is {protocol.show(top, 40)}: expected an integer in [0, 5].", "top_logprobs"
     )
@@ -207,7 +207,7 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
   for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
     if obj.get(name) is not None:
       v = obj[name]
-      if not protocol._is_int(v) or not 1 <= v <= limits.max_tokens:
+      if not protocol.is_int(v) or not 1 <= v <= limits.max_tokens:
         raise ApiError(
           400, f"'{name}' is {protocol.show(v, 40)}: expected an integer in [1, {limits.max_tokens}].", name
         )
@@ -219,7 +219,7 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
     body["logprobs"] = top or 0
   c = protocol.parse_settings(body, limits)  # every field checked before the messages are rendered
   try:
-    ids, _ = protocol._prompt_ids(template.encode(template.render(messages)), limits, template.encode)
+    ids, _ = protocol.prompt_ids_of(template.encode(template.render(messages)), limits, template.encode)
     c = protocol.with_prompts(c, [ids], [None], limits)
     c = protocol.with_prediction(c, obj, limits, template.tok.encode)
   except ApiError as e:
@@ -244,7 +244,7 @@ class Chat:
 
   async def completions(self, request):
     s = self.server
-    tenant = s._check_key(request)
+    tenant = s.check_key(request)
     obj = await s.read_json(request)
     s.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
     c = await asyncio.get_running_loop().run_in_executor(
@@ -265,7 +265,7 @@ class Chat:
 
   async def _whole(self, choices, c, meta):
     parts = {ch.index: [] for ch in choices}
-    async for ch, piece, _, _ in self.server._pieces(choices, c):
+    async for ch, piece, _, _ in self.server.pieces(choices, c):
       parts[ch.index].append(piece)
 
     def build():
@@ -278,7 +278,7 @@ class Chat:
         }
         for ch in choices
       ]
-      return {**meta, "object": "chat.completion", "choices": out, "usage": self.server._usage(c, choices)}
+      return {**meta, "object": "chat.completion", "choices": out, "usage": self.server.usage(c, choices)}
 
     return await self.server.json_reply(build)
 
@@ -304,7 +304,7 @@ class Chat:
               ]
             )
           )
-        async for ch, piece, reason, _ in self.server._pieces(choices, c):
+        async for ch, piece, reason, _ in self.server.pieces(choices, c):
           if piece:
             first, ch.sent = ch.sent, len(ch.out_ids)
             await send(
@@ -336,7 +336,7 @@ class Chat:
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:
-        await send(chunk([]) | {"usage": self.server._usage(c, choices)})
+        await send(chunk([]) | {"usage": self.server.usage(c, choices)})
       await resp.write(b"data: [DONE]\n\n")
       await resp.write_eof()
     except ConnectionResetError:  # the client left; run_completion frees the slots

@@ -72,7 +72,7 @@ class Completion:
     return self.prompts[0]
 
 
-def _is_int(x: object) -> TypeGuard[int]:
+def is_int(x: object) -> TypeGuard[int]:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -90,7 +90,7 @@ def show(v, n: int = 80) -> str:
     return f"a {type(v).__name__}"
 
 
-def _get(obj, name, default, check, expect):
+def get_field(obj, name, default, check, expect):
   v = obj.get(name, None)
   if v is None:
     return default
@@ -132,7 +132,7 @@ def count_choices(obj: dict) -> int:
   (429 when the server is full) is decided on it first. Malformed fields count 1; parsing refuses them."""
   p, n = obj.get("prompt"), obj.get("n")
   prompts = len(p) if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else 1
-  return prompts * (n if _is_int(n) and n > 1 else 1)
+  return prompts * (n if is_int(n) and n > 1 else 1)
 
 
 def choice_cap(limits: Limits) -> tuple[int, str]:
@@ -160,18 +160,18 @@ def _prompts(p, limits: Limits, encode: Callable[[str], list]) -> tuple[list, li
         f"({flags}). Send fewer per request.",
         "prompt",
       )
-    got = [_prompt_ids(x, limits, encode) for x in p]
+    got = [prompt_ids_of(x, limits, encode) for x in p]
     return [g for g, _ in got], [t for _, t in got]
-  ids, text = _prompt_ids(p, limits, encode)
+  ids, text = prompt_ids_of(p, limits, encode)
   return [ids], [text]
 
 
-def _prompt_ids(p, limits: Limits, encode: Callable[[str], list]):
+def prompt_ids_of(p, limits: Limits, encode: Callable[[str], list]):
   if isinstance(p, str):
     if not p:
       raise ApiError(400, "'prompt' is an empty string: expected text or token ids.", "prompt")
     ids = encode(p)
-  elif isinstance(p, list) and all(_is_int(t) for t in p):
+  elif isinstance(p, list) and all(is_int(t) for t in p):
     if not p:
       raise ApiError(400, "'prompt' is an empty list: expected at least one token id.", "prompt")
     bad = [t for t in p if not 0 <= t < limits.vocab_size]
@@ -283,39 +283,39 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
       f"model {show(model)} is not served here: this server serves '{limits.model_name}' (GET /v1/models).",
       "model",
     )
-  echo = _get(obj, "echo", False, lambda v: isinstance(v, bool), "true or false")
-  max_tokens = _get(
+  echo = get_field(obj, "echo", False, lambda v: isinstance(v, bool), "true or false")
+  max_tokens = get_field(
     obj,
     "max_tokens",
     16,
-    lambda v: _is_int(v) and 0 <= v <= limits.max_tokens,
+    lambda v: is_int(v) and 0 <= v <= limits.max_tokens,
     f"an integer in [0, {limits.max_tokens}] (0: score the prompt, with echo)",
   )
-  logprobs = _get(
+  logprobs = get_field(
     obj,
     "logprobs",
     None,
-    lambda v: _is_int(v) and 0 <= v <= 5,
+    lambda v: is_int(v) and 0 <= v <= 5,
     "an integer in [0, 5] (the top-n logprobs per token; 5 is the most)",
   )
   cap, flags = choice_cap(limits)
-  n = _get(obj, "n", 1, lambda v: _is_int(v) and 1 <= v <= cap, f"an integer in [1, {cap}] ({flags})")
+  n = get_field(obj, "n", 1, lambda v: is_int(v) and 1 <= v <= cap, f"an integer in [1, {cap}] ({flags})")
   temperature = float(
-    _get(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]")
+    get_field(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]")
   )
-  top_p = float(_get(obj, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
-  top_k = _get(
+  top_p = float(get_field(obj, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
+  top_k = get_field(
     obj,
     "top_k",
     0,
-    lambda v: _is_int(v) and -1 <= v <= INT32_MAX,
+    lambda v: is_int(v) and -1 <= v <= INT32_MAX,
     f"an integer in [-1, {INT32_MAX}] (0 or -1: off; the vocabulary size or more: off)",
   )
-  seed = _get(
-    obj, "seed", None, lambda v: _is_int(v) and -(2**63) <= v < 2**64, "an integer in [-2**63, 2**64)"
+  seed = get_field(
+    obj, "seed", None, lambda v: is_int(v) and -(2**63) <= v < 2**64, "an integer in [-2**63, 2**64)"
   )
   seed = None if seed is None else seed % 2**64
-  stop = _get(
+  stop = get_field(
     obj,
     "stop",
     [],
@@ -323,24 +323,24 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
     f"a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS}",
   )
   stop = [stop] if isinstance(stop, str) else list(stop)
-  ignore_eos = _get(obj, "ignore_eos", False, lambda v: isinstance(v, bool), "true or false")
+  ignore_eos = get_field(obj, "ignore_eos", False, lambda v: isinstance(v, bool), "true or false")
   room = limits.max_stop_ids - (0 if ignore_eos or limits.eos_id is None else 1)
-  stop_ids = _get(
+  stop_ids = get_field(
     obj,
     "stop_token_ids",
     [],
     lambda v: (
-      isinstance(v, list) and len(v) <= room and all(_is_int(t) and 0 <= t < limits.vocab_size for t in v)
+      isinstance(v, list) and len(v) <= room and all(is_int(t) and 0 <= t < limits.vocab_size for t in v)
     ),
     f"a list of at most {room} token ids in [0, {limits.vocab_size})",
   )
   if not ignore_eos and limits.eos_id is not None and limits.eos_id not in stop_ids:
     stop_ids = [*stop_ids, limits.eos_id]
-  stream = _get(obj, "stream", False, lambda v: isinstance(v, bool), "true or false")
-  opts = _get(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
-  include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
-  return_ids = _get(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
-  cache_salt = _get(
+  stream = get_field(obj, "stream", False, lambda v: isinstance(v, bool), "true or false")
+  opts = get_field(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
+  include_usage = get_field(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
+  return_ids = get_field(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
+  cache_salt = get_field(
     obj,
     "cache_salt",
     None,

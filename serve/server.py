@@ -24,7 +24,7 @@ from serve.protocol import ApiError
 from serve.tenants import Tenants, name_of_key
 from serve.text import TextStream
 
-TENANT = web.RequestKey("tenant", str)  # set by Server._check_key
+TENANT = web.RequestKey("tenant", str)  # set by Server.check_key
 log = logging.getLogger(__name__)
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD = frozenset({"", "0.0.0.0", "::"})
@@ -181,7 +181,7 @@ class Server:
       )
     return await handler(request)
 
-  def _check_key(self, request) -> str:
+  def check_key(self, request) -> str:
     """The request's tenant ('' without keys; also kept as request["tenant"]); 401 for a missing or wrong key."""
     tenant = self.tenants.authenticate(request.headers.get("Authorization"))
     if tenant is None:
@@ -207,11 +207,11 @@ class Server:
     }
 
   async def models(self, request):
-    self._check_key(request)
+    self.check_key(request)
     return web.json_response({"object": "list", "data": [self._model_card()]})
 
   async def model_info(self, request):
-    self._check_key(request)
+    self.check_key(request)
     name = request.match_info["model_id"]
     if name != self.limits.model_name:
       raise ApiError(
@@ -225,7 +225,7 @@ class Server:
   async def metrics(self, request):
     """Prometheus text. With keys it needs one, and the state cache's hit counters are the caller's
     tenant's only (labelled tenant="..."); the rest are server-wide load figures."""
-    tenant = self._check_key(request)
+    tenant = self.check_key(request)
     e, s = self.engine, self.engine.stats
     rows = [
       (
@@ -336,7 +336,7 @@ class Server:
     ]
 
   async def completions(self, request):
-    tenant = self._check_key(request)
+    tenant = self.check_key(request)
     obj = await self.read_json(request)
     self.admit(protocol.count_choices(obj), tenant)
     # Tokenizing a long prompt takes a while (a 3.6 MB prompt: 0.26 s): off the event loop, so every open
@@ -428,7 +428,7 @@ class Server:
         if ch.req is not None and ch.req.progress.finish_reason is None:
           self.engine.cancel(ch.req)
 
-  async def _pieces(self, choices: list, c: protocol.Completion):
+  async def pieces(self, choices: list, c: protocol.Completion):
     """Yield (choice, text, finish_reason or None, first new token index) as the engine delivers."""
     live = set(choices)
     events = choices[0].events
@@ -495,7 +495,7 @@ class Server:
       out["top_logprobs"].append(None if pair is None else {word(i): v for i, v in pair[1][: c.logprobs]})
     return out
 
-  def _usage(self, c, choices):
+  def usage(self, c, choices):
     """OpenAI's usage: each prompt counted once (its choices share one prefill), and of those tokens the
     ones restored from the state cache (prompt_tokens_details.cached_tokens)."""
     prompt = sum(len(p) for p in c.prompts)
@@ -519,7 +519,7 @@ class Server:
 
   async def _whole(self, choices, c, meta):
     parts = collections.defaultdict(list)
-    async for ch, piece, _, _ in self._pieces(choices, c):
+    async for ch, piece, _, _ in self.pieces(choices, c):
       parts[ch.index].append(piece)
 
     def build():
@@ -535,7 +535,7 @@ class Server:
         if c.return_token_ids:
           choice["token_ids"] = ch.out_ids
         out.append(choice)
-      return {**meta, "object": "text_completion", "choices": out, "usage": self._usage(c, choices)}
+      return {**meta, "object": "text_completion", "choices": out, "usage": self.usage(c, choices)}
 
     return await self.json_reply(build)
 
@@ -547,7 +547,7 @@ class Server:
     send = lambda obj: resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
     try:
       try:
-        async for ch, piece, reason, _ in self._pieces(choices, c):
+        async for ch, piece, reason, _ in self.pieces(choices, c):
           head = ch.prompt_text if c.echo and not ch.echoed else ""
           if not (piece or head or reason):
             continue  # tokens with no text yet ride with the next event
@@ -569,7 +569,7 @@ class Server:
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:
-        await send({**meta, "object": "text_completion", "choices": [], "usage": self._usage(c, choices)})
+        await send({**meta, "object": "text_completion", "choices": [], "usage": self.usage(c, choices)})
       await resp.write(b"data: [DONE]\n\n")
       await resp.write_eof()
     except ConnectionResetError:  # the client left; `completions` frees the slots

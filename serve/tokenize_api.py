@@ -24,7 +24,7 @@ from serve.protocol import ApiError
 
 
 def _flag(obj, name, default):
-  return protocol._get(obj, name, default, lambda v: isinstance(v, bool), "true or false")
+  return protocol.get_field(obj, name, default, lambda v: isinstance(v, bool), "true or false")
 
 
 def _check_model(obj, limits):
@@ -85,7 +85,7 @@ class TokenizerRoutes:
     _check_model(obj, self.server.limits)
     ids, vocab, most = obj.get("tokens"), self.server.limits.vocab_size, self.max_model_len
     if not (
-      isinstance(ids, list) and len(ids) <= most and all(protocol._is_int(t) and 0 <= t < vocab for t in ids)
+      isinstance(ids, list) and len(ids) <= most and all(protocol.is_int(t) and 0 <= t < vocab for t in ids)
     ):
       raise ApiError(
         400,
@@ -95,7 +95,7 @@ class TokenizerRoutes:
     return {"prompt": self.server.tok.token_bytes(ids).decode("utf-8", "replace")}
 
   async def _run(self, request, fn):
-    self.server._check_key(request)
+    self.server.check_key(request)
     obj = await self.server.read_json(request)
     out = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(obj))
     return web.json_response(out)
@@ -107,7 +107,7 @@ class TokenizerRoutes:
     return await self._run(request, self._detokenize)
 
   async def info(self, request):
-    self.server._check_key(request)
+    self.server.check_key(request)
     eos = self.template.eos
     return web.json_response(
       {
