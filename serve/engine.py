@@ -111,6 +111,7 @@ class Progress:
   submitted_at: float = 0.0
   first_token_at: float | None = None
   cancelled: bool = False
+  keep: int | None = None  # cancelled with output tokens to keep (Engine.cancel's keep)
   slot: int | None = None  # the slot it decodes in, while it does
   cached_tokens: int = 0  # prompt tokens restored from the state cache instead of prefilled
   prediction_at: int | None = 0  # where the output stands in prediction_ids (None: not aligned with it)
@@ -346,10 +347,13 @@ class Engine:
   def _members(r: Request) -> list:
     return [r, *r.siblings]
 
-  def cancel(self, req: Request):
-    """Stop a request (client gone); its slot is freed on the engine's next step."""
+  def cancel(self, req: Request, keep: int | None = None):
+    """Stop a request (client gone, or a stop string matched); its slot is freed on the engine's next step.
+    keep: how many output tokens the conversation goes on from (a stop string cuts the text before it):
+    with a state cache, the state after the prompt and exactly those tokens is kept."""
     with self._lock:
       req.progress.cancelled = True
+      req.progress.keep = keep
       self._cancels.append(req)
     self._wake.set()
 

@@ -464,14 +464,29 @@ class Server:
           if ch.text.stopped:
             break
         if ch.text.stopped:
-          self.engine.cancel(ch.req)
+          ch.kept = self._tokens_before(ch.out_ids, ch.text.sent_bytes)
+          self.engine.cancel(ch.req, keep=ch.kept)
           reason = "stop"
+        elif reason == "stop" and ch.out_ids and ch.out_ids[-1] in c.stop_ids:
+          ch.kept = len(ch.out_ids) - 1
         elif reason is not None:
+          ch.kept = len(ch.out_ids)
+        if reason is not None and not ch.text.stopped:
           piece += ch.text.close()
         if reason is not None:
           live.discard(ch)
           ch.finish = reason
         yield ch, piece, reason, first
+
+  def _tokens_before(self, ids: list, n_bytes: int) -> int:
+    """How many of `ids` lie wholly inside the first n_bytes of their text: the tokens a reply cut by a
+    stop string keeps (a client re-sends the text before the stop string)."""
+    total = 0
+    for j, t in enumerate(ids):
+      total += len(self.tok.token_bytes([t]))
+      if total > n_bytes:
+        return j
+    return len(ids)
 
   def _logprobs(self, ch, c, first: int, with_prompt: bool):
     """OpenAI's logprobs object for output tokens [first:] (and the echoed prompt's tokens before them)."""
@@ -591,6 +606,9 @@ class _Choice:
     self.offset = 0  # text_offset of the next token
     self.echoed = False  # streaming: the prompt was sent
     self.sent = 0  # streaming: output tokens sent so far
+    # Once finished: how many output tokens the reply's text holds (a stop id and the tokens of a stop
+    # string and past it are not its), the ids a conversation continues from after the prompt.
+    self.kept = 0
 
   def put_nowait(self, item):
     self.events.put_nowait((self, *item))

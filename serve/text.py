@@ -51,6 +51,7 @@ class TextStream:
     self._stops = [_Stop(s) for s in dict.fromkeys(stops) if s]
     self._firsts = {s.s[0] for s in self._stops}
     self.held = ""  # decoded text not sent yet: the tail that could still begin a stop string
+    self.sent_bytes = 0  # UTF-8 bytes of the text returned so far (all of it once closed or stopped)
     self.stopped = False
 
   def feed(self, ids: Sequence[int]) -> str:
@@ -66,6 +67,11 @@ class TextStream:
     return self._scan(self._utf8.decode(b"", final=True), final=True)
 
   def _scan(self, new: str, final: bool) -> str:
+    out = self._cut(new, final)
+    self.sent_bytes += len(out.encode("utf-8", "surrogatepass"))
+    return out
+
+  def _cut(self, new: str, final: bool) -> str:
     text = self.held + new
     if not self._stops:
       self.held = ""

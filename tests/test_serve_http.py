@@ -207,7 +207,7 @@ def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
   class StubEngine:
     cancelled = []
 
-    def cancel(self, req):
+    def cancel(self, req, keep=None):
       self.cancelled.append(req)
 
   limits = protocol.Limits(
