@@ -10,7 +10,9 @@ base model (trained on plain text, no chat tokens), is plain text:
 
     System: {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}\\n\\nUser: {user}\\n\\nAssistant:
 
-and, with it, every request also stops at "\\n\\nUser:" (where a base model starts the next turn).
+(an assistant message that begins with a space or a newline, as a reply generated after "Assistant:" does,
+follows the colon as it is: the history a client re-sends renders into the text the model produced), and,
+with it, every request also stops at "\\n\\nUser:" (where a base model starts the next turn).
 Special-token text the rendered prompt holds ("<|endoftext|>") becomes the special token, as in
 Hugging Face's and vLLM's chat paths.
 """
@@ -27,9 +29,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from serve import protocol
 from serve.protocol import ApiError
 
+# A reply is rendered after "Assistant:" as it was generated (it begins with its own space), so a re-sent
+# history tokenizes into the ids the model consumed; other content gets one space after the colon.
 DEFAULT_TEMPLATE = (
   "{% for m in messages %}"
-  "{{ m['role'] | capitalize }}: {{ m['content'] }}"
+  "{{ m['role'] | capitalize }}:"
+  "{% if m['role'] == 'assistant' and m['content'][:1] in [' ', '\n'] %}{{ m['content'] }}"
+  "{% else %}{{ ' ' + m['content'] }}{% endif %}"
   "{% if not loop.last or add_generation_prompt %}{{ '\\n\\n' }}{% endif %}"
   "{% endfor %}"
   "{% if add_generation_prompt %}Assistant:{% endif %}"

@@ -93,6 +93,9 @@ class Request:
   # engine drafts from them and verifies the drafts in one pass; the output is the same with or without.
   prediction_ids: Sequence[int] = ()
   context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
+  # The engine's own: prefill the prompt only to keep its state in the cache (max_tokens 0, not counted in
+  # the engine's request counters): a conversation's state where its slot's state ran past it.
+  cache_only: bool = False
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   progress: Progress = dataclasses.field(default_factory=lambda: Progress(), init=False, repr=False)
 
@@ -155,10 +158,10 @@ class Pending(NamedTuple):
   step: int = -1  # generate and verify: the engine's call count at dispatch
   timed: bool = False  # and whether its time is its own (no prefill was dispatched beside it)
 
-  def runs_finished_slots_on(self) -> bool:
-    """Whether this call feeds a slot whose next input ended it (a single generate step or a verify do;
-    a generate of several steps leaves such a slot as it is)."""
-    return self.kind == "verify" or (self.kind == "gen" and self.width == 1)
+  def runs_finished_slots_on(self, hold_ended: bool) -> bool:
+    """Whether this call feeds a slot whose next input ended it (a verify does, a single generate step
+    unless the slot functions hold ended slots; a generate of several steps leaves such a slot as it is)."""
+    return self.kind == "verify" or (self.kind == "gen" and self.width == 1 and not hold_ended)
 
 
 class Engine:
@@ -192,8 +195,8 @@ class Engine:
     make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
     """Keyword arguments named as `serve.engine_config.EngineConfig`'s fields are described there.
-    `make_slots(model, cfg, n_slots=, prefill_batch=, n_stop=, valid_vocab=, mesh=, max_context=)` builds
-    the slot functions."""
+    `make_slots(model, cfg, n_slots=, prefill_batch=, n_stop=, valid_vocab=, mesh=, max_context=,
+    hold_ended=)` builds the slot functions (hold_ended: with a state cache)."""
     if model is None:
       model = laplace_model
     if n_slots is None:
@@ -242,6 +245,7 @@ class Engine:
       valid_vocab=self.valid_vocab,
       mesh=mesh,
       max_context=max_context,
+      hold_ended=state_cache is not None,
     )
     self.on_deliver = on_deliver or (lambda deliveries: None)
     self.table = self.fns.empty_table()
@@ -509,7 +513,7 @@ class Engine:
     if self.state_io is not None and live:
       self.read_back_all()
       live = [r for r in live if r.progress.finish_reason is None]
-      self.state_io.copy_out(self.table.model, [(r, len(r.progress.output_ids) - 1) for r in live])
+      self._keep_states(live, fed=lambda r: len(r.progress.output_ids) - 1, keep=lambda r: r.progress.keep)
     for r in cancels:
       if r.progress.finish_reason is None:
         self._finish(r, "cancelled")
@@ -517,11 +521,39 @@ class Engine:
     if out:
       self.on_deliver(out)
 
+  def _keep_states(self, reqs, fed: Callable[[Request], int], keep: Callable[[Request], int | None]):
+    """Copy these slots' states into the cache. fed(r): how many output tokens r's state has consumed;
+    keep(r): how many its conversation goes on from (None: fed(r)). Where the state ran past them, the
+    prompt and those tokens are prefilled again in a cache-only request."""
+    exact, again = [], []
+    for r in reqs:
+      n, k = fed(r), keep(r)
+      if k is None or k >= n:
+        exact.append((r, n))
+      elif k > 0:  # (0: the prompt's own state is kept at the end of its prefill)
+        again.append(
+          Request(
+            prompt_ids=list(r.prompt_ids) + r.progress.output_ids[:k],
+            max_tokens=0,
+            tenant=r.tenant,
+            cache_salt=r.cache_salt,
+            cache_only=True,
+          )
+        )
+    assert self.state_io is not None
+    self.state_io.copy_out(self.table.model, exact)
+    if again:  # first in the queue: the conversation's next turn, if already queued, restores their states
+      with self._lock:
+        for r in again:
+          self.queue.appendleft(r)
+          self._waiting[r.tenant] += 1
+
   def _finish(self, r: Request, reason: str):
     r.progress.finish_reason = reason
     if r.progress.slot is not None and self.slot_req[r.progress.slot] is r:
       self.slot_req[r.progress.slot] = None
-    self.stats["finished"] += 1
+    if not r.cache_only:
+      self.stats["finished"] += 1
     r.progress.done.set()
 
   def _advance_prefill(self):
@@ -580,6 +612,8 @@ class Engine:
         r = self.queue[i]
         if used + need(r) > len(free):
           break
+        if self.state_io is not None and any(self.state_io.waits_for(t, r) for t in take):
+          break  # its prefix's state is being made in this batch: the next batch restores it
         del self.queue[i]
         self._dequeued(r)
         used += need(r)
@@ -623,6 +657,8 @@ class Engine:
     each choice's first token; choices with max_tokens 0 (echo scoring) finish here without a slot."""
     if pf.scored:
       self._score_prompts(pf)
+    if self.state_io is not None:
+      self.state_io.copy_prompt_ends(pf)
     entries, free, done = [], iter(pf.slots), []  # (row, slot or None, request)
     for i, r in enumerate(pf.reqs):
       for m in self._members(r):
@@ -732,11 +768,14 @@ class Engine:
     if finished and self.state_io is not None:
       # A finished slot's state holds its prompt and every output token but the last, and the last too once
       # the call in flight has fed it (a single step or a verify does; a call of several steps does not).
+      # A conversation goes on without a stop id that ended it.
       later = [x for x in self.pending if x.kind != "insert"]
       if len(later) <= 1:  # (one call at most is ever in flight behind the one read back)
-        extra = int(bool(later) and later[0].runs_finished_slots_on())
-        self.state_io.copy_out(
-          self.table.model, [(r, len(r.progress.output_ids) - 1 + extra) for r in finished]
+        extra = int(bool(later) and later[0].runs_finished_slots_on(self.fns.hold_ended))
+        self._keep_states(
+          finished,
+          fed=lambda r: len(r.progress.output_ids) - 1 + extra,
+          keep=lambda r: len(r.progress.output_ids) - (r.progress.finish_reason == "stop"),
         )
     self.stats["tokens"] += n_tokens
     self._rate.append((now, n_tokens))
@@ -860,7 +899,18 @@ class Engine:
     return self.drafter.drafts(self.slot_req, self.active_slots)
 
   def warmup(self):
-    """Compile every function by serving one short request to completion."""
+    """Compile every function by serving one short request to completion (nothing of it is cached)."""
+    state_io, self.state_io = self.state_io, None
+    try:
+      self._warm_calls()
+    finally:
+      self.state_io = state_io
+    if self.state_io is not None:
+      self.state_io.warm(self.table.model)
+    self.stats = dict.fromkeys(self.stats, 0)
+    self._rate.clear()
+
+  def _warm_calls(self):
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
     if self.decode_steps > 1:  # the generates of several steps, over slots that hold no request
       for greedy in (False, True):
@@ -872,7 +922,3 @@ class Engine:
       self.table, out = self.fns.verify(self.params, self.table, drafts, n)
       np.asarray(out)
     self.generate([Request(prompt_ids=[0], max_tokens=1, echo=True, logprobs=0)])  # the scored prefill
-    if self.state_io is not None:
-      self.state_io.warm(self.table.model)
-    self.stats = dict.fromkeys(self.stats, 0)
-    self._rate.clear()

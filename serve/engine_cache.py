@@ -4,9 +4,12 @@ rows into a small [L, E, ...] array (each leaf along its own sequence axis, `Dec
 `copy_to_host_async`, and a read once it has landed. The cache holds each row in the state's stored (flat)
 form, DecodeState.to_dict's, which its files keep.
 
-When a slot's state is copied: its request finished (read back) or was cancelled (a stop string), before
-anything can be inserted over it; the state has then consumed the prompt and one output token per generate
-step dispatched since the insert. Long prefills leave snapshots every `snapshot_every` chunks.
+When a state is copied: at the end of every prefill (the state after exactly the prompt); when a slot's
+request finished (read back) or was cancelled (a stop string), before anything can be inserted over it (the
+state has then consumed the prompt and one output token per generate step dispatched since the insert);
+and every `snapshot_every` chunks of a long prefill. Where a slot's state has run past the tokens its
+conversation goes on from (a stop string, a stop id), the engine prefills those tokens again from the
+prompt's state in a request of its own (`Request.cache_only`) whose prompt-end state is kept.
 """
 
 from __future__ import annotations
@@ -94,6 +97,27 @@ class StateCacheIO:
       rows.append(r.progress.slot)
       ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.progress.output_ids[:fed]))
     self._gather_async(table_model, rows, ids)
+
+  def copy_prompt_ends(self, pf):
+    """At the end of a prefill each row's state has consumed exactly its prompt: keep it, so that a later
+    prompt re-sending this one with a reply of other ids (its text re-tokenized, or cut at a stop string)
+    still skips this prompt."""
+    rows, ids = [], []
+    for i, r in enumerate(pf.reqs):
+      if len(r.prompt_ids) >= self.min_tokens:
+        rows.append(i)
+        ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids)))
+    self._gather_async(pf.state.model, rows, ids)
+
+  def waits_for(self, first, later) -> bool:
+    """Whether request `later` should not be prefilled beside `first` (in one batch): `first` only fills
+    the cache (Request.cache_only) with a state that is a prefix of `later`'s prompt, which `later`
+    restores once it has landed."""
+    return (
+      first.cache_only
+      and (first.tenant, first.cache_salt) == (later.tenant, later.cache_salt)
+      and _is_prefix(list(first.prompt_ids), later.prompt_ids)
+    )
 
   def snapshot(self, pf):
     """Mid-prompt snapshots of a long prefill every `snapshot_every` chunks, so later prompts sharing the

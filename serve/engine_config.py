@@ -25,8 +25,9 @@ class EngineConfig:
   """device-side stop ids per request (EOS included)"""
   snapshot_every: int = 8
   """long prompts leave a cached state every this many 128-token chunks"""
-  cache_min_tokens: int = 128
-  """the shortest sequence whose state is worth caching"""
+  cache_min_tokens: int = 1
+  """the shortest sequence whose state is cached (1: every prompt and reply, so short conversations resume
+  too)"""
   speculative_tokens: int = 0
   """drafted tokens verified per slot in one step, for requests with a prediction (0: off; one compiled
   verify per value)"""

@@ -104,6 +104,7 @@ def lower_for_target(
       valid_vocab=valid_vocab,
       mesh=mesh,
       max_context=max_context,
+      hold_ended=True,  # as served with a state cache (the default): the step with live_B
     )
     lowered = lower_engine(fns, abstract_params(cfg, mesh, params_dtype), speculative_tokens, decode_steps)
   return {name: low.as_text() for name, low in lowered.items()}

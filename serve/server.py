@@ -325,6 +325,12 @@ class Server:
         "States evicted for the byte budget.",
         [("", c.stats["evictions"])],
       ),
+      (
+        "state_cache_superseded_total",
+        "counter",
+        "States dropped because a conversation stored newer ones (the bound on states per conversation).",
+        [("", c.stats["superseded"])],
+      ),
       ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
       ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
       (

@@ -183,6 +183,7 @@ class SlotBackend(Protocol):
   n_slots: int
   prefill_batch: int
   n_stop: int  # stop ids per slot (SlotSettings.stop_ids' width)
+  hold_ended: bool  # a single generate step leaves a slot whose next input ends it as it is
   state_shape: Any  # one sequence's decode state (abstract): its layout is the state cache's
   axes: Any  # each state leaf's sequence axis, a DecodeState of ints
   state_bytes_per_slot: int
@@ -247,8 +248,13 @@ class SlotFunctions:
     mesh=None,
     branch_free: bool | None = None,
     max_context: int | None = None,
+    hold_ended: bool = False,
   ):
     self.model, self.cfg = model, cfg
+    # A single generate step leaves a slot whose next input ends it as it is, as a call of several steps
+    # does (model.decode_step's live_B): a finished slot's state then holds every token but its last for
+    # the state cache, whatever call follows. Off, the step runs without live_B (on GPUs, the Pallas kernel).
+    self.hold_ended = hold_ended
     self.max_context = max_context  # attention layers' KV cache length per slot (None: no 'A' layers)
     self.state_shape = jax.eval_shape(lambda: self._init_state(1))  # one sequence's decode state
     self.axes = self.state_shape.batch_axes()  # each leaf's sequence axis, a DecodeState of ints
@@ -288,7 +294,7 @@ class SlotFunctions:
       if mesh is None
       else sharding.batch_shardings(jax.ShapeDtypeStruct((n_slots, cfg.vocab_size), jnp.float32), mesh)
     )
-    self._decode = _jit(self._decode_logits, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
+    self._decode = _jit(self._decode_next, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
     self._generate_steps = (
       jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1)
@@ -446,6 +452,14 @@ class SlotFunctions:
         return self._generate_steps(params, table, steps, greedy)
       table, logits = self._decode(params, table)
     return self._sample(logits, table)
+
+  def _decode_next(self, params, table: SlotTable):
+    """One decode step of every slot (those whose next input ends them stand still with hold_ended)."""
+    s = table.settings
+    live_S = (
+      ~_done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids) if self.hold_ended else None
+    )
+    return self._decode_logits(params, table, live_S)
 
   def _decode_logits(self, params, table: SlotTable, live_S=None):
     logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=live_S)

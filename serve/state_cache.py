@@ -39,6 +39,7 @@ from laplace_jax.config import LAYOUT_NEUTRAL
 log = logging.getLogger(__name__)
 
 BLOCK = 64  # tokens per hash-chain block
+PREFIX_STATES = 2  # cached prefixes a newly stored state keeps (StateCache's bound per conversation)
 MAX_PENDING_WRITES = 64  # files queued for the writer; past it new entries stay in memory only
 MAGIC = b"LPLSTATE1\n"
 MARKER = "laplace-state-cache.json"
@@ -103,6 +104,7 @@ class Entry:
   state: dict  # DecodeState.to_dict's form {"gla": [L, ...], "conv": [L, ...], ...} numpy, one sequence
   key: str  # hash of (model, scope, ids): the file name on disk
   scope: str = ""  # scope_of(tenant, salt) of the requests that may restore it
+  parent: str | None = None  # key of the longest cached prefix of ids in the scope when it was stored
 
   @property
   def nbytes(self) -> int:
@@ -112,15 +114,27 @@ class Entry:
 class StateCache:
   """LRU by bytes of `Entry`s, looked up by longest cached prefix within a scope. Thread-safe.
 
+  A conversation keeps a bounded number of states: when a state is stored, its cached prefixes in the scope
+  beyond the `prefix_states` longest are dropped, with the states that branched off them and are not
+  prefixes of the new one (an earlier turn's reply its client re-sent as other ids). So a chain of turns
+  holds the newest state, `prefix_states` prefixes of it and the branches off those (the last replies).
+
   `layout` ({name: (dtype str, shape)}, one sequence's state) is what the engine restores; states and
   files of another layout are refused. The engine sets it (`check_layout`) when the caller did not."""
 
   def __init__(
-    self, model_id: str, budget_bytes: int, directory: str | None = None, layout: dict | None = None
+    self,
+    model_id: str,
+    budget_bytes: int,
+    directory: str | None = None,
+    layout: dict | None = None,
+    prefix_states: int = PREFIX_STATES,
   ):
     if budget_bytes < 0:
       raise ValueError(f"--state_cache_gb gives {budget_bytes} bytes: expected >= 0 (0 disables the cache).")
     self.model_id, self.budget = model_id, int(budget_bytes)
+    self.prefix_states = prefix_states
+    self.children: dict[str, set[str]] = collections.defaultdict(set)  # Entry.parent's inverse
     self.layout = None if layout is None else _norm_layout(layout)
     self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest first
     self.by_block: dict[bytes, set[str]] = collections.defaultdict(set)  # chain hash of floor(n/BLOCK) blocks
@@ -129,6 +143,7 @@ class StateCache:
       "hits": 0,
       "misses": 0,
       "evictions": 0,
+      "superseded": 0,
       "tokens_reused": 0,
       "stored": 0,
       "files_written": 0,
@@ -204,18 +219,24 @@ class StateCache:
       return False
     if self.layout is not None and _layout_of(state) != self.layout:
       raise ValueError(f"a state of layout {_layout_of(state)} in a cache of layout {self.layout}")
+    chain = self._chain(ids, len(ids) // BLOCK, scope)
     with self._lock:
       if e.key in self.entries:
         self.entries.move_to_end(e.key)
         return True
+      prefixes = self._prefixes(ids, scope, chain)
+      evicted = self._supersede(prefixes, e)
+      e.parent = prefixes[0].key if prefixes else None
+      if e.parent is not None:
+        self.children[e.parent].add(e.key)
       self.entries[e.key] = e
-      self.by_block[self._chain(ids, len(ids) // BLOCK, scope)[-1]].add(e.key)
+      self.by_block[chain[-1]].add(e.key)
       self.bytes += e.nbytes
       self.stats["stored"] += 1
-      evicted = []
       while self.bytes > self.budget:
         old = self.entries.popitem(last=False)[1]
         self._unindex(old)
+        self.stats["evictions"] += 1
         evicted.append(old)
     if self._writes is not None:
       for old in evicted:
@@ -227,13 +248,55 @@ class StateCache:
           self.stats["files_not_written"] += 1
     return True
 
+  def _prefixes(self, ids: np.ndarray, scope: str, chain: list[bytes]) -> list[Entry]:
+    """The scope's cached states whose ids are a strict prefix of `ids`, longest first (under the lock)."""
+    out = []
+    for h in chain:
+      for key in self.by_block.get(h, ()):
+        e = self.entries[key]
+        n = len(e.ids)
+        if e.scope == scope and n < len(ids) and np.array_equal(e.ids, ids[:n]):
+          out.append(e)
+    return sorted(out, key=lambda e: -len(e.ids))
+
+  def _supersede(self, prefixes: list[Entry], new: Entry) -> list[Entry]:
+    """Drop the prefixes of `new` past the `prefix_states` longest, and every state that grew from them
+    and is not one of the kept prefixes (under the lock); returns the dropped entries."""
+    keep = {e.key for e in prefixes[: self.prefix_states]}
+    todo = [e.key for e in prefixes[self.prefix_states :]]
+    dropped = []
+    while todo:
+      key = todo.pop()
+      if key in keep or key not in self.entries:
+        continue
+      todo += self.children.get(key, ())
+      e = self.entries.pop(key)
+      self._unindex(e)
+      self.stats["superseded"] += 1
+      dropped.append(e)
+    return dropped
+
   def _unindex(self, e: Entry):
+    """Forget an entry that left self.entries: its hash-chain slot, its bytes and its place among parents
+    and children (its children now hang from its parent). Under the lock."""
     h = self._chain(e.ids, len(e.ids) // BLOCK, e.scope)[-1]
     self.by_block[h].discard(e.key)
     if not self.by_block[h]:
       del self.by_block[h]
     self.bytes -= e.nbytes
-    self.stats["evictions"] += 1
+    kids = self.children.pop(e.key, set())
+    if e.parent is not None:
+      siblings = self.children.get(e.parent)
+      if siblings is not None:
+        siblings.discard(e.key)
+        if not siblings:
+          del self.children[e.parent]
+    for k in kids:
+      child = self.entries.get(k)
+      if child is not None:
+        child.parent = e.parent
+        if e.parent is not None:
+          self.children[e.parent].add(k)
 
   def check_layout(self, layout: dict):
     """The engine's state layout: set it, or refuse a cache built for another one. Entries of another
@@ -252,6 +315,7 @@ class StateCache:
         )
         del self.entries[e.key]
         self._unindex(e)
+        self.stats["evictions"] += 1
 
   def __len__(self):
     return len(self.entries)

@@ -35,7 +35,9 @@ CANDIDATES = 16
 # top-k and top-p all change which token comes out.
 LOGITS = -0.5 * np.arange(CANDIDATES, dtype=np.float64)
 FLOOR = -30.0
-_M = (1 << 61) - 1  # the hash's modulus (a Mersenne prime)
+_M = (
+  1 << 31
+) - 1  # the hash's modulus (a Mersenne prime under 2**31: the hash survives the int32 of a gather)
 
 
 def _mix(x):
@@ -140,9 +142,21 @@ class FakeSlots:
   gather and load) over hash states in numpy; constructed with SlotFunctions' arguments."""
 
   def __init__(
-    self, model, cfg, *, n_slots, prefill_batch, n_stop, valid_vocab, mesh=None, max_context=None, step_s=0.0
+    self,
+    model,
+    cfg,
+    *,
+    n_slots,
+    prefill_batch,
+    n_stop,
+    valid_vocab,
+    mesh=None,
+    max_context=None,
+    hold_ended=False,
+    step_s=0.0,
   ):
     del model, mesh, max_context
+    self.hold_ended = hold_ended
     self.step_s = step_s  # seconds each generate step sleeps, as a model's step takes time
     self.cfg, self.n_slots, self.prefill_batch, self.n_stop = cfg, n_slots, prefill_batch, n_stop
     self.valid_vocab = valid_vocab
@@ -222,7 +236,7 @@ class FakeSlots:
     self.calls["generate"] += 1
     if self.step_s:
       time.sleep(self.step_s * steps)
-    if steps == 1:
+    if steps == 1 and not self.hold_ended:
       table, out = self._step(table)
       return table, out.pack()
     outs = []
@@ -230,6 +244,11 @@ class FakeSlots:
       s = table.settings
       ended = _ends(table.tokens, table.last_output_index, s)  # its next input ends it
       moved, out = self._step(table, greedy)
+      if steps == 1:  # (hold_ended): SlotFunctions' single step holds the state, not the token and index
+        model = jax.tree.map(
+          lambda new, old, axis: _keep(ended, new, old, axis), moved.model, table.model, self.axes
+        )
+        return dataclasses.replace(moved, model=model), out.pack()
       table = SlotTable(
         model=jax.tree.map(
           lambda new, old, axis: _keep(ended, new, old, axis), moved.model, table.model, self.axes

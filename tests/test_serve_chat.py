@@ -10,6 +10,7 @@ import serve_fixtures as sf
 from serve_fixtures import KEY, call
 
 from serve import chat, protocol
+from serve.state_cache import StateCache
 
 HI = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 RENDERED = "System: Be brief.\n\nUser: Hello there\n\nAssistant:"
@@ -179,3 +180,50 @@ def test_a_bad_chat_template_stops_the_server_before_it_loads(tmp_path):
 
   with pytest.raises(SystemExit, match="--chat_template .*cannot read"):
     main(["--preset", "tiny", "--random-init", "--chat-template", str(tmp_path / "missing.jinja")])
+
+
+CHATML = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+  "template, stop, stream",
+  [(None, None, False), (None, ["e"], True), (CHATML, None, True), (CHATML, ["e"], False)],
+  ids=["default", "default-stop-streamed", "chatml-streamed", "chatml-stop"],
+)
+def test_each_later_turn_restores_at_least_the_previous_prompt(tok, template, stop, stream):
+  """A client re-sends each reply as received. The fake's replies are random ids, which re-tokenize into
+  other ids, as a model with random weights gives: each later turn still restores the whole previous
+  prompt from the state cache, with and without stop strings, with either template."""
+  engine = sf.fake_engine(n_slots=2, prefill_batch=2, state_cache=StateCache("fake", 1 << 30))
+  lim = sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=4000, max_prompts=8)
+  tmpl = chat.ChatTemplate(template, tok)
+  with sf.serving(engine, tok, lim, api_key=KEY, chat_template=tmpl) as (url, _):
+    messages = [{"role": "system", "content": "Be brief."}]
+    previous = 0
+    for turn in range(4):
+      messages.append({"role": "user", "content": f"Question {turn}: what follows " + "word " * 20})
+      body = {"messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": turn, "stop": stop}
+      if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+      st, out = call(url, path="/v1/chat/completions", body=body)
+      assert st == 200, out
+      if stream:
+        events = [json.loads(x) for x in out if x.startswith("{")]
+        reply = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+        usage = events[-1]["usage"]
+      else:
+        reply, usage = out["choices"][0]["message"]["content"], out["usage"]
+      assert usage["prompt_tokens_details"]["cached_tokens"] >= previous, (turn, usage, previous)
+      previous = usage["prompt_tokens"]
+      messages.append({"role": "assistant", "content": reply})
+    # Appended text: each prompt is the last one, its reply's text and more.
+    prompt, previous = "Once upon a time", 0
+    for turn in range(3):
+      st, out = call(url, body={"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop": stop})
+      assert st == 200, out
+      assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= previous
+      previous = out["usage"]["prompt_tokens"]
+      prompt += out["choices"][0]["text"] + f" and then {turn}"

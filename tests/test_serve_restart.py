@@ -88,9 +88,10 @@ def test_a_conversation_resumes_after_kill_9(tmp_path):
   try:
     out1 = _post(url, _turn(first))["choices"][0]["token_ids"]
     deadline = time.time() + 60
-    while _metric(url, "state_cache_files_written_total") < 1 and time.time() < deadline:
+    # Two states: where the prompt ends, and where the reply does.
+    while _metric(url, "state_cache_files_written_total") < 2 and time.time() < deadline:
       time.sleep(0.1)
-    assert _metric(url, "state_cache_files_written_total") >= 1
+    assert _metric(url, "state_cache_files_written_total") >= 2
   finally:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -100,14 +101,15 @@ def test_a_conversation_resumes_after_kill_9(tmp_path):
   try:
     got = _post(url, _turn(second))["choices"][0]["token_ids"]
     assert _metric(url, "state_cache_hits_total") == 1
-    assert _metric(url, "prompt_tokens_cached_total") == len(first) + len(out1)
-    assert _metric(url, "prompt_tokens_total") == 40
+    # A finished slot's state holds every output token but its last (serve.slots: hold_ended).
+    assert _metric(url, "prompt_tokens_cached_total") == len(first) + len(out1) - 1
+    assert _metric(url, "prompt_tokens_total") == 41
     # The reference: both turns prefilled in full, each under a salt of its own (never stored, so a miss)
     assert _post(url, _turn(first, cache_salt="ref-1"))["choices"][0]["token_ids"] == out1
     assert _post(url, _turn(second, cache_salt="ref-2"))["choices"][0]["token_ids"] == got
     assert _metric(url, "state_cache_hits_total") == 1
-    assert _metric(url, "prompt_tokens_cached_total") == len(first) + len(out1)
-    assert _metric(url, "prompt_tokens_total") == 40 + len(first) + len(second)
+    assert _metric(url, "prompt_tokens_cached_total") == len(first) + len(out1) - 1
+    assert _metric(url, "prompt_tokens_total") == 41 + len(first) + len(second)
   finally:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -168,3 +168,48 @@ def test_a_cached_state_has_consumed_exactly_the_tokens_it_is_cached_under(steps
     assert (
       state is not None and state["pos"] == n and state["conv"].ravel()[0] == np.int64(h).astype(np.int32)
     )
+
+
+def _consumed(state, ids) -> bool:
+  """Whether the fake's cached state has consumed exactly `ids`."""
+  h = 0
+  for t in ids:
+    h = fake_slots.consume(h, t)
+  return (
+    state is not None
+    and state["pos"] == len(ids)
+    and state["conv"].ravel()[0] == np.int64(h).astype(np.int32)
+  )
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_conversation_keeps_states_where_its_prompt_and_its_reply_text_end(steps):
+  """A client re-sends a reply as its text: cut before a stop string (its state ran past the cut) or
+  without the stop id that ended it. The cache then holds states that consumed exactly the prompt, and
+  exactly the prompt and the tokens the reply's text keeps (prefilled again from the prompt's state where
+  the slot's state ran past them); a later prompt that extends one restores it."""
+  cache = StateCache("fake-model", 1 << 30)
+  eng = sf.fake_engine(n_slots=4, prefill_batch=2, state_cache=cache, decode_steps=steps)
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, GPT2_VOCAB, n).tolist() for n in (5, 150)]
+  stop = _alone(dict(prompt_ids=prompts[1], max_tokens=12))[6]
+  cut = Request(prompt_ids=prompts[0], max_tokens=1000)
+  ended = Request(prompt_ids=prompts[1], max_tokens=12, stop_ids=[stop])
+  eng.submit_all([cut, ended])
+  for _ in range(8):
+    eng.step()
+  eng.cancel(cut, keep=3)  # the reply's text before a stop string holds its first 3 tokens
+  eng.run_until_idle()
+  eng.state_io.collect(block=True)
+  assert ended.progress.finish_reason == "stop" and len(ended.progress.output_ids) == 7
+  assert len(cut.progress.output_ids) > 4 and eng.stats["requests"] == eng.stats["finished"] == 2
+  for r, keep in ((cut, 3), (ended, 6)):
+    for ids in (list(r.prompt_ids), list(r.prompt_ids) + r.progress.output_ids[:keep]):
+      n, state = cache.lookup(ids + [1, 2], len(ids))
+      assert n == len(ids) and _consumed(state, ids), (r.progress.finish_reason, n, len(ids))
+  # The next turn restores the longest of them and gets the tokens a full prefill gives.
+  later = list(cut.prompt_ids) + cut.progress.output_ids[:3] + [9, 8, 7]
+  nxt = Request(prompt_ids=later, max_tokens=5)
+  eng.generate([nxt])
+  assert nxt.progress.cached_tokens == len(later) - 3
+  assert nxt.progress.output_ids == _alone(dict(prompt_ids=later, max_tokens=5))

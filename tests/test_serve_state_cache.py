@@ -307,3 +307,27 @@ def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params)
   finally:
     listening = False
   assert compiles == []
+
+
+@pytest.mark.parametrize("resent_as_generated", [True, False])
+def test_a_conversation_keeps_a_bounded_number_of_states(resent_as_generated):
+  """Twenty turns, each storing where its prompt and its reply end: the reply's state is a prefix of the
+  next prompt when the client re-sends the ids the model generated, a dead branch when they re-tokenize
+  otherwise. Either way the conversation holds a few states, its newest ones restore, and another
+  conversation's states are untouched."""
+  c = StateCache("m", budget_bytes=1000 * ENTRY_BYTES)
+  other = [7] * 70
+  c.put(other, _state(7))
+  prompt = list(range(100, 170))
+  for turn in range(20):
+    c.put(prompt, _state(turn))
+    reply = [1000 + turn] * 5
+    c.put(prompt + reply, _state(turn))
+    resent = reply if resent_as_generated else [2000 + turn] * 6
+    prompt = prompt + resent + [3000 + turn] * 30
+  assert len(c) - 1 == (3 if resent_as_generated else 4)
+  assert c.stats["evictions"] == 0 and c.stats["superseded"] > 30
+  c.put(prompt, _state(20))
+  assert c.lookup(prompt + [1], len(prompt))[0] == len(prompt)
+  assert c.lookup(prompt[:-30] + [5], len(prompt))[0] == len(prompt) - 30 - (0 if resent_as_generated else 6)
+  assert c.lookup(other + [1], 70)[0] == 70
