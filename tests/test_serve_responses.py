@@ -19,7 +19,6 @@ from serve_fixtures import AUTH, GPT2_VOCAB, KEY, call
 
 from laplace_jax import sharding
 from serve import response_store, state_cache
-from serve.engine import Request
 from serve.response_store import Record, ResponseStore
 from serve.state_cache import StateCache
 from serve.tenants import Tenants, name_of_key
@@ -142,6 +141,24 @@ def test_a_continuation_prefills_only_the_new_turn_after_the_exact_ids(served, t
   assert call(url, "DELETE", f"/v1/responses/{nxt['id']}")[0] == 404
   st, err = _create(url, input="x", previous_response_id=nxt["id"])
   assert st == 404 and err["error"]["param"] == "previous_response_id", err
+
+
+def test_a_reply_ended_by_a_stop_id_is_continued_without_it(tok):
+  """The stored ids are the prompt and the reply's kept tokens: a stop id (EOS here) is not one of them."""
+  prompt = tok.encode("User: Hi\n\nAssistant:")
+  ref = reference(prompt, 8, GPT2_VOCAB)
+  eos = next(t for i, t in enumerate(ref) if i >= 3 and t not in ref[:i])
+  engine = sf.fake_engine(n_slots=2, prefill_batch=2)
+  with sf.serving(engine, tok, sf.limits(tok, engine, eos_id=eos), api_key=KEY) as (url, server):
+    st, first = _create(url, input="Hi")
+    assert st == 200 and first["status"] == "completed" and first["incomplete_details"] is None, first
+    kept = ref[: ref.index(eos)]
+    assert first["usage"]["output_tokens"] == len(kept) + 1  # the stop id is counted, as chat counts it
+    assert server.response_store.get(KEY_TENANT, first["id"]).ids.tolist() == prompt + kept
+    st, nxt = _create(url, input="Go on", previous_response_id=first["id"])
+    assert st == 200 and nxt["usage"]["input_tokens"] == len(
+      prompt + kept + tok.encode("\n\nUser: Go on\n\nAssistant:")
+    )
 
 
 def test_keys_are_kept_apart_and_store_false_and_the_budget_drop_cleanly(served):
@@ -281,9 +298,10 @@ def test_stored_responses_survive_a_restart_beside_the_state_cache(tmp_path, cap
 @pytest.mark.slow
 def test_a_continuation_resumes_from_the_state_and_after_a_restart(tmp_path, tok):
   """The compiled tiny model with a state cache in a directory: a continuation restores the state the
-  previous response ended with (cached_tokens covers its ids but the last) and gives the tokens the engine
-  gives over the same ids without a cache; after a restart of the engine and server over the same directory
-  the same continuation gives the same tokens."""
+  previous response ended with (cached_tokens covers its ids but at most the last) and gives the tokens of a
+  full prefill of the same ids (the same server's completion under a cache_salt no state was stored for: a
+  scope that misses, as with no cache); after a restart of the engine and server over the same directory the
+  same continuation gives the same tokens."""
   cfg, params = sf.tiny(3)
   ident = state_cache.model_identity(cfg, params)
   make = sf.reused_slots()
@@ -291,7 +309,6 @@ def test_a_continuation_resumes_from_the_state_and_after_a_restart(tmp_path, tok
   # test_serve_state_cache's engine: within one run of the suite its programs come from the compile cache.
   mesh = sharding.make_mesh(data=1, fsdp=8)
   kw = dict(n_slots=8, prefill_batch=2, snapshot_every=2, cache_min_tokens=16, make_slots=make, mesh=mesh)
-  plain = sf.engine(params, cfg, state_cache=None, **kw)
 
   def serve():
     eng = sf.engine(params, cfg, state_cache=StateCache(ident, 1 << 30, d), **kw)
@@ -306,11 +323,21 @@ def test_a_continuation_resumes_from_the_state_and_after_a_restart(tmp_path, tok
     st, second = _create(url, input="More.", previous_response_id=first["id"], max_output_tokens=12)
     assert st == 200, second
     ids2 = server.response_store.get(KEY_TENANT, second["id"]).ids.tolist()
+    prompt2 = ids1 + tok.encode("\n\nUser: More.\n\nAssistant:")
+    st, ref = call(
+      url,
+      body={
+        "prompt": prompt2,
+        "max_tokens": 12,
+        "temperature": 0,
+        "stop": ["\n\nUser:"],
+        "cache_salt": "reference",
+        "return_token_ids": True,
+      },
+    )
+    assert st == 200 and ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, ref
   assert second["usage"]["input_tokens_details"]["cached_tokens"] >= len(ids1) - 1
-  prompt2 = ids1 + tok.encode("\n\nUser: More.\n\nAssistant:")
-  assert ids2[: len(prompt2)] == prompt2
-  (want,) = plain.generate([Request(prompt_ids=prompt2, max_tokens=12, temperature=0.0)])
-  assert ids2[len(prompt2) :] == want
+  assert ids2 == prompt2 + ref["choices"][0]["token_ids"]
   with serve() as (url, server):
     st, again = _create(url, input="More.", previous_response_id=first["id"], max_output_tokens=12)
     assert st == 200 and again["output"][0]["content"] == second["output"][0]["content"], again
