@@ -444,16 +444,23 @@ class Responses:
     if not turn.store:
       return
     ch = choices[0]
-    rec = Record(
-      id=resp["id"],
-      tenant=turn.tenant,
-      created_at=resp["created_at"],
-      ids=array.array("i", list(c.prompt_ids) + ch.out_ids[: ch.kept]),
-      messages=turn.messages + [{"role": "assistant", "content": text}],
-      instructions=turn.instructions,
-      response=resp,
-    )
-    await asyncio.get_running_loop().run_in_executor(None, self.store.put, rec)
+
+    def put():  # off the event loop: a conversation's ids run to --max_prompt_tokens, and a file is written
+      ids = array.array("i", c.prompt_ids)
+      ids.extend(ch.out_ids[: ch.kept])
+      self.store.put(
+        Record(
+          id=resp["id"],
+          tenant=turn.tenant,
+          created_at=resp["created_at"],
+          ids=ids,
+          messages=turn.messages + [{"role": "assistant", "content": text}],
+          instructions=turn.instructions,
+          response=resp,
+        )
+      )
+
+    await asyncio.get_running_loop().run_in_executor(None, put)
 
   async def _whole(self, turn: Turn, choices, c, meta):
     parts = []

@@ -1,7 +1,7 @@
 """The HTTP front end (aiohttp): OpenAI-style /v1/completions with SSE streaming, /v1/models, /health,
 /metrics; /v1/chat/completions (serve.chat), /v1/responses (serve.responses) and /tokenize, /detokenize,
-/tokenizer_info (serve.tokenize_api) run over its completion path. The engine runs in its own thread; its tokens reach each request's asyncio queue through one
-call_soon_threadsafe per engine step."""
+/tokenizer_info (serve.tokenize_api) run over its completion path. The engine runs in its own thread; its
+tokens reach each request's asyncio queue through one call_soon_threadsafe per engine step."""
 
 from __future__ import annotations
 
