@@ -18,7 +18,7 @@ from fake_slots import reference
 from serve_fixtures import AUTH, GPT2_VOCAB, KEY, call
 
 from laplace_jax import sharding
-from serve import response_store, state_cache
+from serve import chat, protocol, response_store, responses, state_cache
 from serve.response_store import Record, ResponseStore
 from serve.state_cache import StateCache
 from serve.tenants import Tenants, name_of_key
@@ -263,6 +263,26 @@ def test_accepted_fields_that_change_nothing(served):
     prompt_cache_key="k",
   )
   assert st == 200 and out["user"] == "u1" and out["parallel_tool_calls"] is False, out
+
+
+def test_a_template_that_renders_history_differently_falls_back_to_the_whole_conversation(tok, caplog):
+  """A template whose earlier turns change once more follow: the continuation is the whole conversation
+  rendered and tokenized again (logged), not the previous ids plus a difference that is not one."""
+  template = chat.ChatTemplate(
+    "{% for m in messages %}{% if loop.last %}Last {% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    tok,
+  )
+  lim = protocol.Limits(model_name="m", vocab_size=tok.vocab_size, eos_id=tok.eos_id, max_stop_ids=4)
+  store = ResponseStore()
+  msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello"}]
+  prev = Record("resp_" + "1" * 32, "", 0, array.array("i", [1, 2, 3]), msgs, None, {})
+  store.put(prev)
+  c, turn = responses.parse_request(
+    {"input": "Bye", "previous_response_id": prev.id}, lim, template, store, ""
+  )
+  assert turn.messages == [*msgs, {"role": "user", "content": "Bye"}]
+  assert c.prompt_ids == tok.encode("user: Hi\nassistant:  Hello\nLast user: Bye\n")
+  assert "rendered and tokenized whole" in caplog.text
 
 
 def test_stored_responses_survive_a_restart_beside_the_state_cache(tmp_path, caplog):
