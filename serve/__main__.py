@@ -143,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     "--state_cache_dir", help="keep cached states in this directory across restarts (one directory per model)"
   )
   _engine_flag(c, "snapshot_every", "state_snapshot_every")
+  c.add_argument(
+    "--max_stored_responses",
+    type=int,
+    default=10_000,
+    metavar="N",
+    help="stored /v1/responses responses kept per tenant (what previous_response_id continues from); past N "
+    "a tenant's oldest is dropped. With --state_cache_dir they are also files in its responses/ "
+    "directory and survive restarts",
+  )
   t = p.add_argument_group("lowering for another platform (no weights needed, nothing is served)")
   t.add_argument(
     "--target",
@@ -191,6 +200,7 @@ def parse_args(argv=None):
     ("max_reply_entries", 1, 1 << 40),
     ("max_prediction_tokens", 0, 1 << 20),
     ("max_queue", 0, 1 << 20),
+    ("max_stored_responses", 1, 1 << 30),
     ("speculative_tokens", 0, 64),
     ("decode_steps", 1, 64),
   ):
@@ -285,6 +295,7 @@ def build(args):
   from serve import loading, protocol
   from serve.chat import ChatTemplate
   from serve.engine import Engine, check_max_context
+  from serve.response_store import SUBDIR, ResponseStore
   from serve.server import Server
 
   tenants = tenant_keys(args)  # a bad keys file fails before the weights load
@@ -358,7 +369,19 @@ def build(args):
     max_reply_entries=args.max_reply_entries,
     max_prediction_tokens=args.max_prediction_tokens,
   )
-  return Server(engine, tok, limits, tenants=tenants, chat_template=template, allowed_hosts=args.allowed_host)
+  # In the state cache's directory, which opens only its own *.state files: one directory per model.
+  store_dir = os.path.join(cache.dir, SUBDIR) if cache is not None and cache.dir else None
+  if args.state_cache_dir and store_dir is None:
+    logging.info("stored responses are kept in memory only: the state cache, and so its directory, is off")
+  return Server(
+    engine,
+    tok,
+    limits,
+    tenants=tenants,
+    chat_template=template,
+    allowed_hosts=args.allowed_host,
+    response_store=ResponseStore(args.max_stored_responses, store_dir),
+  )
 
 
 async def serve_forever(server, host, port):

@@ -1,7 +1,7 @@
 """The HTTP front end (aiohttp): OpenAI-style /v1/completions with SSE streaming, /v1/models, /health,
-/metrics; /v1/chat/completions (serve.chat) and /tokenize, /detokenize, /tokenizer_info
-(serve.tokenize_api) run over its completion path. The engine runs in its own thread; its tokens reach each request's asyncio queue through one
-call_soon_threadsafe per engine step."""
+/metrics; /v1/chat/completions (serve.chat), /v1/responses (serve.responses) and /tokenize, /detokenize,
+/tokenizer_info (serve.tokenize_api) run over its completion path. The engine runs in its own thread; its
+tokens reach each request's asyncio queue through one call_soon_threadsafe per engine step."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from typing import cast
 
 from aiohttp import web
 
-from serve import chat, protocol, tokenize_api
+from serve import chat, protocol, responses, tokenize_api
 from serve.engine import Engine, EngineStopped, QueueFull, Request
 from serve.protocol import ApiError
+from serve.response_store import ResponseStore
 from serve.tenants import Tenants, name_of_key
 from serve.text import TextStream
 
@@ -69,15 +70,18 @@ class Server:
     tenants: Tenants | None = None,
     chat_template: chat.ChatTemplate | None = None,
     allowed_hosts: tuple = (),
+    response_store: ResponseStore | None = None,
   ):
     """tenants: the API keys (serve.tenants); api_key: one key, its own tenant. Neither: no keys.
-    allowed_hosts: more names for Host and Origin (see allowed_hosts())."""
+    allowed_hosts: more names for Host and Origin (see allowed_hosts()). response_store: the stored
+    responses of /v1/responses (default: in memory, serve.response_store's default budget)."""
     if tenants is None:
       tenants = Tenants([] if api_key is None else [(name_of_key(api_key), api_key)])
     self.engine, self.tok, self.limits, self.tenants = engine, tokenizer, limits, tenants
     self.extra_hosts = tuple(allowed_hosts)
     self.allowed: set | None = None  # set at start() from the bind address
     self.chat_template = chat_template or chat.ChatTemplate(None, tokenizer)
+    self.response_store = ResponseStore() if response_store is None else response_store
     self.loop: asyncio.AbstractEventLoop | None = None
     self.started = time.time()
     self.responses: collections.Counter[int] = collections.Counter()  # HTTP status -> count
@@ -87,6 +91,7 @@ class Server:
     app = web.Application(middlewares=[self._errors, self._edge], client_max_size=4 << 20)
     app.router.add_post("/v1/completions", self.completions)
     chat.Chat(self, self.chat_template).register(app)
+    responses.Responses(self, self.chat_template, self.response_store).register(app)
     tokenize_api.TokenizerRoutes(self, self.chat_template).register(app)
     app.router.add_get("/v1/models", self.models)
     app.router.add_get("/v1/models/{model_id}", self.model_info)

@@ -99,6 +99,7 @@ FILE_SECONDS = {
   "test_checkpoint.py": 14,
   "test_state.py": 11,
   "test_attention.py": 11,
+  "test_serve_responses.py": 10,
   "test_fsdp.py": 9,
   "test_generate.py": 9,
   "test_window_attention.py": 8,
