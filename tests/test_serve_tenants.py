@@ -150,7 +150,7 @@ def test_cached_tokens_never_cross_keys_or_salts(eng, tok):
     first = _complete(url, prompt, ALICE)
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     resumed = prompt + first["choices"][0]["token_ids"] + [11, 12, 13]
-    cached = len(resumed) - 3
+    cached = len(resumed) - 4  # all but the new ids and the last output token
     # Bob, and Alice under a salt, send Alice's conversation: nothing of hers is restored for them.
     assert _complete(url, resumed, BOB)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     salted = _complete(url, resumed, ALICE, cache_salt="tab-2")
@@ -165,7 +165,7 @@ def test_cached_tokens_never_cross_keys_or_salts(eng, tok):
     assert st == 200 and json.loads(events[-2])["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     again = resumed + salted["choices"][0]["token_ids"] + [14]
     got = _complete(url, again, ALICE, cache_salt="tab-2")["usage"]
-    assert got["prompt_tokens_details"]["cached_tokens"] == len(again) - 1 and got["prompt_tokens"] == len(
+    assert got["prompt_tokens_details"]["cached_tokens"] == len(again) - 2 and got["prompt_tokens"] == len(
       again
     )
     # Chat: the same usage object.
@@ -242,7 +242,7 @@ def test_stopping_the_server_writes_the_finished_conversations_state(eng, tok, c
   with _server(eng, tok) as (url, _):
     out = _complete(url, prompt, ALICE)["choices"][0]["token_ids"]
   # What SIGTERM runs (serve_forever -> Server.stop -> Engine.stop): the state is on disk when it returns.
-  ids = np.asarray(prompt + out, np.int32)
+  ids = np.asarray(prompt + out[:-1], np.int32)  # a finished slot holds all but its last token
   key = eng.cache._key(ids, state_cache.scope_of("alice"))
   assert os.path.exists(os.path.join(cache_dir, key + ".state"))
 
