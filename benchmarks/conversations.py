@@ -68,7 +68,7 @@ def user_text(rng, words):
 
 def chat_turns(client, model, turns, words, stop, max_tokens):
   rng = np.random.default_rng(0)
-  messages = [{"role": "system", "content": "You answer briefly."}]
+  messages = [{"role": "system", "content": f"You answer briefly{'' if stop is None else ' (stop)'}."}]
   for _ in range(turns):
     messages.append({"role": "user", "content": user_text(rng, words)})
     t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def chat_turns(client, model, turns, words, stop, max_tokens):
 
 def text_turns(client, model, turns, words, stop, max_tokens):
   rng = np.random.default_rng(0)
-  prompt = "You answer briefly.\n\n"
+  prompt = f"You answer briefly{'' if stop is None else ' (stop)'}.\n\n"
   for _ in range(turns):
     prompt += user_text(rng, words) + "\n\n"
     t0 = time.perf_counter()
@@ -126,13 +126,16 @@ def response_turns(client, model, turns, words, stop, max_tokens):
     t0 = time.perf_counter()
     kw = {"previous_response_id": previous} if previous else {"instructions": "You answer briefly."}
     ttft, final = None, None
-    with client.responses.stream(
-      model=model, input=user_text(rng, words), max_output_tokens=max_tokens, temperature=0, **kw
-    ) as stream:
-      for event in stream:
-        if event.type == "response.output_text.delta" and event.delta:
-          ttft = ttft or time.perf_counter() - t0
-      final = stream.get_final_response()
+    # (not responses.stream: its get_final_response wants response.completed, and a reply cut by
+    # max_output_tokens ends with response.incomplete, as OpenAI's does)
+    stream = client.responses.create(
+      model=model, input=user_text(rng, words), max_output_tokens=max_tokens, temperature=0, stream=True, **kw
+    )
+    for event in stream:
+      if event.type == "response.output_text.delta" and event.delta:
+        ttft = ttft or time.perf_counter() - t0
+      elif event.type in ("response.completed", "response.incomplete"):
+        final = event.response
     previous = final.id
     u = final.usage
     yield u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens, ttft

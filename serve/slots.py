@@ -282,8 +282,13 @@ class SlotFunctions:
       pf_sh = jax.tree.map(lambda _: rep, pf_shape)
     self.table_shardings = table_sh
     both = None if mesh is None else (table_sh, rep)
-    self.empty_table = _jit(self._empty_table, out=table_sh)
-    self.empty_prefill = _jit(self._empty_prefill, out=pf_sh)
+    # Without a mesh, the tables and batches made from nothing are placed on the default device as the
+    # served params are (serve.loading): a jit output is committed when an input is, and a prefill chunk
+    # fed an uncommitted batch, then its own committed output, would compile twice (the second at request
+    # time).
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    self.empty_table = _jit(self._empty_table, out=one if mesh is None else table_sh)
+    self.empty_prefill = _jit(self._empty_prefill, out=one if mesh is None else pf_sh)
     self.prefill_chunk = _jit(self._prefill_chunk, donate=(1,), out=pf_sh)  # donated: the prefill batch
     self.prefill_chunk_scored = _jit(
       self._prefill_chunk_scored, donate=(1,), out=None if mesh is None else (pf_sh, rep)
@@ -305,7 +310,7 @@ class SlotFunctions:
     # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
     # step that follows runs on), and start a prefill batch from host states.
     self.gather = jax.jit(self._gather)
-    self.load_prefill = _jit(self._load_prefill, out=pf_sh)
+    self.load_prefill = _jit(self._load_prefill, out=one if mesh is None else pf_sh)
 
   # ---- the traced functions ----
 

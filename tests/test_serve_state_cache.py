@@ -150,8 +150,7 @@ def _engine(cfg, params, cache, **kw):
     state_cache=cache,
     snapshot_every=2,
     cache_min_tokens=16,
-    mesh=sharding.make_mesh(data=1, fsdp=8),
-    **kw,
+    **{"mesh": sharding.make_mesh(data=1, fsdp=8), **kw},
   )
 
 
@@ -285,8 +284,11 @@ def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
 
 
 def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params):
-  # Its own slot functions (not the fixture's): whatever they compile, its warm-up alone compiled.
-  eng = _engine(cfg, params, StateCache(state_cache.model_identity(cfg, params), 1 << 30))
+  # Its own slot functions (not the fixture's): whatever they compile, its warm-up alone compiled. One
+  # device, as `python -m serve` runs by default: no mesh, the params placed on it (committed, so are the
+  # outputs they touch: a prompt's second chunk must not compile again).
+  params = jax.device_put(params, jax.devices()[0])
+  eng = _engine(cfg, params, StateCache(state_cache.model_identity(cfg, params), 1 << 30), mesh=None)
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
     lambda event, d, **kw: (
@@ -299,7 +301,7 @@ def test_restores_snapshots_and_copies_compile_nothing_after_warmup(cfg, params)
     out = eng.generate(
       [
         Request(prompt_ids=prompt, max_tokens=3, logprobs=2),
-        Request(prompt_ids=prompt[:40], max_tokens=2, echo=True, logprobs=0),
+        Request(prompt_ids=prompt[:300], max_tokens=2, echo=True, logprobs=0),
       ]
     )[0]
     eng.state_io.collect(block=True)
