@@ -227,6 +227,7 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
   try:
     ids, _ = protocol.prompt_ids_of(template.encode(template.render(messages)), limits, template.encode)
     c = protocol.with_prompts(c, [ids], [None], limits)
+    c.resent_as_text = True
     c = protocol.with_prediction(c, obj, limits, template.tok.encode)
   except ApiError as e:
     if e.param == "prompt":

@@ -542,11 +542,25 @@ class Engine:
         )
     assert self.state_io is not None
     self.state_io.copy_out(self.table.model, exact)
-    if again:  # first in the queue: the conversation's next turn, if already queued, restores their states
-      with self._lock:
-        for r in again:
-          self.queue.appendleft(r)
-          self._waiting[r.tenant] += 1
+    self._queue_cache_only(again)
+
+  def keep_state(self, ids: Sequence[int], tenant: str = "", cache_salt: str | None = None):
+    """Keep the state after exactly `ids` in the state cache (nothing without one): a request of the
+    engine's own prefills them from their longest cached prefix, ahead of the queue (the ids a client will
+    send next, e.g. a reply's text tokenized again). Any thread."""
+    if self.state_io is None or not ids:
+      return
+    self._queue_cache_only(
+      [Request(prompt_ids=list(ids), max_tokens=0, tenant=tenant, cache_salt=cache_salt, cache_only=True)]
+    )
+    self._wake.set()
+
+  def _queue_cache_only(self, reqs: list[Request]):
+    """First in the queue: a conversation's next turn, if already queued, restores their states."""
+    with self._lock:
+      for r in reqs:
+        self.queue.appendleft(r)
+        self._waiting[r.tenant] += 1
 
   def _finish(self, r: Request, reason: str):
     r.progress.finish_reason = reason

@@ -63,6 +63,7 @@ class Completion:
   cache_salt: str | None = None  # a state-cache scope within the tenant (vLLM's cache_salt)
   prediction_ids: list = dataclasses.field(default_factory=list)  # the prediction's tokens (drafts)
   prompts: list = dataclasses.field(default_factory=list)  # one list of token ids per prompt
+  resent_as_text: bool = False  # a client re-sends prompt and reply as text (chat), not as ids
   texts: list = dataclasses.field(
     default_factory=list
   )  # the prompts as text (echo): the string sent, or None

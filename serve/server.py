@@ -26,6 +26,7 @@ from serve.tenants import Tenants, name_of_key
 from serve.text import TextStream
 
 TENANT = web.RequestKey("tenant", str)  # set by Server.check_key
+RETOKENIZED_TAIL = 8  # prompt tokens tokenized again with a reply's text (Server._keep_resent)
 log = logging.getLogger(__name__)
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD = frozenset({"", "0.0.0.0", "::"})
@@ -487,7 +488,25 @@ class Server:
         if reason is not None:
           live.discard(ch)
           ch.finish = reason
+          if c.resent_as_text or c.texts[ch.prompt] is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._keep_resent, ch)
         yield ch, piece, reason, first
+
+  def _keep_resent(self, ch: _Choice):
+    """Ask the engine to keep the state of the ids a client that re-sends this prompt and reply as text
+    will send (they differ from the ids consumed where the reply's text tokenizes otherwise, or the prompt
+    ended in whitespace that the reply's text joins), so its next turn restores them. The tail of the prompt
+    and the reply are tokenized again (tokens further back keep their ids); the last token is left out, as
+    what the client appends may join it."""
+    assert ch.req is not None and ch.text is not None
+    prompt = list(ch.req.prompt_ids)
+    k = min(RETOKENIZED_TAIL, len(prompt))
+    # the reply's text as sent: up to a stop string, a part of the token that holds one included
+    reply = self.tok.token_bytes(ch.out_ids[: ch.kept + 1])[: ch.text.sent_bytes]
+    tail = (self.tok.token_bytes(prompt[len(prompt) - k :]) + reply).decode("utf-8", "replace")
+    ids = (prompt[: len(prompt) - k] + self.tok.encode(tail))[:-1]
+    if len(ids) > len(prompt) and ids != (prompt + ch.out_ids)[: len(ids)]:
+      self.engine.keep_state(ids, ch.req.tenant, ch.req.cache_salt)
 
   def _tokens_before(self, ids: list, n_bytes: int) -> int:
     """How many of `ids` lie wholly inside the first n_bytes of their text: the tokens a reply cut by a

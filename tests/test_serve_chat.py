@@ -193,10 +193,11 @@ CHATML = (
   [(None, None, False), (None, ["e"], True), (CHATML, None, True), (CHATML, ["e"], False)],
   ids=["default", "default-stop-streamed", "chatml-streamed", "chatml-stop"],
 )
-def test_each_later_turn_restores_at_least_the_previous_prompt(tok, template, stop, stream):
+def test_each_later_turn_restores_the_previous_prompt_and_the_replys_text(tok, template, stop, stream):
   """A client re-sends each reply as received. The fake's replies are random ids, which re-tokenize into
   other ids, as a model with random weights gives: each later turn still restores the whole previous
-  prompt from the state cache, with and without stop strings, with either template."""
+  prompt from the state cache, with and without stop strings, with either template; appended text
+  restores the previous prompt and reply as their text tokenizes (Server._keep_resent)."""
   engine = sf.fake_engine(n_slots=2, prefill_batch=2, state_cache=StateCache("fake", 1 << 30))
   lim = sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=4000, max_prompts=8)
   tmpl = chat.ChatTemplate(template, tok)
@@ -219,11 +220,13 @@ def test_each_later_turn_restores_at_least_the_previous_prompt(tok, template, st
       assert usage["prompt_tokens_details"]["cached_tokens"] >= previous, (turn, usage, previous)
       previous = usage["prompt_tokens"]
       messages.append({"role": "assistant", "content": reply})
-    # Appended text: each prompt is the last one, its reply's text and more.
-    prompt, previous = "Once upon a time", 0
+    # Appended text: each prompt is the last one, its reply's text and more. The engine kept the state of
+    # the prompt and reply as their text tokenizes (all but its last token, which what follows may join).
+    prompt, previous = "Once upon a time\n\n", 0
     for turn in range(3):
       st, out = call(url, body={"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop": stop})
       assert st == 200, out
       assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= previous
-      previous = out["usage"]["prompt_tokens"]
-      prompt += out["choices"][0]["text"] + f" and then {turn}"
+      prompt += out["choices"][0]["text"]
+      previous = len(tok.encode(prompt)) - 1
+      prompt += f" and then {turn}\n\n"

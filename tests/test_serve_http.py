@@ -210,6 +210,9 @@ def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
     def cancel(self, req, keep=None):
       self.cancelled.append(req)
 
+    def keep_state(self, ids, tenant="", cache_salt=None):
+      pass
+
   limits = protocol.Limits(
     model_name="m",
     vocab_size=tok.vocab_size,
