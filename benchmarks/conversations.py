@@ -84,10 +84,10 @@ def chat_turns(client, model, turns, words, stop, max_tokens):
     reply, ttft, usage = "", None, None
     for chunk in stream:
       usage = chunk.usage or usage
-      for ch in chunk.choices:
-        if ch.delta.content:
+      for ch in chunk.choices:  # (an empty reply: its time to the finish)
+        if ch.delta.content or ch.finish_reason:
           ttft = ttft or time.perf_counter() - t0
-          reply += ch.delta.content
+        reply += ch.delta.content or ""
     messages.append({"role": "assistant", "content": reply})
     yield usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens, ttft
 
@@ -110,10 +110,10 @@ def text_turns(client, model, turns, words, stop, max_tokens):
     reply, ttft, usage = "", None, None
     for chunk in stream:
       usage = chunk.usage or usage
-      for ch in chunk.choices:
-        if ch.text:
+      for ch in chunk.choices:  # (an empty reply: its time to the finish)
+        if ch.text or ch.finish_reason:
           ttft = ttft or time.perf_counter() - t0
-          reply += ch.text
+        reply += ch.text
     prompt += reply + "\n\n"
     yield usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens, ttft
 
@@ -142,11 +142,12 @@ def response_turns(client, model, turns, words, stop, max_tokens):
     del i
 
 
+STOP = ","  # a stop string the `train/demo.sh` model writes in most replies (", and the LORD ...")
 PATHS = {
   "chat": (chat_turns, None),
-  "chat, stop '.'": (chat_turns, ["."]),
+  f"chat, stop {STOP!r}": (chat_turns, [STOP]),
   "text": (text_turns, None),
-  "text, stop '.'": (text_turns, ["."]),
+  f"text, stop {STOP!r}": (text_turns, [STOP]),
   "responses": (response_turns, None),
 }
 
@@ -173,6 +174,7 @@ def run(args):
             continue  # text and responses do not depend on the chat template
           before = metric(url, "state_cache_entries")
           turns = list(turns_of(client, model, args.turns, args.words, stop, args.max_tokens))
+          stopped = sum(o < args.max_tokens for _, o, _, _ in turns)
           kept = metric(url, "state_cache_entries") - before
           shares = [
             c / (p0 + o0) for (p0, o0, _, _), (_, _, c, _) in zip(turns, turns[1:])
@@ -191,6 +193,7 @@ def run(args):
               "median_ttft_ms": 1e3 * statistics.median(t[3] for t in turns[1:]),
               "last_prompt_tokens": turns[-1][0],
               "states_kept": kept,
+              "replies_cut_short": stopped,
               "turns": turns,
             }
           )
@@ -199,7 +202,7 @@ def run(args):
             f"{name:16s} {template:7s} cache {cache:3s}: restored min {r['min_share']:.1%} median "
             f"{r['median_share']:.1%}, prev prompt always: {r['all_restore_prev_prompt']}, ttft turn 2 "
             f"{r['ttft_turn2_ms']:.0f} ms, turn {args.turns} {r['ttft_last_ms']:.0f} ms "
-            f"({r['last_prompt_tokens']} prompt tokens), states kept {kept:.0f}",
+            f"({r['last_prompt_tokens']} prompt tokens), states kept {kept:.0f}, replies cut short {stopped}",
             flush=True,
           )
       finally:
