@@ -23,7 +23,11 @@ from laplace_jax import platform
 from serve import philox
 
 F32 = jnp.float32
-TOPK_CAP = 64  # candidates examined by the fast top-k / top-p path (a static shape)
+TOPK_CAP = (
+  64  # the largest top_k the capped path serves (it looks at TOPK_CAP + 1 candidates: a static shape)
+)
+BLOCK = 64  # columns per block of the blocked reductions and of the two-level inverse CDF
+CANDIDATES = 4  # tokens drawn per top-p row before the bisection fallback (one more uniform for that)
 
 
 def branch_free_default() -> bool:
@@ -45,27 +49,37 @@ def counter_based() -> bool:
   return platform.current_prng() in ("rbg", "unsafe_rbg")
 
 
-def slot_uniforms(seed_S, pos_S, seed_hi_S=None):
-  """One U[0, 1) draw per slot from (seed, position); a 64-bit seed is (seed_hi << 32) | seed.
+def slot_uniforms(seed_S, pos_S, seed_hi_S=None, n: int | None = None):
+  """U[0, 1) draws per slot from (seed, position): [S], or with n, [S, n] whose first column is the [S] draw;
+  a 64-bit seed is (seed_hi << 32) | seed.
 
   Under the default Threefry PRNG: uniform(fold_in(key(seed), position)), the high seed word folded in first
-  only when non-zero (seeds below 2**32 keep their streams). Under rbg / unsafe_rbg (Neuron, which does not
-  fully support Threefry): the first word of Philox-4x32-10 with key (seed, seed_hi) and counter (position,
-  0, 0, 0), in plain integer arithmetic. Not `rng_bit_generator` per slot: vmapped, it draws every slot's bits
-  from the first slot's key (jax 0.10.0), so a slot's draw would depend on its neighbours; and rbg's
-  fold_in is still Threefry. The streams differ from Threefry's (docs/NEURON.md)."""
+  only when non-zero (seeds below 2**32 keep their streams); draw i > 0 is uniform(fold_in(that position's
+  key, i)). Under rbg / unsafe_rbg (Neuron, which does not fully support Threefry): draw i is word i % 4 of
+  Philox-4x32-10 with key (seed, seed_hi) and counter (position, i // 4, 0, 0), in plain integer arithmetic.
+  Not `rng_bit_generator` per slot: vmapped, it draws every slot's bits from the first slot's key (jax
+  0.10.0), so a slot's draw would depend on its neighbours; and rbg's fold_in is still Threefry. The streams
+  differ from Threefry's (docs/NEURON.md)."""
   seed, pos = seed_S.astype(jnp.uint32), pos_S.astype(jnp.uint32)
   hi = jnp.zeros_like(seed) if seed_hi_S is None else seed_hi_S.astype(jnp.uint32)
+  cols = 1 if n is None else n
   if counter_based():
-    bits = philox.philox4x32((pos, 0, 0, 0), (seed, hi))[0]
-    return jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), F32) - 1.0
+    words = []
+    for c in range(-(-cols // 4)):
+      words += philox.philox4x32((pos, c, 0, 0), (seed, hi))
+    bits = jnp.stack(words[:cols], -1)
+    u = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), F32) - 1.0
+  else:
 
-  def one(seed, pos, hi):
-    key = jax.random.key(seed)
-    key = jax.lax.cond(hi != 0, lambda: jax.random.fold_in(key, hi), lambda: key)
-    return jax.random.uniform(jax.random.fold_in(key, pos), (), F32)
+    def one(seed, pos, hi):
+      key = jax.random.key(seed)
+      key = jax.lax.cond(hi != 0, lambda: jax.random.fold_in(key, hi), lambda: key)
+      key = jax.random.fold_in(key, pos)
+      more = [jax.random.uniform(jax.random.fold_in(key, i), (), F32) for i in range(1, cols)]
+      return jnp.stack([jax.random.uniform(key, (), F32), *more])
 
-  return jax.vmap(one)(seed, pos, hi)
+    u = jax.vmap(one)(seed, pos, hi)
+  return u[:, 0] if n is None else u
 
 
 def _first_max(x):
@@ -76,46 +90,122 @@ def _first_max(x):
   return jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]).min(-1)
 
 
-def argmax_rows(x_SxV, valid: int, block: int = 64):
+def _blocked(x_SxV, valid: int):
+  """x as [S, n, BLOCK] blocks of columns (the last padded with -inf) and each of the first ceil(valid /
+  BLOCK) blocks' max over its valid columns [S, n_valid_blocks]."""
+  S, V = x_SxV.shape
+  if V % BLOCK:
+    x_SxV = jnp.pad(x_SxV, ((0, 0), (0, -V % BLOCK)), constant_values=-jnp.inf)
+  xb = x_SxV.reshape(S, -1, BLOCK)
+  n_blocks = -(-valid // BLOCK)
+  col = jnp.arange(BLOCK)
+  last = jnp.where((n_blocks - 1) * BLOCK + col < valid, xb[:, n_blocks - 1], -jnp.inf)
+  return xb, xb.max(-1)[:, :n_blocks].at[:, n_blocks - 1].set(last.max(-1))
+
+
+def _argmax_blocked(xb, block_max, valid: int):
+  """The first maximum over the valid columns, from `_blocked`'s output: the winning block, then inside it."""
+  b = _first_max(block_max)
+  inner = jnp.take_along_axis(xb, b[:, None, None], 1)[:, 0]
+  inner = jnp.where(b[:, None] * BLOCK + jnp.arange(BLOCK) < valid, inner, -jnp.inf)
+  return (b * BLOCK + _first_max(inner)).astype(jnp.int32)
+
+
+def argmax_rows(x_SxV, valid: int):
   """argmax over the first `valid` columns (first maximum). A plain max over contiguous blocks of the raw
   logits, then the first maximum inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a
   fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms; elsewhere it is no slower."""
+  xb, block_max = _blocked(x_SxV, valid)
+  return _argmax_blocked(xb, block_max, valid)
+
+
+def _last_nonzero(w, axis=-1):
+  """Index of the last positive entry along `axis` (0 when none)."""
+  idx = jax.lax.broadcasted_iota(jnp.int32, w.shape, w.ndim + axis if axis < 0 else axis)
+  return jnp.where(w > 0, idx, 0).max(axis)
+
+
+def _inverse_cdf(w_SxW, u_S):
+  """Index of the first cumulative weight above u·total (a token of positive weight when the total is)."""
+  cdf = jnp.cumsum(w_SxW, -1)
+  j = (cdf <= (u_S * cdf[:, -1])[:, None]).sum(-1)
+  return jnp.minimum(j, _last_nonzero(w_SxW)).astype(jnp.int32)
+
+
+def _canonical(s):
+  """-0.0 as +0.0, so that `_sortable`'s key order agrees with float comparisons (where the two are equal)."""
+  return jnp.where(s == 0, 0.0, s)
+
+
+def _bcast(v_S, like):
+  """A per-row value shaped to broadcast against `like` [S, ...]."""
+  return v_S.reshape(v_S.shape + (1,) * (like.ndim - 1))
+
+
+def _block_sums(f, xb, valid: int):
+  """Per row and block of columns holding valid ids, the sum of f(x) over its valid columns [S, n]: f runs
+  unmasked over whole blocks (no per-column select in the long pass), and the last block is summed again
+  without its invalid columns (the model's padded vocabulary rows, whatever their logits)."""
+  n_blocks = -(-valid // BLOCK)
+  sums = f(xb[:, :n_blocks]).sum(-1)
+  last = jnp.where((n_blocks - 1) * BLOCK + jnp.arange(BLOCK) < valid, f(xb[:, n_blocks - 1]), 0.0)
+  return sums.at[:, n_blocks - 1].set(last.sum(-1))
+
+
+def _weight(x, m_S, r_S):
+  """The unnormalised probability exp((x - m) · r) of logits x (m: the row's largest, r: 1 / temperature)."""
+  return jnp.exp((x - _bcast(m_S, x)) * _bcast(r_S, x))
+
+
+def _draw(xb, m_S, r_S, valid: int, u_SxT):
+  """T tokens per row drawn from softmax(x · r) over the valid columns by inverse CDF, in two levels: block
+  masses (one pass over the logits), then the cumulative masses inside the chosen block. Returns the tokens
+  [S, T], their logits [S, T] and each row's total mass Z [S] (of the weights `_weight`)."""
+  S = xb.shape[0]
+  weight = lambda x: _weight(x, m_S, r_S)
+  mass = _block_sums(weight, xb, valid)  # [S, n_blocks]
+  cum = jnp.cumsum(mass, -1)
+  target = u_SxT * cum[:, -1:]  # [S, T]
+  b = jnp.minimum((cum[:, None, :] <= target[:, :, None]).sum(-1), _last_nonzero(mass)[:, None])
+  rest = target - jnp.where(b > 0, jnp.take_along_axis(cum, jnp.maximum(b - 1, 0), 1), 0.0)
+  blk = xb[jnp.arange(S)[:, None], b]  # [S, T, BLOCK]
+  w = jnp.where(b[..., None] * BLOCK + jnp.arange(BLOCK) < valid, weight(blk), 0.0)
+  j = jnp.minimum((jnp.cumsum(w, -1) <= rest[..., None]).sum(-1), _last_nonzero(w))
+  return b * BLOCK + j, jnp.take_along_axis(blk, j[..., None], -1)[..., 0], cum[:, -1]
+
+
+def _mass_above(xb, m_S, r_S, valid: int, y_S):
+  """Per row, the total weight of the valid tokens whose logit is above y: one pass (the block sums kept apart
+  from the row sum: XLA:CPU runs the two fused as one reduction 2-3x slower)."""
+  weight_above = lambda x: jnp.where(x > _bcast(y_S, x), _weight(x, m_S, r_S), 0.0)
+  return jax.lax.optimization_barrier(_block_sums(weight_above, xb, valid)).sum(-1)
+
+
+def _capped(x_SxV, xb, block_max, valid: int, m_S, r_S, u_S, top_k_S, top_p_S):
+  """Sample among the TOPK_CAP + 1 largest logits: the top-k (the tokens with fewer than k larger logits),
+  then its nucleus (those whose top-k-renormalised mass above is < top_p; the largest always).
+  Returns (token_S, exact_S): exact when no token outside the candidates can be in the top-k (the last
+  candidate has at least k above it). The candidates are the largest of the blocks with the largest maxima."""
   S, V = x_SxV.shape
-  if V % block:
-    x_SxV = jnp.pad(x_SxV, ((0, 0), (0, -V % block)), constant_values=-jnp.inf)
-  xb = x_SxV.reshape(S, -1, block)
-  n_blocks = -(-valid // block)
-  col = jnp.arange(block)
-  last = jnp.where((n_blocks - 1) * block + col < valid, xb[:, n_blocks - 1], -jnp.inf)
-  block_max = xb.max(-1)[:, :n_blocks].at[:, n_blocks - 1].set(last.max(-1))
-  b = _first_max(block_max)
-  inner = jnp.take_along_axis(xb, b[:, None, None], 1)[:, 0]
-  inner = jnp.where(b[:, None] * block + col < valid, inner, -jnp.inf)
-  return (b * block + _first_max(inner)).astype(jnp.int32)
-
-
-def _pick(weights_SxW, u_S):
-  """Index of the first cumulative weight above u·total (inverse CDF); argmax where all weights vanish."""
-  cdf = jnp.cumsum(weights_SxW, axis=-1)
-  above = cdf > (u_S * cdf[:, -1])[:, None]
-  return jnp.where(above.any(-1), jnp.argmax(above, -1), jnp.argmax(weights_SxW, -1))
-
-
-def _filtered(sorted_logits_SxW, sorted_ids_SxW, lse_S, u_S, top_k_S, top_p_S):
-  """Sample from candidates sorted by descending logit: keep the top-k, then the top-p nucleus of the
-  renormalised top-k distribution (as vLLM and HF do). Returns (token_S, mass_S) where mass is the
-  renormalised probability the W candidates hold (< top_p means the nucleus runs past them)."""
-  W = sorted_logits_SxW.shape[-1]
-  probs = jnp.exp(sorted_logits_SxW - lse_S[:, None])
-  rank = jnp.arange(W)[None, :]
-  k_on = (top_k_S > 0)[:, None]
-  in_k = ~k_on | (rank < top_k_S[:, None])
-  z = jnp.where(k_on[:, 0], jnp.sum(jnp.where(in_k, probs, 0.0), -1), 1.0)  # top-k renormaliser
-  p = jnp.where(in_k, probs, 0.0) / z[:, None]
-  before = jnp.cumsum(p, -1) - p
-  keep = in_k & ((before < top_p_S[:, None]) | (rank == 0))
-  j = _pick(jnp.where(keep, p, 0.0), u_S)
-  return jnp.take_along_axis(sorted_ids_SxW, j[:, None], -1)[:, 0], jnp.sum(p, -1)
+  W = min(TOPK_CAP + 1, valid)
+  if block_max.shape[1] > W:
+    _, bid = jax.lax.top_k(block_max, W)  # the W largest logits lie in these blocks
+    cid = (bid[..., None] * BLOCK + jnp.arange(BLOCK)).reshape(S, W * BLOCK)
+    cand = jnp.where(cid < valid, xb[jnp.arange(S)[:, None], bid].reshape(S, W * BLOCK), -jnp.inf)
+    vals, j = jax.lax.top_k(cand, W)
+    ids = jnp.take_along_axis(cid, j, -1)
+  else:
+    vals, ids = jax.lax.top_k(jnp.where(jnp.arange(V) < valid, x_SxV, -jnp.inf), W)
+  e = _weight(vals, m_S, r_S)
+  gt = vals[:, None, :] > vals[:, :, None]  # [S, j, i]: candidate i's logit is above candidate j's
+  n_above = gt.sum(-1)
+  in_k = n_above < top_k_S[:, None]
+  ek = jnp.where(in_k, e, 0.0)
+  above = jnp.where(gt, ek[:, None, :], 0.0).sum(-1)
+  top_p = top_p_S[:, None]
+  keep = in_k & ((above < top_p * ek.sum(-1, keepdims=True)) | (n_above == 0) | (top_p >= 1.0))
+  j = _inverse_cdf(jnp.where(keep, ek, 0.0), u_S)
+  return jnp.take_along_axis(ids, j[:, None], -1)[:, 0].astype(jnp.int32), n_above[:, -1] >= top_k_S
 
 
 def _sortable(x):
@@ -139,18 +229,27 @@ def _cutoff(key_SxV, w_SxV, target_S):
   return jax.lax.fori_loop(0, 32, halve, init)[1]
 
 
-def _filtered_full(scaled_SxV, lse_S, u_S, top_k_S, top_p_S):
-  """The same rule as `_filtered` over the whole vocabulary: token i is in the top-k when fewer than k
-  tokens have a larger logit, in the nucleus when the (renormalised) mass above it is < top_p."""
-  S, V = scaled_SxV.shape
-  key = _sortable(scaled_SxV)
-  probs = jnp.exp(scaled_SxV - lse_S[:, None])
-  k_cut = _cutoff(key, jnp.ones_like(probs), jnp.where(top_k_S > 0, top_k_S, V + 1).astype(F32))
-  in_k = key >= k_cut[:, None]
-  p = jnp.where(in_k, probs, 0.0)
-  p = p / jnp.sum(p, -1, keepdims=True)
-  keep = in_k & (key >= _cutoff(key, p, top_p_S)[:, None])
-  return _pick(jnp.where(keep, p, 0.0), u_S)
+def _filtered_full(x_SxV, valid: int, m_S, r_S, u_S, top_k_S, top_p_S, branch_free: bool):
+  """The same rule as `_capped` over the whole vocabulary, by bisection on the logits' bits: token i is in
+  the top-k when fewer than k tokens have a larger logit (a cut-off found only when some row asks for it),
+  in the nucleus when the top-k-renormalised mass above it is < top_p."""
+  S = x_SxV.shape[0]
+  x = x_SxV[:, :valid]
+  key = _sortable(_canonical(x))
+  e = _weight(x, m_S, r_S)
+  k_on = top_k_S > 0
+  k_cut = when_any(
+    k_on,
+    lambda: _cutoff(key, jnp.ones_like(e), jnp.where(k_on, top_k_S, valid + 1).astype(F32)),
+    lambda: jnp.zeros((S,), jnp.uint32),
+    branch_free,
+  )
+  ek = jnp.where(key >= k_cut[:, None], e, 0.0)
+  p_cut = jnp.minimum(
+    _cutoff(key, ek, top_p_S * ek.sum(-1)), _sortable(_canonical(m_S))
+  )  # the largest always kept
+  keep = (key >= p_cut[:, None]) | (top_p_S >= 1.0)[:, None]
+  return _inverse_cdf(jnp.where(keep, ek, 0.0), u_S)
 
 
 def sample(
@@ -169,40 +268,59 @@ def sample(
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only)."""
   if branch_free is None:
     branch_free = branch_free_default()
-  greedy = argmax_rows(logits_SxV.astype(F32), valid_vocab)
+  x = logits_SxV.astype(F32)
+  xb, block_max = _blocked(x, valid_vocab)
+  greedy = _argmax_blocked(xb, block_max, valid_vocab)
   hot = temperature_S > 0
 
   def sampled():
-    logits = logits_SxV[:, :valid_vocab].astype(F32)  # the model's padded vocabulary rows are never drawn
-    S, V = logits.shape
+    S, V = x.shape[0], valid_vocab
     top_k = jnp.where(top_k_S >= V, 0, top_k_S)
-    filt = hot & ((top_k > 0) | (top_p_S < 1.0))
-    plain = hot & ~filt
-    cap = min(TOPK_CAP, V)
-    scaled = logits / jnp.where(hot, temperature_S, 1.0)[:, None]
-    u = slot_uniforms(seed_S, pos_S, seed_hi_S)
+    r = 1.0 / jnp.where(hot, temperature_S, 1.0).astype(F32)
+    m = jnp.take_along_axis(block_max, (greedy // BLOCK)[:, None], 1)[:, 0]  # the row's largest logit
+    u = slot_uniforms(seed_S, pos_S, seed_hi_S, n=CANDIDATES + 1)
+    drawn = hot & (top_k == 0)  # temperature alone, or top-p: drawn from the whole distribution
+    nucleus = drawn & (top_p_S < 1.0)
+    capped = hot & (top_k > 0) & (top_k <= TOPK_CAP)
 
-    def full_dist():
-      return _pick(jax.nn.softmax(scaled, -1), u).astype(jnp.int32)
-
-    def filtered():
-      lse = jax.nn.logsumexp(scaled, -1)
-      vals, ids = jax.lax.top_k(scaled, cap)
-      tok_cap, mass = _filtered(vals, ids, lse, u, top_k, top_p_S)
-      # The capped pass is exact when the top-k set lies inside the cap, or (top-k off) the nucleus
-      # closes in it; other rows bisect over the whole vocabulary.
-      need_full = filt & ~jnp.where(top_k > 0, top_k <= cap, mass >= top_p_S)
-      tok_full = when_any(
-        need_full,
-        lambda: _filtered_full(scaled, lse, u, top_k, top_p_S).astype(jnp.int32),
-        lambda: greedy,
+    tok_d, y_d, z_d = when_any(
+      drawn,
+      lambda: _draw(xb, m, r, V, u[:, :CANDIDATES]),
+      lambda: (jnp.zeros((S, CANDIDATES), jnp.int32), jnp.zeros((S, CANDIDATES), F32), jnp.ones((S,), F32)),
+      branch_free,
+    )
+    # Rejection: the first candidate inside the nucleus (mass above it < top_p · Z, or the largest logit)
+    # is a draw from the nucleus distribution; each is accepted with probability the nucleus mass, >= top_p.
+    accepted, choice = ~nucleus, jnp.zeros((S,), jnp.int32)
+    for i in range(CANDIDATES):
+      test = nucleus & ~accepted
+      member = when_any(
+        test,
+        lambda i=i: (_mass_above(xb, m, r, V, y_d[:, i]) < top_p_S * z_d) | (y_d[:, i] >= m),
+        lambda: jnp.zeros((S,), bool),
         branch_free,
       )
-      return jnp.where(need_full, tok_full, tok_cap).astype(jnp.int32)
+      choice = jnp.where(test & member, i, choice)
+      accepted = accepted | (test & member)
+    tok_drawn = jnp.take_along_axis(tok_d, choice[:, None], 1)[:, 0]
 
-    tok_plain = when_any(plain, full_dist, lambda: greedy, branch_free)
-    tok_filt = when_any(filt, filtered, lambda: greedy, branch_free)
-    return jnp.where(filt, tok_filt, jnp.where(plain, tok_plain, greedy)).astype(jnp.int32)
+    tok_cap, exact = when_any(
+      capped,
+      lambda: _capped(x, xb, block_max, V, m, r, u[:, 0], top_k, top_p_S),
+      lambda: (greedy, jnp.ones((S,), bool)),
+      branch_free,
+    )
+    # The bisection: a top-k past the candidates, and the rows whose candidates all fell outside the nucleus
+    # (with their own uniform, independent of those candidates: the mixture is still the nucleus's law).
+    need_full = hot & ((top_k > TOPK_CAP) | (capped & ~exact) | (nucleus & ~accepted))
+    tok_full = when_any(
+      need_full,
+      lambda: _filtered_full(x, V, m, r, u[:, CANDIDATES], top_k, top_p_S, branch_free),
+      lambda: greedy,
+      branch_free,
+    )
+    tok = jnp.where(need_full, tok_full, jnp.where(capped, tok_cap, jnp.where(drawn, tok_drawn, greedy)))
+    return jnp.where(jnp.isfinite(m) & hot, tok, greedy).astype(jnp.int32)
 
   # Batch-level conds skip the work no slot needs (an all-greedy batch costs one blocked argmax); each
   # row's result depends on its own row alone, whichever branches run.
