@@ -2,14 +2,19 @@
 read-back) on a 64-slot table with random weights, `c` concurrent requests that all use one setting, time per
 token relative to greedy's at the same `c`. Settings, concurrencies and rounds interleave in one process
 (each round times every (c, setting) once, in turn), so the shared machine's drift hits all of them alike;
-the figures are medians over rounds (docs/BENCHMARKS.md, "What sampling costs").
+the figures are medians over rounds of each round's ratio (docs/BENCHMARKS.md, "What sampling costs").
+`--baseline PATH` also times an engine whose sampler is `sample` from another copy of serve/sampling.py
+(the code before a change), interleaved with this one's in the same rounds.
 
     python benchmarks/sampling_cost.py [--preset small] [--concurrency 1,16,64] [--rounds 5] [--steps 8]
+        [--baseline /path/to/old/serve/sampling.py]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import time
 
 import jax
@@ -70,41 +75,52 @@ def main():
   ap.add_argument("--concurrency", default="1,16,64")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--steps", type=int, default=8, help="timed engine steps per (round, c, setting)")
+  ap.add_argument("--baseline", default=None, help="another serve/sampling.py whose sampler to time as well")
   a = ap.parse_args()
   cfg = get_config(a.preset)
   conc = [int(c) for c in a.concurrency.split(",")]
-  engine = Engine(
-    laplace_params(cfg, "compute"),
-    cfg,
-    n_slots=a.slots,
-    prefill_batch=min(a.slots, 64),
-    max_queue=0,
-    valid_vocab=VOCAB_SIZE,
-  )
-  t0 = time.perf_counter()
-  engine.warmup()
+  params = laplace_params(cfg, "compute")
+  engines = {
+    "this": Engine(
+      params, cfg, n_slots=a.slots, prefill_batch=min(a.slots, 64), max_queue=0, valid_vocab=VOCAB_SIZE
+    )
+  }
+  if a.baseline:
+    spec = importlib.util.spec_from_file_location("baseline_sampling", a.baseline)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    engines["baseline"] = Engine(
+      params, cfg, n_slots=a.slots, prefill_batch=min(a.slots, 64), max_queue=0, valid_vocab=VOCAB_SIZE
+    )
+    engines["baseline"].fns.sample = functools.partial(
+      old.sample, valid_vocab=VOCAB_SIZE
+    )  # before any compile
+  for name, engine in engines.items():
+    t0 = time.perf_counter()
+    engine.warmup()
+    print(f"{name}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
   print(
-    f"backend {jax.default_backend()}, jax {jax.__version__}, preset {a.preset}, {a.slots} slots, "
-    f"warm-up {time.perf_counter() - t0:.1f} s",
-    flush=True,
+    f"backend {jax.default_backend()}, jax {jax.__version__}, preset {a.preset}, {a.slots} slots", flush=True
   )
   rng = np.random.default_rng(0)
-  times = {(c, s): [] for c in conc for s in SETTINGS}
+  times = {(e, c, s): [] for e in engines for c in conc for s in SETTINGS}
   for r in range(a.rounds):
     for c in conc:
       for name, setting in SETTINGS.items():
-        times[c, name].append(time_per_token(engine, c, setting, a.steps, rng))
+        for e, engine in engines.items():
+          times[e, c, name].append(time_per_token(engine, c, setting, a.steps, rng))
     print(f"round {r + 1}/{a.rounds} done", flush=True)
-  greedy = {c: np.median(times[c, "greedy"]) for c in conc}
-  print("greedy ms/token: " + ", ".join(f"c={c}: {greedy[c] * 1e3:.2f}" for c in conc))
-  print("| setting | " + " | ".join(f"{c} request{'s' * (c > 1)}" for c in conc) + " |")
-  print("|---|" + "---:|" * len(conc))
-  for name in SETTINGS:
-    cells = []
-    for c in conc:
-      ratios = np.asarray(times[c, name]) / np.asarray(times[c, "greedy"])  # per round: same drift
-      cells.append(f"{np.median(ratios):.2f}x")
-    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+  for e in engines:
+    greedy = {c: np.median(times[e, c, "greedy"]) for c in conc}
+    print(f"\n{e}: greedy ms/token " + ", ".join(f"c={c}: {greedy[c] * 1e3:.2f}" for c in conc))
+    print("| setting | " + " | ".join(f"{c} request{'s' * (c > 1)}" for c in conc) + " |")
+    print("|---|" + "---:|" * len(conc))
+    for name in SETTINGS:
+      cells = []
+      for c in conc:
+        ratios = np.asarray(times[e, c, name]) / np.asarray(times[e, c, "greedy"])  # per round: same drift
+        cells.append(f"{np.median(ratios):.2f}x ({np.min(ratios):.2f}-{np.max(ratios):.2f})")
+      print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

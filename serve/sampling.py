@@ -1,17 +1,33 @@
 """Per-slot sampling inside the compiled step: greedy, temperature, top-k, top-p, seeded per slot.
 
-Every setting is an array over slots, so no request changes a compiled shape. A slot's random number for
-its n-th generated token is uniform(fold_in(key(seed), n)) (Philox of (seed, n) under the rbg PRNGs, see
-`slot_uniforms`): the draw depends only on the slot's own seed and position, never on which other requests
-share the batch. Sampling is by inverse CDF with that one
-uniform, over the exact (renormalised) distribution. top-k / top-p look at the TOPK_CAP most likely
-tokens; rows whose kept set does not fit in them find their cut-offs by bisection over the whole
-vocabulary instead (32 passes, no sort: a full sort costs ~10x more on a CPU).
+Every setting is an array over slots, so no request changes a compiled shape. A slot's random numbers for its
+n-th generated token are uniforms of (seed, n) alone (`slot_uniforms`: Threefry's fold_in, or Philox under
+the rbg PRNGs), never of which other requests share the batch.
 
-Batch-level `lax.cond`s skip the paths no slot needs (an all-greedy batch costs one blocked argmax). Neuron does
-not support `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both sides of
-each are computed and the same predicate selects: the tokens are the conds' (tests/test_sampling_branch_free.py),
-at the cost of the full-vocabulary paths on every step (docs/BENCHMARKS.md, "Sampling without cond").
+One rule in every path: weights exp((x - max) / t) over the valid ids; top-k keeps the tokens with fewer
+than k strictly larger logits (a tie at the k-th place is kept whole), the nucleus the kept tokens whose
+top-k-renormalised mass of strictly larger logits is < top_p (the largest always). The token is a draw from
+exactly that distribution (up to fp32 rounding of the weights), by these paths:
+- temperature alone: inverse CDF with the slot's first uniform, in two levels: the masses of blocks of
+  BLOCK ids (one pass over the logits), then the cumulative masses inside the chosen block.
+- top-p without top-k: rejection. CANDIDATES tokens are drawn that way (a uniform each); the token is the
+  first whose mass above is < top_p · total (one pass over the logits per candidate tested, run only while
+  some slot still needs it). Each candidate lies in the nucleus with probability its mass, >= top_p, and
+  the first that does is a draw from the nucleus distribution; a row whose candidates all miss (at most
+  (1 - top_p)^CANDIDATES) takes the bisection with a uniform of its own, so the mixture is exactly the
+  nucleus distribution.
+- top-k <= TOPK_CAP, with or without top-p: the rule among the TOPK_CAP + 1 largest logits (found in the
+  blocks with the largest maxima), exact unless a tie at the k-th place reaches past them.
+- the bisection (top-k > TOPK_CAP, such ties, candidates all outside the nucleus): the cut-offs by
+  bisection over the logits' 32 key bits (32 passes each, nothing of the vocabulary's size kept), then the
+  two-level draw. Rarely needed, so rarely run.
+
+Batch-level `lax.cond`s skip the paths no slot needs (an all-greedy batch costs one blocked argmax). Neuron
+does not support `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both
+sides of each are computed and the same predicate selects: the tokens are the conds'
+(tests/test_sampling_branch_free.py, tests/test_sampling_exact.py), at the cost of every path on every step,
+the bisection's ~70 passes over the logits included (docs/BENCHMARKS.md, "Sampling without cond"). What the
+paths cost against greedy decoding on a CPU: docs/BENCHMARKS.md, "What sampling costs".
 """
 
 from __future__ import annotations
@@ -23,11 +39,10 @@ from laplace_jax import platform
 from serve import philox
 
 F32 = jnp.float32
-TOPK_CAP = (
-  64  # the largest top_k the capped path serves (it looks at TOPK_CAP + 1 candidates: a static shape)
-)
+TOPK_CAP = 64  # the largest top_k the capped path serves (from TOPK_CAP + 1 candidates: a static shape)
 BLOCK = 64  # columns per block of the blocked reductions and of the two-level inverse CDF
 CANDIDATES = 4  # tokens drawn per top-p row before the bisection fallback (one more uniform for that)
+CHUNK_BYTES = 1 << 21  # the logits one step of a pass over the vocabulary reads (so that they stay in cache)
 
 
 def branch_free_default() -> bool:
@@ -119,10 +134,9 @@ def argmax_rows(x_SxV, valid: int):
   return _argmax_blocked(xb, block_max, valid)
 
 
-def _last_nonzero(w, axis=-1):
-  """Index of the last positive entry along `axis` (0 when none)."""
-  idx = jax.lax.broadcasted_iota(jnp.int32, w.shape, w.ndim + axis if axis < 0 else axis)
-  return jnp.where(w > 0, idx, 0).max(axis)
+def _last_nonzero(w):
+  """Index of the last positive entry along the last axis (0 when none)."""
+  return jnp.where(w > 0, jnp.arange(w.shape[-1], dtype=jnp.int32), 0).max(-1)
 
 
 def _inverse_cdf(w_SxW, u_S):
@@ -132,24 +146,9 @@ def _inverse_cdf(w_SxW, u_S):
   return jnp.minimum(j, _last_nonzero(w_SxW)).astype(jnp.int32)
 
 
-def _canonical(s):
-  """-0.0 as +0.0, so that `_sortable`'s key order agrees with float comparisons (where the two are equal)."""
-  return jnp.where(s == 0, 0.0, s)
-
-
 def _bcast(v_S, like):
   """A per-row value shaped to broadcast against `like` [S, ...]."""
-  return v_S.reshape(v_S.shape + (1,) * (like.ndim - 1))
-
-
-def _block_sums(f, xb, valid: int):
-  """Per row and block of columns holding valid ids, the sum of f(x) over its valid columns [S, n]: f runs
-  unmasked over whole blocks (no per-column select in the long pass), and the last block is summed again
-  without its invalid columns (the model's padded vocabulary rows, whatever their logits)."""
-  n_blocks = -(-valid // BLOCK)
-  sums = f(xb[:, :n_blocks]).sum(-1)
-  last = jnp.where((n_blocks - 1) * BLOCK + jnp.arange(BLOCK) < valid, f(xb[:, n_blocks - 1]), 0.0)
-  return sums.at[:, n_blocks - 1].set(last.sum(-1))
+  return v_S.reshape(v_S.shape + (1,) * (like.ndim - v_S.ndim))
 
 
 def _weight(x, m_S, r_S):
@@ -157,28 +156,66 @@ def _weight(x, m_S, r_S):
   return jnp.exp((x - _bcast(m_S, x)) * _bcast(r_S, x))
 
 
-def _draw(xb, m_S, r_S, valid: int, u_SxT):
-  """T tokens per row drawn from softmax(x · r) over the valid columns by inverse CDF, in two levels: block
-  masses (one pass over the logits), then the cumulative masses inside the chosen block. Returns the tokens
-  [S, T], their logits [S, T] and each row's total mass Z [S] (of the weights `_weight`)."""
+def _block_sums(f, xb, valid: int, rows_args):
+  """Per row and block of columns holding valid ids, the sum of f(x, args) over its valid columns [S, n]; args
+  is a tuple of per-row arrays [S, ...]. f runs unmasked over whole blocks (no per-column select in the long
+  pass), and the last block is summed again without its invalid columns (the model's padded vocabulary rows,
+  whatever their logits).
+
+  A loop over groups of rows: XLA:CPU writes f(x) out before it reduces it, and a buffer of the vocabulary's
+  size per pass costs more than the pass (a fresh allocation on each call, even in a branch not taken); a
+  group's stays in cache."""
+  S, n_all, B = xb.shape
+  n_blocks = -(-valid // B)
+  col = (n_blocks - 1) * B + jnp.arange(B)
+
+  def sums(xg, args):
+    whole = f(xg[:, :n_blocks], args).sum(-1)
+    last = jnp.where(col < valid, f(xg[:, n_blocks - 1], args), 0.0)
+    return whole.at[:, n_blocks - 1].set(last.sum(-1))
+
+  fits = lambda d: S % d == 0 and d * n_all * B * 4 <= CHUNK_BYTES
+  rows = max((d for d in range(1, S + 1) if fits(d)), default=1)
+  if rows == S:
+    return sums(xb, rows_args)
+
+  def group(i, out):
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * rows, rows)
+    part = sums(take(xb), jax.tree.map(take, rows_args))
+    return jax.lax.dynamic_update_slice_in_dim(out, part, i * rows, 0)
+
+  return jax.lax.fori_loop(0, S // rows, group, jnp.zeros((S, n_blocks), F32))
+
+
+def _total(f, xb, valid: int, rows_args):
+  """Per row, the sum of f(x, args) over the valid columns (one pass, see `_block_sums`)."""
+  return _block_sums(f, xb, valid, rows_args).sum(-1)
+
+
+def _draw(xb, weight, rows_args, valid: int, u_SxT):
+  """T tokens per row drawn in proportion to weight(x, args) over the valid columns by inverse CDF, in two
+  levels: block masses (one pass over the logits), then the cumulative masses inside the chosen block.
+  Returns the tokens [S, T], their logits [S, T] and each row's total weight [S]."""
   S = xb.shape[0]
-  weight = lambda x: _weight(x, m_S, r_S)
-  mass = _block_sums(weight, xb, valid)  # [S, n_blocks]
+  mass = _block_sums(weight, xb, valid, rows_args)  # [S, n_blocks]
   cum = jnp.cumsum(mass, -1)
   target = u_SxT * cum[:, -1:]  # [S, T]
   b = jnp.minimum((cum[:, None, :] <= target[:, :, None]).sum(-1), _last_nonzero(mass)[:, None])
   rest = target - jnp.where(b > 0, jnp.take_along_axis(cum, jnp.maximum(b - 1, 0), 1), 0.0)
   blk = xb[jnp.arange(S)[:, None], b]  # [S, T, BLOCK]
-  w = jnp.where(b[..., None] * BLOCK + jnp.arange(BLOCK) < valid, weight(blk), 0.0)
+  w = jnp.where(b[..., None] * BLOCK + jnp.arange(BLOCK) < valid, weight(blk, rows_args), 0.0)
   j = jnp.minimum((jnp.cumsum(w, -1) <= rest[..., None]).sum(-1), _last_nonzero(w))
   return b * BLOCK + j, jnp.take_along_axis(blk, j[..., None], -1)[..., 0], cum[:, -1]
 
 
-def _mass_above(xb, m_S, r_S, valid: int, y_S):
-  """Per row, the total weight of the valid tokens whose logit is above y: one pass (the block sums kept apart
-  from the row sum: XLA:CPU runs the two fused as one reduction 2-3x slower)."""
-  weight_above = lambda x: jnp.where(x > _bcast(y_S, x), _weight(x, m_S, r_S), 0.0)
-  return jax.lax.optimization_barrier(_block_sums(weight_above, xb, valid)).sum(-1)
+def _probs(x, a):
+  """`_weight` with args (m, r)."""
+  return _weight(x, a[0], a[1])
+
+
+def _probs_above(x, a):
+  """`_weight` of the logits above y, args (m, r, y)."""
+  return jnp.where(x > _bcast(a[2], x), _weight(x, a[0], a[1]), 0.0)
 
 
 def _capped(x_SxV, xb, block_max, valid: int, m_S, r_S, u_S, top_k_S, top_p_S):
@@ -215,41 +252,55 @@ def _sortable(x):
   return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _cutoff(key_SxV, w_SxV, target_S):
-  """Per row, the smallest key t with sum(w[key > t]) < target, by bisection over the 32 key bits."""
-  S = key_SxV.shape[0]
+def _key(x):
+  """uint32 keys that order like the float32 values, -0.0 as +0.0 (as float comparisons have it)."""
+  return _sortable(jnp.where(x == 0, 0.0, x))
+
+
+def _cutoff(xb, valid: int, w, rows_args, target_S):
+  """Per row, the smallest key t with sum(w(x, args)[key(x) > t]) < target, by bisection over the 32 key
+  bits: 32 passes over the logits, the keys recomputed in each (nothing of the vocabulary's size is kept)."""
+  S = xb.shape[0]
+  above = lambda x, a: jnp.where(_key(x) > _bcast(a[-1], x), w(x, a[:-1]), 0.0)
 
   def halve(_, lohi):
     lo, hi = lohi
     mid = lo + (hi - lo) // 2
-    ok = jnp.sum(jnp.where(key_SxV > mid[:, None], w_SxV, 0.0), -1) < target_S
+    ok = _total(above, xb, valid, (*rows_args, mid)) < target_S
     return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
 
   init = (jnp.zeros((S,), jnp.uint32), jnp.full((S,), 0xFFFFFFFF, jnp.uint32))
   return jax.lax.fori_loop(0, 32, halve, init)[1]
 
 
-def _filtered_full(x_SxV, valid: int, m_S, r_S, u_S, top_k_S, top_p_S, branch_free: bool):
+def _in_top_k(x, a):
+  """`_weight` of the logits whose key is at least the top-k cut-off, args (m, r, k_cut)."""
+  return jnp.where(_key(x) >= _bcast(a[2], x), _weight(x, a[0], a[1]), 0.0)
+
+
+def _kept(x, a):
+  """`_in_top_k`'s weight of the logits whose key is at least the nucleus cut-off, args (m, r, k_cut, p_cut)."""
+  return jnp.where(_key(x) >= _bcast(a[3], x), _in_top_k(x, a[:3]), 0.0)
+
+
+def _filtered_full(xb, valid: int, m_S, r_S, u_S, top_k_S, top_p_S, branch_free: bool):
   """The same rule as `_capped` over the whole vocabulary, by bisection on the logits' bits: token i is in
   the top-k when fewer than k tokens have a larger logit (a cut-off found only when some row asks for it),
-  in the nucleus when the top-k-renormalised mass above it is < top_p."""
-  S = x_SxV.shape[0]
-  x = x_SxV[:, :valid]
-  key = _sortable(_canonical(x))
-  e = _weight(x, m_S, r_S)
+  in the nucleus when the top-k-renormalised mass above it is < top_p. Then one inverse-CDF draw."""
+  S = xb.shape[0]
   k_on = top_k_S > 0
   k_cut = when_any(
     k_on,
-    lambda: _cutoff(key, jnp.ones_like(e), jnp.where(k_on, top_k_S, valid + 1).astype(F32)),
+    lambda: _cutoff(
+      xb, valid, lambda x, a: jnp.ones_like(x), (), jnp.where(k_on, top_k_S, valid + 1).astype(F32)
+    ),
     lambda: jnp.zeros((S,), jnp.uint32),
     branch_free,
   )
-  ek = jnp.where(key >= k_cut[:, None], e, 0.0)
-  p_cut = jnp.minimum(
-    _cutoff(key, ek, top_p_S * ek.sum(-1)), _sortable(_canonical(m_S))
-  )  # the largest always kept
-  keep = (key >= p_cut[:, None]) | (top_p_S >= 1.0)[:, None]
-  return _inverse_cdf(jnp.where(keep, ek, 0.0), u_S)
+  args = (m_S, r_S, k_cut)
+  p_cut = _cutoff(xb, valid, _in_top_k, args, top_p_S * _total(_in_top_k, xb, valid, args))
+  p_cut = jnp.where(top_p_S >= 1.0, 0, jnp.minimum(p_cut, _key(m_S)))  # the largest always kept
+  return _draw(xb, _kept, (*args, p_cut), valid, u_S[:, None])[0][:, 0].astype(jnp.int32)
 
 
 def sample(
@@ -285,7 +336,7 @@ def sample(
 
     tok_d, y_d, z_d = when_any(
       drawn,
-      lambda: _draw(xb, m, r, V, u[:, :CANDIDATES]),
+      lambda: _draw(xb, _probs, (m, r), V, u[:, :CANDIDATES]),
       lambda: (jnp.zeros((S, CANDIDATES), jnp.int32), jnp.zeros((S, CANDIDATES), F32), jnp.ones((S,), F32)),
       branch_free,
     )
@@ -296,7 +347,7 @@ def sample(
       test = nucleus & ~accepted
       member = when_any(
         test,
-        lambda i=i: (_mass_above(xb, m, r, V, y_d[:, i]) < top_p_S * z_d) | (y_d[:, i] >= m),
+        lambda i=i: (_total(_probs_above, xb, V, (m, r, y_d[:, i])) < top_p_S * z_d) | (y_d[:, i] >= m),
         lambda: jnp.zeros((S,), bool),
         branch_free,
       )
@@ -313,18 +364,26 @@ def sample(
     # The bisection: a top-k past the candidates, and the rows whose candidates all fell outside the nucleus
     # (with their own uniform, independent of those candidates: the mixture is still the nucleus's law).
     need_full = hot & ((top_k > TOPK_CAP) | (capped & ~exact) | (nucleus & ~accepted))
-    tok_full = when_any(
-      need_full,
-      lambda: _filtered_full(x, V, m, r, u[:, CANDIDATES], top_k, top_p_S, branch_free),
-      lambda: greedy,
-      branch_free,
-    )
-    tok = jnp.where(need_full, tok_full, jnp.where(capped, tok_cap, jnp.where(drawn, tok_drawn, greedy)))
-    return jnp.where(jnp.isfinite(m) & hot, tok, greedy).astype(jnp.int32)
+    tok = jnp.where(capped, tok_cap, jnp.where(drawn, tok_drawn, greedy))
+    return jnp.where(jnp.isfinite(m) & hot, tok, greedy).astype(jnp.int32), need_full, m, r, u[:, CANDIDATES]
 
   # Batch-level conds skip the work no slot needs (an all-greedy batch costs one blocked argmax); each
   # row's result depends on its own row alone, whichever branches run.
-  return when_any(hot, sampled, lambda: greedy, branch_free)
+  S = x.shape[0]
+  tok, need_full, m, r, u_full = when_any(
+    hot,
+    sampled,
+    lambda: (greedy, jnp.zeros((S,), bool), jnp.zeros((S,), F32), jnp.ones((S,), F32), jnp.zeros((S,), F32)),
+    branch_free,
+  )
+  top_k = jnp.where(top_k_S >= valid_vocab, 0, top_k_S)
+  tok_full = when_any(
+    need_full,
+    lambda: _filtered_full(xb, valid_vocab, m, r, u_full, top_k, top_p_S, branch_free),
+    lambda: greedy,
+    branch_free,
+  )
+  return jnp.where(need_full & jnp.isfinite(m), tok_full, tok)
 
 
 TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)

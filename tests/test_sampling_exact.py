@@ -58,7 +58,10 @@ def assert_follows(toks, q, what):
   assert counts[:VALID][q == 0].sum() == 0, f"{what}: drew {np.flatnonzero(counts[:VALID] * (q == 0))[:5]}"
   exp = q * len(toks)
   big = exp >= 5
-  obs_b, exp_b = np.append(counts[:VALID][big], counts[:VALID][~big].sum()), np.append(exp[big], exp[~big].sum())
+  obs_b, exp_b = (
+    np.append(counts[:VALID][big], counts[:VALID][~big].sum()),
+    np.append(exp[big], exp[~big].sum()),
+  )
   if exp_b[-1] < 5:  # too little pooled mass for a bin of its own: fold it into the largest
     obs_b[np.argmax(exp_b[:-1])] += obs_b[-1]
     exp_b[np.argmax(exp_b[:-1])] += exp_b[-1]
