@@ -6,24 +6,27 @@ the figures are medians over rounds of each round's ratio (docs/BENCHMARKS.md, "
 `--baseline PATH` also times an engine whose sampler is `sample` from another copy of serve/sampling.py
 (the code before a change), interleaved with this one's in the same rounds.
 
-    python benchmarks/sampling_cost.py [--preset small] [--concurrency 1,16,64] [--rounds 5] [--steps 8]
+    python benchmarks/sampling_cost.py [--preset small] [--concurrency 1,16,64] [--rounds 5] [--steps 16]
         [--baseline /path/to/old/serve/sampling.py]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from serve_bench_common import laplace_params
 
 from laplace_jax.config import get_config
 from laplace_jax.tokenizer import VOCAB_SIZE
 from serve.engine import Engine, Request
+from serve.slots import SlotSettings
 
 # name: (temperature, top_k, top_p)
 SETTINGS = {
@@ -37,7 +40,13 @@ SETTINGS = {
 
 
 def time_per_token(engine: Engine, c: int, setting, steps: int, rng) -> float:
-  """Seconds per generated token of each of c requests over `steps` engine steps, after admission."""
+  """Seconds per generated token of each of c requests over `steps` engine steps, after admission. The
+  slots start inert, as at start-up: a slot the engine frees keeps the settings of its last request on the
+  device (the sampler still draws for it), so without this a greedy round after a top-p one would time
+  top-p's sampling."""
+  engine.table = dataclasses.replace(
+    engine.table, settings=SlotSettings.inert(engine.n_slots, engine.fns.n_stop, xp=jnp)
+  )
   t, k, p = setting
   reqs = [
     Request(
@@ -74,7 +83,10 @@ def main():
   ap.add_argument("--slots", type=int, default=64)
   ap.add_argument("--concurrency", default="1,16,64")
   ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--steps", type=int, default=8, help="timed engine steps per (round, c, setting)")
+  ap.add_argument("--steps", type=int, default=16, help="timed engine steps per (round, c, setting)")
+  ap.add_argument(
+    "--prefill-batch", type=int, default=16, help="prompts per prefill call (admission is untimed)"
+  )
   ap.add_argument("--baseline", default=None, help="another serve/sampling.py whose sampler to time as well")
   a = ap.parse_args()
   cfg = get_config(a.preset)
@@ -82,7 +94,7 @@ def main():
   params = laplace_params(cfg, "compute")
   engines = {
     "this": Engine(
-      params, cfg, n_slots=a.slots, prefill_batch=min(a.slots, 64), max_queue=0, valid_vocab=VOCAB_SIZE
+      params, cfg, n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0, valid_vocab=VOCAB_SIZE
     )
   }
   if a.baseline:
@@ -90,7 +102,7 @@ def main():
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     engines["baseline"] = Engine(
-      params, cfg, n_slots=a.slots, prefill_batch=min(a.slots, 64), max_queue=0, valid_vocab=VOCAB_SIZE
+      params, cfg, n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0, valid_vocab=VOCAB_SIZE
     )
     engines["baseline"].fns.sample = functools.partial(
       old.sample, valid_vocab=VOCAB_SIZE

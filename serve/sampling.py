@@ -42,7 +42,8 @@ F32 = jnp.float32
 TOPK_CAP = 64  # the largest top_k the capped path serves (from TOPK_CAP + 1 candidates: a static shape)
 BLOCK = 64  # columns per block of the blocked reductions and of the two-level inverse CDF
 CANDIDATES = 4  # tokens drawn per top-p row before the bisection fallback (one more uniform for that)
-CHUNK_BYTES = 1 << 21  # the logits one step of a pass over the vocabulary reads (so that they stay in cache)
+ROW_BUCKETS = (8, 16)  # the fewer sampling slots a batch has, the fewer rows its passes cover
+CHUNK_BYTES = 1 << 21  # about the logits one step of a pass over the vocabulary reads (they stay in cache)
 
 
 def branch_free_default() -> bool:
@@ -162,29 +163,26 @@ def _block_sums(f, xb, valid: int, rows_args):
   pass), and the last block is summed again without its invalid columns (the model's padded vocabulary rows,
   whatever their logits).
 
-  A loop over groups of rows: XLA:CPU writes f(x) out before it reduces it, and a buffer of the vocabulary's
-  size per pass costs more than the pass (a fresh allocation on each call, even in a branch not taken); a
-  group's stays in cache."""
-  S, n_all, B = xb.shape
+  A loop over groups of blocks (the vocabulary axis: the slot axis may be split over devices): XLA:CPU writes
+  f(x) out before it reduces it, and a buffer of the vocabulary's size per pass costs more than the pass (a
+  fresh allocation on each call, even in a branch not taken); a group's stays in cache. The last group starts
+  early enough to end at the last block, recomputing (and rewriting) a few sums of the one before."""
+  S, _, B = xb.shape
   n_blocks = -(-valid // B)
+  g = min(n_blocks, max(16, CHUNK_BYTES // (S * B * 4)))
+  if g == n_blocks:
+    sums = f(xb[:, :n_blocks], rows_args).sum(-1)
+  else:
+
+    def group(i, out):
+      start = jnp.minimum(i * g, n_blocks - g)
+      part = f(jax.lax.dynamic_slice_in_dim(xb, start, g, 1), rows_args).sum(-1)
+      return jax.lax.dynamic_update_slice_in_dim(out, part, start, 1)
+
+    sums = jax.lax.fori_loop(0, -(-n_blocks // g), group, jnp.zeros((S, n_blocks), F32))
   col = (n_blocks - 1) * B + jnp.arange(B)
-
-  def sums(xg, args):
-    whole = f(xg[:, :n_blocks], args).sum(-1)
-    last = jnp.where(col < valid, f(xg[:, n_blocks - 1], args), 0.0)
-    return whole.at[:, n_blocks - 1].set(last.sum(-1))
-
-  fits = lambda d: S % d == 0 and d * n_all * B * 4 <= CHUNK_BYTES
-  rows = max((d for d in range(1, S + 1) if fits(d)), default=1)
-  if rows == S:
-    return sums(xb, rows_args)
-
-  def group(i, out):
-    take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * rows, rows)
-    part = sums(take(xb), jax.tree.map(take, rows_args))
-    return jax.lax.dynamic_update_slice_in_dim(out, part, i * rows, 0)
-
-  return jax.lax.fori_loop(0, S // rows, group, jnp.zeros((S, n_blocks), F32))
+  last = jnp.where(col < valid, f(xb[:, n_blocks - 1], rows_args), 0.0)
+  return sums.at[:, n_blocks - 1].set(last.sum(-1))
 
 
 def _total(f, xb, valid: int, rows_args):
@@ -303,6 +301,78 @@ def _filtered_full(xb, valid: int, m_S, r_S, u_S, top_k_S, top_p_S, branch_free:
   return _draw(xb, _kept, (*args, p_cut), valid, u_S[:, None])[0][:, 0].astype(jnp.int32)
 
 
+def _on_rows(need_S, f, rows_args, otherwise, branch_free: bool):
+  """f(*rows_args) for the rows that need it (rows_args: arrays [S, ...]; f acts per row): `when_any`, and
+  when at most ROW_BUCKETS[0] rows need it, over those rows alone, gathered. Other rows get `otherwise`."""
+  S, H = need_S.shape[0], ROW_BUCKETS[0]
+  if branch_free or S <= H:
+    return when_any(need_S, lambda: f(*rows_args), otherwise, branch_free)
+
+  def few():
+    _, idx = jax.lax.top_k(jnp.where(need_S, S - jnp.arange(S), 0), H)  # the rows that need it first
+    out = f(*(a[idx] for a in rows_args))
+    return jax.tree.map(lambda o, v: o.at[idx].set(v, mode="promise_in_bounds"), otherwise(), out)
+
+  n = need_S.sum()
+  return jax.lax.cond(n == 0, otherwise, lambda: jax.lax.cond(n <= H, few, lambda: f(*rows_args)))
+
+
+def _sample_rows(
+  x, xb, block_max, greedy, temperature_S, top_k_S, top_p_S, u_SxN, valid: int, branch_free: bool
+):
+  """`sample`'s tokens for rows x [S, V] (`_blocked` of them, their greedy tokens and uniforms given)."""
+  S = x.shape[0]
+  hot = temperature_S > 0
+  top_k = jnp.where(top_k_S >= valid, 0, top_k_S)
+  r = 1.0 / jnp.where(hot, temperature_S, 1.0).astype(F32)
+  m = jnp.take_along_axis(block_max, (greedy // BLOCK)[:, None], 1)[:, 0]  # the row's largest logit
+  u = u_SxN
+  drawn = hot & (top_k == 0)  # temperature alone, or top-p: drawn from the whole distribution
+  nucleus = drawn & (top_p_S < 1.0)
+  capped = hot & (top_k > 0) & (top_k <= TOPK_CAP)
+
+  tok_d, y_d, z_d = when_any(
+    drawn,
+    lambda: _draw(xb, _probs, (m, r), valid, u[:, :CANDIDATES]),
+    lambda: (jnp.zeros((S, CANDIDATES), jnp.int32), jnp.zeros((S, CANDIDATES), F32), jnp.ones((S,), F32)),
+    branch_free,
+  )
+  # Rejection: the first candidate inside the nucleus (mass above it < top_p · Z, or the largest logit)
+  # is a draw from the nucleus distribution; each is accepted with probability the nucleus mass, >= top_p.
+  accepted, choice = ~nucleus, jnp.zeros((S,), jnp.int32)
+  for i in range(CANDIDATES):
+    test = nucleus & ~accepted
+    member = _on_rows(
+      test,
+      lambda xb, m, r, y, top_p, z: (_total(_probs_above, xb, valid, (m, r, y)) < top_p * z) | (y >= m),
+      (xb, m, r, y_d[:, i], top_p_S, z_d),
+      lambda: jnp.zeros((S,), bool),
+      branch_free,
+    )
+    choice = jnp.where(test & member, i, choice)
+    accepted = accepted | (test & member)
+  tok_drawn = jnp.take_along_axis(tok_d, choice[:, None], 1)[:, 0]
+
+  tok_cap, exact = when_any(
+    capped,
+    lambda: _capped(x, xb, block_max, valid, m, r, u[:, 0], top_k, top_p_S),
+    lambda: (greedy, jnp.ones((S,), bool)),
+    branch_free,
+  )
+  # The bisection: a top-k past the candidates, and the rows whose candidates all fell outside the nucleus
+  # (with their own uniform, independent of those candidates: the mixture is still the nucleus's law).
+  need_full = hot & jnp.isfinite(m) & ((top_k > TOPK_CAP) | (capped & ~exact) | (nucleus & ~accepted))
+  tok_full = _on_rows(
+    need_full,
+    lambda xb, m, r, u, top_k, top_p: _filtered_full(xb, valid, m, r, u, top_k, top_p, branch_free),
+    (xb, m, r, u[:, CANDIDATES], top_k, top_p_S),
+    lambda: greedy,
+    branch_free,
+  )
+  tok = jnp.where(need_full, tok_full, jnp.where(capped, tok_cap, jnp.where(drawn, tok_drawn, greedy)))
+  return jnp.where(jnp.isfinite(m) & hot, tok, greedy).astype(jnp.int32)
+
+
 def sample(
   logits_SxV,
   temperature_S,
@@ -319,71 +389,37 @@ def sample(
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only)."""
   if branch_free is None:
     branch_free = branch_free_default()
+  S = logits_SxV.shape[0]
   x = logits_SxV.astype(F32)
   xb, block_max = _blocked(x, valid_vocab)
   greedy = _argmax_blocked(xb, block_max, valid_vocab)
   hot = temperature_S > 0
+  settings = (temperature_S, top_k_S, top_p_S)
 
-  def sampled():
-    S, V = x.shape[0], valid_vocab
-    top_k = jnp.where(top_k_S >= V, 0, top_k_S)
-    r = 1.0 / jnp.where(hot, temperature_S, 1.0).astype(F32)
-    m = jnp.take_along_axis(block_max, (greedy // BLOCK)[:, None], 1)[:, 0]  # the row's largest logit
+  def all_rows():
     u = slot_uniforms(seed_S, pos_S, seed_hi_S, n=CANDIDATES + 1)
-    drawn = hot & (top_k == 0)  # temperature alone, or top-p: drawn from the whole distribution
-    nucleus = drawn & (top_p_S < 1.0)
-    capped = hot & (top_k > 0) & (top_k <= TOPK_CAP)
+    return _sample_rows(x, xb, block_max, greedy, *settings, u, valid_vocab, branch_free)
 
-    tok_d, y_d, z_d = when_any(
-      drawn,
-      lambda: _draw(xb, _probs, (m, r), V, u[:, :CANDIDATES]),
-      lambda: (jnp.zeros((S, CANDIDATES), jnp.int32), jnp.zeros((S, CANDIDATES), F32), jnp.ones((S,), F32)),
-      branch_free,
+  def hot_rows(H):
+    """The first H rows that sample (the rest greedy), gathered: the passes cost H rows, not S."""
+    _, idx = jax.lax.top_k(jnp.where(hot, S - jnp.arange(S), 0), H)  # hot rows first
+    take = lambda a: None if a is None else a[idx]
+    xh = x[idx]
+    u = slot_uniforms(seed_S[idx], pos_S[idx], take(seed_hi_S), n=CANDIDATES + 1)
+    tok = _sample_rows(
+      xh, *_blocked(xh, valid_vocab), greedy[idx], *map(take, settings), u, valid_vocab, branch_free
     )
-    # Rejection: the first candidate inside the nucleus (mass above it < top_p · Z, or the largest logit)
-    # is a draw from the nucleus distribution; each is accepted with probability the nucleus mass, >= top_p.
-    accepted, choice = ~nucleus, jnp.zeros((S,), jnp.int32)
-    for i in range(CANDIDATES):
-      test = nucleus & ~accepted
-      member = when_any(
-        test,
-        lambda i=i: (_total(_probs_above, xb, V, (m, r, y_d[:, i])) < top_p_S * z_d) | (y_d[:, i] >= m),
-        lambda: jnp.zeros((S,), bool),
-        branch_free,
-      )
-      choice = jnp.where(test & member, i, choice)
-      accepted = accepted | (test & member)
-    tok_drawn = jnp.take_along_axis(tok_d, choice[:, None], 1)[:, 0]
+    return greedy.at[idx].set(tok, mode="promise_in_bounds")
 
-    tok_cap, exact = when_any(
-      capped,
-      lambda: _capped(x, xb, block_max, V, m, r, u[:, 0], top_k, top_p_S),
-      lambda: (greedy, jnp.ones((S,), bool)),
-      branch_free,
-    )
-    # The bisection: a top-k past the candidates, and the rows whose candidates all fell outside the nucleus
-    # (with their own uniform, independent of those candidates: the mixture is still the nucleus's law).
-    need_full = hot & ((top_k > TOPK_CAP) | (capped & ~exact) | (nucleus & ~accepted))
-    tok = jnp.where(capped, tok_cap, jnp.where(drawn, tok_drawn, greedy))
-    return jnp.where(jnp.isfinite(m) & hot, tok, greedy).astype(jnp.int32), need_full, m, r, u[:, CANDIDATES]
-
-  # Batch-level conds skip the work no slot needs (an all-greedy batch costs one blocked argmax); each
-  # row's result depends on its own row alone, whichever branches run.
-  S = x.shape[0]
-  tok, need_full, m, r, u_full = when_any(
-    hot,
-    sampled,
-    lambda: (greedy, jnp.zeros((S,), bool), jnp.zeros((S,), F32), jnp.ones((S,), F32), jnp.zeros((S,), F32)),
-    branch_free,
-  )
-  top_k = jnp.where(top_k_S >= valid_vocab, 0, top_k_S)
-  tok_full = when_any(
-    need_full,
-    lambda: _filtered_full(xb, valid_vocab, m, r, u_full, top_k, top_p_S, branch_free),
-    lambda: greedy,
-    branch_free,
-  )
-  return jnp.where(need_full & jnp.isfinite(m), tok_full, tok)
+  # Batch-level conds skip the work no slot needs: an all-greedy batch costs one blocked argmax, and a batch
+  # with few sampling slots samples only those (in the smallest of the row buckets that holds them). Each
+  # row's result depends on its own row alone, whichever branches run. Branch-free, all the rows.
+  rows = all_rows
+  if not branch_free:
+    n_hot = hot.sum()
+    for H in reversed([H for H in ROW_BUCKETS if H < S]):
+      rows = lambda H=H, bigger=rows: jax.lax.cond(n_hot <= H, lambda: hot_rows(H), bigger)
+  return when_any(hot, rows, lambda: greedy, branch_free)
 
 
 TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)
