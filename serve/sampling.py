@@ -11,23 +11,25 @@ exactly that distribution (up to fp32 rounding of the weights), by these paths:
 - temperature alone: inverse CDF with the slot's first uniform, in two levels: the masses of blocks of
   BLOCK ids (one pass over the logits), then the cumulative masses inside the chosen block.
 - top-p without top-k: rejection. CANDIDATES tokens are drawn that way (a uniform each); the token is the
-  first whose mass above is < top_p · total (one pass over the logits per candidate tested, run only while
-  some slot still needs it). Each candidate lies in the nucleus with probability its mass, >= top_p, and
-  the first that does is a draw from the nucleus distribution; a row whose candidates all miss (at most
-  (1 - top_p)^CANDIDATES) takes the bisection with a uniform of its own, so the mixture is exactly the
-  nucleus distribution.
+  first whose mass above is < top_p · total (a pass over the logits per candidate tested, run only while
+  some slot still needs it). Each candidate lies in the nucleus with probability the nucleus's mass,
+  >= top_p, and the first that does is a draw from the nucleus distribution; a row whose candidates all miss
+  (probability at most (1 - top_p)^CANDIDATES) takes the bisection with a uniform of its own, so the mixture
+  is exactly the nucleus distribution.
 - top-k <= TOPK_CAP, with or without top-p: the rule among the TOPK_CAP + 1 largest logits (found in the
   blocks with the largest maxima), exact unless a tie at the k-th place reaches past them.
 - the bisection (top-k > TOPK_CAP, such ties, candidates all outside the nucleus): the cut-offs by
   bisection over the logits' 32 key bits (32 passes each, nothing of the vocabulary's size kept), then the
   two-level draw. Rarely needed, so rarely run.
 
-Batch-level `lax.cond`s skip the paths no slot needs (an all-greedy batch costs one blocked argmax). Neuron
-does not support `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both
-sides of each are computed and the same predicate selects: the tokens are the conds'
-(tests/test_sampling_branch_free.py, tests/test_sampling_exact.py), at the cost of every path on every step,
-the bisection's ~70 passes over the logits included (docs/BENCHMARKS.md, "Sampling without cond"). What the
-paths cost against greedy decoding on a CPU: docs/BENCHMARKS.md, "What sampling costs".
+Batch-level `lax.cond`s skip the work no slot needs: an all-greedy batch costs one blocked argmax; a batch
+with at most 8 (16) sampling slots gathers those rows and samples them alone (ROW_BUCKETS), and a later
+candidate's test or the bisection runs on the few rows that need it, gathered. Neuron does not support
+`cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both sides of each are
+computed over every row and the same predicate selects: the tokens are the conds' (tests/test_sampling_*.py),
+at the cost of every path on every step, the bisection's ~70 passes over the logits included
+(docs/BENCHMARKS.md, "Sampling without cond"). What sampling costs against greedy decoding on a CPU:
+docs/BENCHMARKS.md, "What sampling costs".
 """
 
 from __future__ import annotations
@@ -414,12 +416,12 @@ def sample(
   # Batch-level conds skip the work no slot needs: an all-greedy batch costs one blocked argmax, and a batch
   # with few sampling slots samples only those (in the smallest of the row buckets that holds them). Each
   # row's result depends on its own row alone, whichever branches run. Branch-free, all the rows.
-  rows = all_rows
-  if not branch_free:
-    n_hot = hot.sum()
-    for H in reversed([H for H in ROW_BUCKETS if H < S]):
-      rows = lambda H=H, bigger=rows: jax.lax.cond(n_hot <= H, lambda: hot_rows(H), bigger)
-  return when_any(hot, rows, lambda: greedy, branch_free)
+  def bucketed(buckets):
+    if branch_free or not buckets:
+      return all_rows()
+    return jax.lax.cond(hot.sum() <= buckets[0], lambda: hot_rows(buckets[0]), lambda: bucketed(buckets[1:]))
+
+  return when_any(hot, lambda: bucketed([H for H in ROW_BUCKETS if H < S]), lambda: greedy, branch_free)
 
 
 TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)
