@@ -6,9 +6,9 @@ kind and slot count, in alternating rounds; medians and ratios from one process 
     python benchmarks/sampling_step.py [--preset small] [--slots 64,1280] [--rounds 5] [--calls 3]
 
 Batches: greedy (every slot temperature 0: the cond form runs one blocked argmax); mixed (a quarter each
-greedy, temperature 1, top-k 50, top-p 0.9 whose nucleus closes in the 64 candidates; one slot asks for
-logprobs: the cond form skips only the bisection); mixed+bisection (one more slot with top-k 100, past the
-candidates: the cond form runs every path too). Logits: Zipf-like rows (probability ∝ rank^-1.5, ranks
+greedy, temperature 1, top-k 50, top-p 0.9; one slot asks for logprobs: the cond form skips the bisection);
+mixed+bisection (one more slot with top-k 100, past the candidates: the cond form runs the bisection too, on
+that slot's row). Logits: Zipf-like rows (probability ∝ rank^-1.5, ranks
 shuffled per row), as peaked as a language model's next-token distribution often is.
 """
 

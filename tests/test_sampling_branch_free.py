@@ -109,7 +109,7 @@ def test_branch_free_lowers_without_case():
   for bf in (False, True):
     text = jax.jit(_slot_fns(bf)._sample_next).lower(_logits(0), _table("mixed", [-1] * S)).as_text()
     count[bf] = sum(v.rule == "cond" for v in neuron_check.violations(text))
-  assert count[False] == 5 and count[True] == 0
+  assert count[False] > 0 and count[True] == 0
 
 
 @pytest.mark.parametrize("V, valid", [(300, 290), (320, 320), (50304, 50257)])
