@@ -475,15 +475,25 @@ class SlotFunctions:
     return table, out.pack()
 
   def _sample_step(self, logits, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
-    index = table.last_output_index + 1  # also the draw's position in the slot's random stream
+    """Each slot's next token. A slot whose input ended it (finished, freed, never used) keeps its token and
+    index, so it stays ended until an insert, and samples nothing: greedy, without logprobs (a freed slot's
+    last settings would otherwise keep the sampler's costly paths running for nobody)."""
     s = table.settings
+    ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)
+    index = table.last_output_index + 1  # also the draw's position in the slot's random stream
     if greedy:  # the sampler's own greedy path (its rows at temperature 0), without its branches
       tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab)
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), None)
     else:
-      tok = self.sample(logits, s.temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
-      out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), s.logprobs)
-    return dataclasses.replace(table, tokens=tok, last_output_index=index), out
+      temperature = jnp.where(ended_S, 0.0, s.temperature)
+      tok = self.sample(logits, temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
+      want = jnp.where(ended_S, -1, s.logprobs)
+      out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), want)
+    return dataclasses.replace(
+      table,
+      tokens=jnp.where(ended_S, table.tokens, tok),
+      last_output_index=jnp.where(ended_S, table.last_output_index, index),
+    ), out
 
   def _steps(self, params, table: SlotTable, steps: int, greedy: bool):
     s = table.settings
@@ -491,13 +501,7 @@ class SlotFunctions:
     def one(table: SlotTable, _):
       ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)  # its input ends it
       moved, logits = self._decode_logits(params, table, live_S=~ended_S)
-      moved, out = self._sample_step(logits, moved, greedy)
-      kept = dataclasses.replace(
-        moved,
-        tokens=jnp.where(ended_S, table.tokens, moved.tokens),
-        last_output_index=jnp.where(ended_S, table.last_output_index, moved.last_output_index),
-      )
-      return kept, out
+      return self._sample_step(logits, moved, greedy)  # (an ended slot keeps its token and index)
 
     table, outs = jax.lax.scan(one, table, None, length=steps)
     out = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [T, S, ...] -> [S, T, ...]
