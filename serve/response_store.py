@@ -25,11 +25,13 @@ import re
 import stat
 import threading
 
+from serve.files import TMP, read_regular
+from serve.files import atomic_write as _atomic_write
+
 log = logging.getLogger(__name__)
 
 ID = re.compile(r"resp_[0-9a-f]{32}")
 FILE = re.compile(r"(resp_[0-9a-f]{32})\.json")
-TMP = ".tmp-"  # in the name of every temporary file this module writes (removed at start)
 MAX_FILE_BYTES = 64 << 20
 FORMAT = 1
 SUBDIR = "responses"  # under --state_cache_dir; the state cache opens only its own *.state files there
@@ -207,7 +209,7 @@ class ResponseStore:
       if m is None:
         continue
       try:
-        rec = Record.from_json(_read_regular(path, MAX_FILE_BYTES))
+        rec = Record.from_json(read_regular(path, MAX_FILE_BYTES, "a stored response"))
         if rec.id != m.group(1):
           raise ValueError(f"it holds {rec.id}, not {m.group(1)}")
       except (OSError, ValueError) as e:
@@ -232,38 +234,3 @@ class ResponseStore:
       len(over),
       self.stats["files_skipped"],
     )
-
-
-def _atomic_write(path: str, data: bytes):
-  """Write to a temporary name (0600, never through a link), fsync, rename into place; on failure the
-  temporary file is removed."""
-  tmp = f"{path}{TMP}{os.getpid()}-{threading.get_ident()}"
-  try:
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.unlink(tmp)
-    except OSError:
-      pass
-    raise
-
-
-def _read_regular(path: str, limit: int) -> bytes:
-  """The bytes of a regular file, opened without following a link and without blocking (a FIFO); ValueError
-  past `limit` bytes or for anything but a regular file."""
-  fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-  try:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-      raise ValueError("not a regular file")
-    if st.st_size > limit:
-      raise ValueError(f"{st.st_size} bytes, more than the {limit} a stored response may take")
-    with os.fdopen(fd, "rb", closefd=False) as f:
-      return f.read(st.st_size + 1)
-  finally:
-    os.close(fd)

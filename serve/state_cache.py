@@ -35,6 +35,8 @@ import numpy as np
 
 from laplace_jax import model as laplace_model
 from laplace_jax.config import LAYOUT_NEUTRAL
+from serve.files import TMP, read_regular
+from serve.files import atomic_write as _atomic_write  # (a module name: tests slow the disk down)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,6 @@ PREFIX_STATES = 2  # cached prefixes a newly stored state keeps (StateCache's bo
 MAX_PENDING_WRITES = 64  # files queued for the writer; past it new entries stay in memory only
 MAGIC = b"LPLSTATE1\n"
 MARKER = "laplace-state-cache.json"
-TMP = ".tmp-"  # in the name of every temporary file this module writes (removed at start)
 MAX_HEADER = 1 << 16
 
 
@@ -335,7 +336,7 @@ class StateCache:
       os.chmod(directory, 0o700)  # the files hold prompts' token ids
       if MARKER in names:
         try:
-          owner = json.loads(_read_regular(marker, MAX_HEADER)).get("model_id")
+          owner = json.loads(read_regular(marker, MAX_HEADER, "a marker")).get("model_id")
         except (ValueError, AttributeError) as e:
           raise ValueError(
             f"--state_cache_dir={directory}: {MARKER} is damaged ({e}). Remove the directory "
@@ -465,41 +466,6 @@ def _layout_of(state: dict) -> dict:
   return {str(k): (str(a.dtype), tuple(a.shape)) for k, a in state.items()}
 
 
-def _atomic_write(path: str, data: bytes):
-  """Write to a temporary name (0600, never through a link) and rename into place; on failure the
-  temporary file is removed."""
-  tmp = f"{path}{TMP}{os.getpid()}-{threading.get_ident()}"
-  try:
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.unlink(tmp)
-    except OSError:
-      pass
-    raise
-
-
-def _read_regular(path: str, limit: int) -> bytes:
-  """The bytes of a regular file, opened without following a link and without blocking (a FIFO); at most
-  `limit` bytes (ValueError past it)."""
-  fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-  try:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-      raise ValueError("not a regular file")
-    if st.st_size > limit:
-      raise ValueError(f"{st.st_size} bytes, more than the {limit} a state of this model takes")
-    with os.fdopen(fd, "rb", closefd=False) as f:
-      return f.read(st.st_size + 1)
-  finally:
-    os.close(fd)
-
-
 def encode_entry(ids: np.ndarray, state: dict, model_id: str, scope: str = "") -> bytes:
   """MAGIC, a JSON header line (model, scope, arrays' names/dtypes/shapes, SHA-256 of the payload), the payload."""
   names = sorted(state)
@@ -524,7 +490,7 @@ def _max_file_bytes(layout: dict | None) -> int:
 def read_entry(path: str, model_id: str, layout: dict | None = None) -> tuple[np.ndarray, dict, str]:
   """(ids, state, scope) from a file; ValueError if it is damaged, belongs to another model or holds a
   state of another layout than `layout`; OSError if it cannot be opened as a regular file."""
-  raw = _read_regular(path, _max_file_bytes(layout))
+  raw = read_regular(path, _max_file_bytes(layout), "a state of this model")
   if not raw.startswith(MAGIC):
     raise ValueError("not a state file")
   end = raw.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
