@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import functools
 import inspect
 import sys
@@ -43,6 +44,26 @@ class FlagParser(argparse.ArgumentParser):
 
     group._add_action = checked
     return group
+
+  def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    """As argparse's, but an unknown flag is one short error naming the closest valid flag."""
+    ns, extra = self.parse_known_args(args, namespace)
+    if extra:
+      self.error("; ".join(self.unknown(a) for a in extra if a.startswith("-")) or f"unexpected {extra}")
+    return ns
+
+  def unknown(self, arg: str) -> str:
+    """'unknown flag --x' with the closest valid flag (difflib), if one is close."""
+    name = arg.partition("=")[0]
+    known = [s for s in self._option_string_actions if s.startswith("--")]
+    by_field = {s.rsplit(".", 1)[-1]: s for s in known if "." in s}  # --d_model -> --model.d_model
+    key = "--" + _key(name.lstrip("-"))
+    close = [by_field[key]] if key in by_field else difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else "")
+
+  def error(self, message: str):
+    """One line and the way to the full list, not the whole usage (python -m train has ~100 flags)."""
+    self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
 
   def parse_known_args(self, args=None, namespace=None):
     args = sys.argv[1:] if args is None else list(args)

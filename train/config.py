@@ -68,7 +68,9 @@ class TrainConfig:
   eval_every: int = 50
   """held-out eval loss every N steps (0: only at the end)"""
   eval_batches: int = 4
-  """held-out batches per eval"""
+  """held-out batches per eval (0: no held-out loss)"""
+  eval_batch: int = 0
+  """sequences per held-out batch, a multiple of the devices the batch is split over (0: global_batch)"""
   save_every: int = 100
   """checkpoint every N steps (the last step is always saved)"""
   keep_checkpoints: int = 3
@@ -136,6 +138,7 @@ class TrainConfig:
       "simulate_devices",
       "eval_every",
       "eval_batches",
+      "eval_batch",
       "sample_tokens",
       "process_id",
       "profile_steps",
@@ -241,6 +244,25 @@ def optimizer_defaults(preset: str, steps: int) -> OptimizerConfig:
   return OptimizerConfig(total_steps=steps, warmup_steps=max(1, steps // 20), adamw_lr=3e-3)
 
 
+def _type_errors(cls, values: dict, table: str) -> list[str]:
+  """One line per value of a TOML table whose type is not its field's (an int is a valid float)."""
+  errors = []
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  for name, value in values.items():
+    if name not in fields:
+      continue  # unknown names: _apply's error lists the valid ones
+    t = _field_type(cls, fields[name])
+    if t not in (int, float, str, bool):
+      continue
+    ok = isinstance(value, t) and (t is bool or not isinstance(value, bool))
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+      ok = True
+    if not ok:
+      want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[t]
+      errors.append(f"[{table}] {name} = {value!r}: expected {want}")
+  return errors
+
+
 def read_toml(path: str) -> dict:
   try:
     with open(path, "rb") as fh:
@@ -252,6 +274,12 @@ def read_toml(path: str) -> dict:
   unknown = set(data) - set(_SECTIONS)
   if unknown:
     raise ValueError(f"--config {path}: unknown table(s) {sorted(unknown)}; expected {sorted(_SECTIONS)}.")
+  errors = [e for sec, cls in _SECTIONS.items() for e in _type_errors(cls, data.get(sec, {}), sec)]
+  if errors:
+    raise ValueError(
+      f"--config {path}: {len(errors)} value(s) of the wrong type (TOML strings are quoted, numbers "
+      "and true/false are not):\n  " + "\n  ".join(errors)
+    )
   return data
 
 
