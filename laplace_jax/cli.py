@@ -92,6 +92,17 @@ def _check_spelling(action):
       )
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Help that appends "(default: X)" once: not where the help already says its default, and not for a
+  default of None or False (an unset option, an off switch)."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.default == []:
+      return text
+    return super()._get_help_string(action)
+
+
 class Toggle(argparse.Action):
   """A boolean flag and its negation: `--progress` / `--no_progress` (also `--no-progress`)."""
 

@@ -25,10 +25,6 @@ _FLAGS = (
 )
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-  pass
-
-
 def _engine_flag(group, name: str, flag: str | None = None):
   """A flag for EngineConfig's field `name`: its default and its help."""
   group.add_argument(
@@ -41,7 +37,9 @@ def _limits_default(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = cli.FlagParser(prog="python -m serve", description=__doc__ + _FLAGS, formatter_class=_Formatter)
+  p = cli.FlagParser(
+    prog="python -m serve", description=__doc__ + _FLAGS, formatter_class=cli.DefaultsFormatter
+  )
   w = p.add_argument_group("model")
   w.add_argument(
     "--preset",

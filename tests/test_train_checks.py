@@ -72,3 +72,43 @@ def test_flops_for_any_seq_len(seq_len):
   if seq_len == cfg.max_seq_len:
     assert flops_per_token(cfg, seq_len=seq_len) == flops_per_token(cfg)
   assert dataclasses.replace(cfg) == cfg  # the config is not rebuilt with another chunk size
+
+
+def _flag_help(text: str, flag: str) -> str:
+  """The help of one flag in a --help text, whitespace collapsed."""
+  lines = text.splitlines()
+  at = next(i for i, l in enumerate(lines) if l.strip().startswith(flag + " "))
+  block = [lines[at]]
+  for l in lines[at + 1 :]:
+    if l.strip().startswith("-") or not l.startswith(" "):
+      break
+    block.append(l)
+  return " ".join(" ".join(block).split())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "laplace-3b"])
+def test_train_help_shows_the_chosen_presets_defaults(preset):
+  from train.config import build_parser, chosen_preset
+
+  argv = [] if preset == "tiny" else ["--preset", preset]
+  text = build_parser(chosen_preset(argv)).format_help()
+  d_model = get_config(preset).d_model
+  assert _flag_help(text, "--model.d_model").endswith(f"(default: {d_model})")
+  assert f"defaults: --preset {preset}'s" in text
+
+
+def test_train_help_reads_the_preset_from_the_toml(tmp_path):
+  from train.config import chosen_preset
+
+  (tmp_path / "r.toml").write_text('[train]\npreset = "small"\n')
+  assert chosen_preset(["--config", str(tmp_path / "r.toml")]) == "small"
+  assert chosen_preset(["--config", str(tmp_path / "r.toml"), "--preset", "tiny"]) == "tiny"
+
+
+def test_serve_help_prints_each_default_once():
+  from serve.__main__ import build_parser
+
+  text = " ".join(build_parser().format_help().split())
+  assert "(default: None)" not in text
+  assert "(default: 1280 for laplace-3b, 64 otherwise)" in text
+  assert not any(s.count("(default") > 1 for s in text.split(" --"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 
 import tomllib
@@ -191,8 +192,21 @@ def _field_type(cls, f):
   return t if not origin else next(a for a in origin if a is not type(None))
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """Every field of the three sections is a flag; its help is the field's docstring (laplace_jax.cli)."""
+def _shown_default(section: str, name: str, preset: str, plain):
+  """The default a flag's help shows: the train field's own, or the chosen preset's model or optimizer
+  value (the optimizer's schedule spans the run's --steps in every preset but laplace-3b)."""
+  if section == "model":
+    return getattr(get_config(preset), name)
+  if section == "optimizer":
+    if preset != "laplace-3b" and name in ("total_steps", "warmup_steps"):
+      return "--steps" if name == "total_steps" else "max(1, --steps // 20)"
+    return getattr(optimizer_defaults(preset, TrainConfig.steps), name)
+  return plain
+
+
+def build_parser(preset: str = TrainConfig.preset) -> argparse.ArgumentParser:
+  """Every field of the three sections is a flag; its help is the field's docstring (laplace_jax.cli) and
+  the default the run will use: [model] and [optimizer] defaults are `preset`'s."""
   ap = cli.FlagParser(
     prog="python -m train",
     description="Train a Laplace model with pjit over a device mesh.",
@@ -201,11 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
   )
   ap.add_argument("--config", metavar="FILE.toml", help="TOML file with [train], [model], [optimizer] tables")
   for section, cls in _SECTIONS.items():
-    group = ap.add_argument_group(f"[{section}]")
+    title = f"[{section}]"
+    if section != "train":
+      title += f" (defaults: --preset {preset}'s; `--preset NAME --help` shows another preset's)"
+    group = ap.add_argument_group(title)
     for f in dataclasses.fields(cls):
       flag = f"--{f.name}" if section == "train" else f"--{section}.{f.name}"
       t = _field_type(cls, f)
-      default = f.default
+      default = _shown_default(section, f.name, preset, f.default)
       helptext = cli.field_help(cls, f.name) + (f": one of {sorted(PRESETS)}" if f.name == "preset" else "")
       if t is bool and section == "train":
         group.add_argument(
@@ -217,15 +234,33 @@ def build_parser() -> argparse.ArgumentParser:
         )
       else:
         typ = _parse_bool if t is bool else (t if t in (int, float, str) else str)
+        shown = default if isinstance(default, str) and default.startswith(("--", "max(")) else repr(default)
         group.add_argument(
           flag,
           dest=f"{section}.{f.name}",
           type=typ,
           default=None,
           metavar=t.__name__.upper() if hasattr(t, "__name__") else "V",
-          help=f"{helptext} (default: {default!r})".strip(),
+          help=f"{helptext} (default: {shown})".strip(),
         )
   return ap
+
+
+def chosen_preset(argv: list[str]) -> str:
+  """The preset a command line picks (--preset, else its --config's [train] preset, else the default), read
+  before the full parse so that --help can show that preset's defaults; anything unreadable is left to it."""
+  pre = cli.FlagParser(add_help=False)
+  pre.add_argument("--preset")
+  pre.add_argument("--config")
+  known, _ = pre.parse_known_args(argv)
+  preset = known.preset
+  if preset is None and known.config:
+    try:
+      with open(known.config, "rb") as fh:
+        preset = tomllib.load(fh).get("train", {}).get("preset")
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+      preset = None
+  return preset if preset in PRESETS else TrainConfig.preset
 
 
 def _apply(cls, base, values: dict, where: str):
@@ -285,7 +320,8 @@ def read_toml(path: str) -> dict:
 
 def load_config(argv=None) -> RunConfig:
   """Parse flags (and the TOML file they name) into a validated RunConfig: preset → TOML → flags."""
-  args = vars(build_parser().parse_args(argv))
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = vars(build_parser(chosen_preset(argv)).parse_args(argv))
   toml = read_toml(args.pop("config")) if args.get("config") else {}
   args.pop("config", None)
   flags = {
