@@ -94,8 +94,8 @@ def check_data(tc: TrainConfig, seq_len: int, vocab_size: int, batch_devices: in
   if not val.get("documents"):
     raise ValueError(
       f"{where}: the val split has no documents, so there is no held-out loss. Re-run python -m "
-      f"train.prepare YOUR_FILE.txt -o {tc.data_dir} --overwrite --txt_separator '\\n\\n' (a document per "
-      f"paragraph: one file is otherwise one document, in one split), {skip}."
+      f"train.prepare YOUR_FILE.txt -o {tc.data_dir} --overwrite (one text file alone is split into "
+      f"documents and its last tenth held out; many files: a larger --val_fraction), {skip}."
     )
   width = seq_len + 1
   have = int(val["tokens"]) + int(val["documents"])  # each document is followed by EOS
