@@ -185,20 +185,15 @@ def export(params, out: Path, cfg, step: int) -> Path:
 
 
 def sample(export: Path, tc: TrainConfig, cfg) -> str | None:
-  """--sample_tokens: text sampled from the exported checkpoint through the explicit-state decode (process
-  0's; None on the others)."""
+  """--sample_tokens: text sampled from the exported checkpoint through the explicit-state decode, up to
+  <|endoftext|> (shown) or --sample_tokens (process 0's; None on the others)."""
   params = checkpoint.load_params(export, config=dataclasses.asdict(cfg))  # the checkpoint, as host arrays
   if jax.process_index() != 0:
     return None
-  ids = generate.generate(
-    params,
-    tokenizer.encode(tc.sample_prompt),
-    tc.sample_tokens,
-    cfg=cfg,
-    valid_vocab=tokenizer.VOCAB_SIZE,
-    seed=tc.seed,
+  out = generate.complete(
+    params, cfg, tc.sample_prompt, tc.sample_tokens, temperature=0.8, top_k=40, seed=tc.seed
   )
-  sample = tc.sample_prompt + tokenizer.decode(ids)
+  sample = tc.sample_prompt + out.text + (tokenizer.EOS_TEXT if out.stop == "stop" else "")
   log0("sample (explicit-state decode):\n" + sample)
   return sample
 
