@@ -107,7 +107,7 @@ def complete(
   elif state.batch_size != 1:
     raise ValueError(f"state holds {state.batch_size} sequences: complete continues one (batch 1).")
   valid = min(cfg.vocab_size, tokenizer.VOCAB_SIZE)
-  how = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), valid_vocab=valid)
+  how: dict = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), valid_vocab=valid)
   logits, state = model.prefill(params, state, np.asarray([ids], np.int32), cfg=cfg)
   key, sub = jax.random.split(jax.random.key(seed))
   tok = sample_logits(logits, sub, **how)
@@ -127,7 +127,7 @@ def complete(
 def save_state(path, state: DecodeState, cfg: LaplaceConfig) -> None:
   """Write a decode state (and the model config it belongs to) to `path`, a .npz file; load_state reads
   it back. bfloat16 tables (attention caches) are stored as their uint16 bits."""
-  arrays = {k: np.asarray(v) for k, v in jax.device_get(state.to_dict()).items()}
+  arrays: dict = {k: np.asarray(v) for k, v in jax.device_get(state.to_dict()).items()}
   bf16 = [k for k, v in arrays.items() if v.dtype == jnp.bfloat16]
   arrays.update({k: arrays[k].view(np.uint16) for k in bf16})
   meta = json.dumps({"config": dataclasses.asdict(cfg), "bfloat16": bf16})

@@ -442,8 +442,8 @@ def prepare(
     streams = [read_documents(p, text_field=text_field, txt_separator=txt_separator) for p in files]
     total = sum(s["bytes"] for s in sources)
   if one_file:
-    docs, rule = one_file_documents(_decode(files[0].read_bytes(), str(files[0])), val_fraction)
-    streams = [iter([(d, len(d.encode()), split) for d, split in docs])]
+    found, rule = one_file_documents(_decode(files[0].read_bytes(), str(files[0])), val_fraction)
+    streams = [iter([(d, len(d.encode()), split) for d, split in found])]
 
   counts = {"documents": 0, "tokens": 0, "skipped_empty": 0}
 
