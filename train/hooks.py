@@ -35,9 +35,21 @@ def host_matmul_peak_flops() -> float:
   return per_device * n_dev * jax.process_count()
 
 
+# metrics.jsonl key -> TensorBoard tag (`tensorboard --logdir RUN` shows them, beside a --profile_steps trace)
+TB_TAGS = {
+  "loss": "train/loss",
+  "eval_loss": "eval/loss",
+  "lr": "train/learning_rate",
+  "grad_norm": "train/grad_norm",
+  "tokens_per_s": "perf/tokens_per_s",
+  "mfu": "perf/mfu",
+}
+
+
 class MetricsLog:
-  """Each step's metrics: metrics.jsonl (every --log_every steps and the last), the progress bar, the run's
-  first and last losses, and the stop after --max_bad_steps non-finite steps in a row."""
+  """Each step's metrics: metrics.jsonl and TensorBoard event files in RUN/tensorboard (tensorboardX; every
+  --log_every steps and the last), the progress bar, the run's first and last losses, and the stop after
+  --max_bad_steps non-finite steps in a row."""
 
   def __init__(self, tc: TrainConfig, start: int, *, tokens_per_step: int, flops_per_token: float):
     self.tc = tc
@@ -49,6 +61,12 @@ class MetricsLog:
     self.peak = host_matmul_peak_flops()
     self.ckpt_dir = Path(tc.out_dir) / "checkpoints"
     self.file = open(Path(tc.out_dir) / "metrics.jsonl", "a") if jax.process_index() == 0 else None
+    self.tb = None
+    if jax.process_index() == 0:
+      from tensorboardX import SummaryWriter
+
+      # a resumed run drops the events of the steps it redoes, as metrics.jsonl drops their rows
+      self.tb = SummaryWriter(str(Path(tc.out_dir) / "tensorboard"), purge_step=start + 1 if start else None)
     self.bar = None
     if tc.progress and jax.process_index() == 0:
       self.bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
@@ -64,6 +82,10 @@ class MetricsLog:
     if self.file:
       self.file.write(json.dumps(row) + "\n")
       self.file.flush()
+    if self.tb:
+      for key, tag in TB_TAGS.items():
+        if key in row:
+          self.tb.add_scalar(tag, row[key], row["step"], walltime=row.get("time"))
 
   def record(self, i: int, m, wait: float):
     """Wait for step i's metrics and log them."""
@@ -113,6 +135,8 @@ class MetricsLog:
       self.bar.close()
     if self.file:
       self.file.close()
+    if self.tb:
+      self.tb.close()
 
 
 def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global):
