@@ -17,6 +17,7 @@ import ast
 import difflib
 import functools
 import inspect
+import logging
 import sys
 import textwrap
 
@@ -141,3 +142,16 @@ def field_docs(cls) -> dict[str, str]:
 def field_help(cls, name: str) -> str:
   """The field's docstring; a field without one is a defect the CLI tests catch (empty help)."""
   return field_docs(cls).get(name, "")
+
+
+# The libraries whose INFO lines mean nothing to a user of the programs: JAX's platform probe ("Unable to
+# initialize backend 'tpu'"), and grain and Orbax, which log through absl (Orbax ~18 lines per load).
+THIRD_PARTY_LOGGERS = ("absl", "jax", "orbax", "grain", "etils")
+
+
+def set_verbosity(verbose: bool) -> None:
+  """Third-party loggers at INFO with `verbose`, else at ERROR for absl (grain's notice about its profiler,
+  Orbax's progress) and WARNING for the rest."""
+  for name in THIRD_PARTY_LOGGERS:
+    quiet = logging.ERROR if name == "absl" else logging.WARNING
+    logging.getLogger(name).setLevel(logging.INFO if verbose else quiet)

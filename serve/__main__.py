@@ -163,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, logged at start)")
   h.add_argument(
+    "--access_log",
+    action=cli.Toggle,
+    default=True,
+    help="one log line per request: method, path, status, tenant, prompt / output / cached tokens, time "
+    "to first token, total time (serve/access_log.py; never the prompt or the key)",
+  )
+  h.add_argument(
+    "--verbose",
+    action="store_true",
+    help="show the INFO lines of the libraries underneath (JAX's platform probe, grain, Orbax)",
+  )
+  h.add_argument(
     "--api_key",
     action="append",
     metavar="KEY",
@@ -397,6 +409,8 @@ async def serve_forever(server, host, port):
 def main(argv=None):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
+  cli.set_verbosity(args.verbose)
+  logging.getLogger("serve.access").disabled = not args.access_log
   if args.target:
     try:
       raise SystemExit(lower_target(args))

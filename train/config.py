@@ -101,6 +101,9 @@ class TrainConfig:
   """prompt for the sample"""
   progress: bool = True
   """show a progress bar"""
+  verbose: bool = False
+  """show the INFO lines of the libraries underneath (JAX's platform probe, grain, Orbax); off: their
+  warnings and errors only"""
   allow_changes: str = ""
   """resume even though these config fields differ from the checkpoint's (comma-separated, e.g.
   optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)"""
