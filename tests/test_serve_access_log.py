@@ -45,7 +45,9 @@ def test_one_line_per_request_without_the_prompt_or_the_key(served, caplog):
     whole,
   )
   assert f"prompt_tokens={n_prompt} output_tokens=5 " in stream and "ttft_ms=-" not in stream
-  assert health.startswith("GET /health 200 tenant=- prompt_tokens=0 output_tokens=0") and "ttft_ms=-" in health
+  assert (
+    health.startswith("GET /health 200 tenant=- prompt_tokens=0 output_tokens=0") and "ttft_ms=-" in health
+  )
   assert denied.startswith("POST /v1/completions 401 tenant=- ")
   for line in lines:
     assert KEY not in line and "zebras" not in line and "wrong" not in line
