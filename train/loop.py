@@ -70,7 +70,7 @@ def eval_batch_size(tc: TrainConfig) -> int:
 def check_data(tc: TrainConfig, seq_len: int, vocab_size: int, batch_devices: int) -> None:
   """Every check of the run's data that needs no compile: the data directory and its manifest, a non-empty
   train split, and a held-out split (and --eval_batch) that fills one eval batch; raises naming the fix."""
-  rows = batch_devices * jax.process_count()  # a held-out batch is split over these, as a training batch is
+  rows = batch_devices  # all processes' devices: a held-out batch is split over them, as a training batch is
   eb = eval_batch_size(tc)
   if tc.eval_batches and eb % rows:
     raise ValueError(
