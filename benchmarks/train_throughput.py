@@ -97,7 +97,7 @@ def main():
   )
 
   tokens = args.batch * args.seq_len
-  model_flops = flops_per_token(cfg.replace(chunk_size=min(cfg.chunk_size, args.seq_len))) * tokens
+  model_flops = flops_per_token(cfg, seq_len=args.seq_len) * tokens
   shapes = param_shapes(cfg)["layer"]
   muon_flops = cfg.n_layers * sum(ns_flops(shapes[n]) for n in MUON_PARAM_NAMES)
   mfu = model_flops / step_s / peak

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import functools
 import inspect
+import logging
 import sys
 import textwrap
 
@@ -44,6 +46,26 @@ class FlagParser(argparse.ArgumentParser):
     group._add_action = checked
     return group
 
+  def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    """As argparse's, but an unknown flag is one short error naming the closest valid flag."""
+    ns, extra = self.parse_known_args(args, namespace)
+    if extra:
+      self.error("; ".join(self.unknown(a) for a in extra if a.startswith("-")) or f"unexpected {extra}")
+    return ns
+
+  def unknown(self, arg: str) -> str:
+    """'unknown flag --x' with the closest valid flag (difflib), if one is close."""
+    name = arg.partition("=")[0]
+    known = [s for s in self._option_string_actions if s.startswith("--")]
+    by_field = {s.rsplit(".", 1)[-1]: s for s in known if "." in s}  # --d_model -> --model.d_model
+    key = "--" + _key(name.lstrip("-"))
+    close = [by_field[key]] if key in by_field else difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"unknown flag {name}" + (f"; did you mean {close[0]}?" if close else "")
+
+  def error(self, message: str):
+    """One line and the way to the full list, not the whole usage (python -m train has ~100 flags)."""
+    self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
+
   def parse_known_args(self, args=None, namespace=None):
     args = sys.argv[1:] if args is None else list(args)
     return super().parse_known_args(self.respell(args), namespace)
@@ -69,6 +91,17 @@ def _check_spelling(action):
         f"flag {s}: the command lines spell flags with underscores ({'--' + _key(s[2:])}); "
         "the dashed spelling is accepted as an alias automatically"
       )
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Help that appends "(default: X)" once: not where the help already says its default, and not for a
+  default of None or False (an unset option, an off switch)."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.default == []:
+      return text
+    return super()._get_help_string(action)
 
 
 class Toggle(argparse.Action):
@@ -109,3 +142,16 @@ def field_docs(cls) -> dict[str, str]:
 def field_help(cls, name: str) -> str:
   """The field's docstring; a field without one is a defect the CLI tests catch (empty help)."""
   return field_docs(cls).get(name, "")
+
+
+# The libraries whose INFO lines mean nothing to a user of the programs: JAX's platform probe ("Unable to
+# initialize backend 'tpu'"), and grain and Orbax, which log through absl (Orbax ~18 lines per load).
+THIRD_PARTY_LOGGERS = ("absl", "jax", "orbax", "grain", "etils")
+
+
+def set_verbosity(verbose: bool) -> None:
+  """Third-party loggers at INFO with `verbose`, else at ERROR for absl (grain's notice about its profiler,
+  Orbax's progress) and WARNING for the rest."""
+  for name in THIRD_PARTY_LOGGERS:
+    quiet = logging.ERROR if name == "absl" else logging.WARNING
+    logging.getLogger(name).setLevel(logging.INFO if verbose else quiet)

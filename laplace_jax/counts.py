@@ -70,16 +70,18 @@ def state_bytes_per_sequence(cfg: LaplaceConfig, context: int | None = None) -> 
   return fixed + context * kv_cache_bytes_per_token(cfg)
 
 
-def flops_per_token(cfg: LaplaceConfig, *, training: bool = True) -> float:
-  """Model FLOPs per token: 2·(matmul params) plus the chunked GLA, ×3 for forward+backward."""
+def flops_per_token(cfg: LaplaceConfig, *, training: bool = True, seq_len: int | None = None) -> float:
+  """Model FLOPs per token: 2·(matmul params) plus the chunked GLA and attention, ×3 for forward+backward.
+  `seq_len`: the sequences' length (default max_seq_len); GLA chunks are min(chunk_size, seq_len) long."""
+  T = cfg.max_seq_len if seq_len is None else seq_len
   counts = param_counts(cfg)
   matmul_params = counts["muon"] + cfg.d_model * cfg.vocab_size  # LM head; the embedding is a gather
-  C, K, V = cfg.chunk_size, cfg.d_k, cfg.d_v
+  C, K, V = min(cfg.chunk_size, T), cfg.d_k, cfg.d_v
   gla = cfg.n_mixer_layers("G") * cfg.n_heads * (2 * C * (K + V) + 4 * K * V)
-  # causal attention over a training sequence of max_seq_len: QKᵀ and PV, half of them masked on average
-  attn = cfg.n_mixer_layers("A") * 2 * cfg.max_seq_len * cfg.attn_width
+  # causal attention over a training sequence of T: QKᵀ and PV, half of them masked on average
+  attn = cfg.n_mixer_layers("A") * 2 * T * cfg.attn_width
   # windowed attention: QKᵀ and PV over the keys each query sees, min(t + 1, window), averaged over the sequence
-  seen = np.minimum(np.arange(1, cfg.max_seq_len + 1), cfg.window).mean()
+  seen = np.minimum(np.arange(1, T + 1), cfg.window).mean()
   attn += cfg.n_mixer_layers("S") * 4 * seen * cfg.attn_width
   fwd = 2 * matmul_params + gla + attn
   return 3 * fwd if training else fwd

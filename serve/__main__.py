@@ -25,10 +25,6 @@ _FLAGS = (
 )
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-  pass
-
-
 def _engine_flag(group, name: str, flag: str | None = None):
   """A flag for EngineConfig's field `name`: its default and its help."""
   group.add_argument(
@@ -41,7 +37,9 @@ def _limits_default(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = cli.FlagParser(prog="python -m serve", description=__doc__ + _FLAGS, formatter_class=_Formatter)
+  p = cli.FlagParser(
+    prog="python -m serve", description=__doc__ + _FLAGS, formatter_class=cli.DefaultsFormatter
+  )
   w = p.add_argument_group("model")
   w.add_argument(
     "--preset",
@@ -164,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
   h = p.add_argument_group("http")
   h.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server)")
   h.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, logged at start)")
+  h.add_argument(
+    "--access_log",
+    action=cli.Toggle,
+    default=True,
+    help="one log line per request: method, path, status, tenant, prompt / output / cached tokens, time "
+    "to first token, total time (serve/access_log.py; never the prompt or the key)",
+  )
+  h.add_argument(
+    "--verbose",
+    action="store_true",
+    help="show the INFO lines of the libraries underneath (JAX's platform probe, grain, Orbax)",
+  )
   h.add_argument(
     "--api_key",
     action="append",
@@ -399,6 +409,8 @@ async def serve_forever(server, host, port):
 def main(argv=None):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
+  cli.set_verbosity(args.verbose)
+  logging.getLogger("serve.access").disabled = not args.access_log
   if args.target:
     try:
       raise SystemExit(lower_target(args))

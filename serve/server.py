@@ -98,6 +98,9 @@ class Server:
     app.router.add_get("/v1/models/{model_id}", self.model_info)
     app.router.add_get("/health", self.health)
     app.router.add_get("/metrics", self.metrics)
+    from serve import access_log  # imported here: the registration is the server's only line for it
+
+    access_log.install(app, self.engine, TENANT)
     return app
 
   async def start(self, host: str, port: int) -> int:

@@ -220,3 +220,32 @@ def test_builtin_kjv_corpus_end_to_end(tmp_path, capsys):
     text = tokenizer.decode(next(it)["inputs"][0])
   assert re.search(r"\b(the|and|of)\b", text)
   assert data.make_eval_batches(out, seq_len=64, global_batch_size=2, process_index=0, process_count=1)
+
+
+def test_one_text_file_alone_splits_by_the_documented_rule(tmp_path, capsys):
+  paragraphs = [f"Paragraph {i} says something of its own." for i in range(30)]
+  f = tmp_path / "mine.txt"
+  f.write_text("\n\n".join(paragraphs))
+  assert prep.main([str(f), "-o", str(tmp_path / "p"), "--no_progress"]) == 0
+  m = data.load_manifest(tmp_path / "p")
+  assert _stored_texts(tmp_path / "p", m, "val") == paragraphs[-3:]  # the last tenth
+  assert _stored_texts(tmp_path / "p", m, "train") == paragraphs[:-3]
+  out, err = capsys.readouterr()
+  assert "30 documents between blank lines; the last 3 held out as val" in out
+  assert "fewer than one held-out batch" in err and "--eval_batch 1 --seq_len" in err  # 3 short paragraphs
+
+  f.write_text(" ".join(paragraphs) * 4)  # no blank lines: cut into pieces
+  assert prep.main([str(f), "-o", str(tmp_path / "c"), "--no_progress"]) == 0
+  m = data.load_manifest(tmp_path / "c")
+  pieces = prep.cut_into_pieces(" ".join(paragraphs) * 4)
+  assert "".join(pieces) == " ".join(paragraphs) * 4 and all(len(p) <= prep.PIECE_CHARS for p in pieces)
+  assert _stored_texts(tmp_path / "c", m, "val") == pieces[-1:]
+  assert "cut into 5 pieces" in capsys.readouterr().out
+
+
+def test_empty_val_split_is_a_warning_naming_the_fix(tmp_path, capsys):
+  (tmp_path / "a.txt").write_text("one document")
+  (tmp_path / "b.txt").write_text("another")
+  assert prep.main([str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "-o", str(tmp_path / "o")]) == 0
+  err = capsys.readouterr().err
+  assert "val split is empty" in err and "--val_fraction" in err and "--eval_batches 0" in err

@@ -15,6 +15,7 @@ import pytest
 from laplace_jax.platform import CPU_DEVICES_ENV
 from train import prepare
 from train.config import build_parser, load_config
+from train.hooks import TB_TAGS
 from train.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +52,8 @@ SCHEDULE = ["--optimizer.total_steps", str(STEPS)]
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir, tmp_path_factory):
-  """step -> loss of one uninterrupted in-process run, the reference of both program tests (one compile)."""
+def reference_dir(data_dir, tmp_path_factory):
+  """The run directory of one uninterrupted in-process run, the reference of the program tests (one compile)."""
   ref = tmp_path_factory.mktemp("ref")
   run(
     load_config(
@@ -61,9 +62,29 @@ def reference(data_dir, tmp_path_factory):
       + ["--data_dir", str(data_dir), "--out_dir", str(ref), "--steps", str(STEPS), "--save_every", "100"]
     )
   )
-  want = _losses(ref)
+  return ref
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+  """step -> loss of the reference run."""
+  want = _losses(reference_dir)
   assert sorted(want) == list(range(1, STEPS + 1))
   return want
+
+
+def test_tensorboard_reads_the_runs_scalars(reference_dir, reference):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  events = EventAccumulator(str(reference_dir / "tensorboard"))
+  events.Reload()
+  assert set(TB_TAGS.values()) <= set(events.Tags()["scalars"])
+  loss = {e.step: e.value for e in events.Scalars("train/loss")}
+  assert sorted(loss) == sorted(reference)
+  np.testing.assert_allclose([loss[s] for s in sorted(reference)], [reference[s] for s in sorted(reference)])
+  rows = [json.loads(l) for l in (reference_dir / "metrics.jsonl").read_text().splitlines()]
+  held_out = [r["eval_loss"] for r in rows if "eval_loss" in r]
+  assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx(held_out)
 
 
 def _losses(out_dir):

@@ -37,13 +37,18 @@ def _setup_jax(tc):
 
 
 def main(argv=None) -> int:
+  from laplace_jax import cli
+
+  argv = sys.argv[1:] if argv is None else list(argv)
+  cli.set_verbosity("--verbose" in argv)  # before the imports below start grain, JAX and Orbax
   from train.config import load_config
 
   try:
-    rc = load_config(sys.argv[1:] if argv is None else argv)
+    rc = load_config(argv)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  cli.set_verbosity(rc.train.verbose)
   _setup_jax(rc.train)
   from train.hooks import TrainingError
   from train.loop import run

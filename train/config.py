@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 
 import tomllib
@@ -68,7 +69,9 @@ class TrainConfig:
   eval_every: int = 50
   """held-out eval loss every N steps (0: only at the end)"""
   eval_batches: int = 4
-  """held-out batches per eval"""
+  """held-out batches per eval (0: no held-out loss)"""
+  eval_batch: int = 0
+  """sequences per held-out batch, a multiple of the devices the batch is split over (0: global_batch)"""
   save_every: int = 100
   """checkpoint every N steps (the last step is always saved)"""
   keep_checkpoints: int = 3
@@ -98,6 +101,9 @@ class TrainConfig:
   """prompt for the sample"""
   progress: bool = True
   """show a progress bar"""
+  verbose: bool = False
+  """show the INFO lines of the libraries underneath (JAX's platform probe, grain, Orbax); off: their
+  warnings and errors only"""
   allow_changes: str = ""
   """resume even though these config fields differ from the checkpoint's (comma-separated, e.g.
   optimizer.muon_lr,optimizer.total_steps; a new total_steps is a new LR schedule)"""
@@ -136,6 +142,7 @@ class TrainConfig:
       "simulate_devices",
       "eval_every",
       "eval_batches",
+      "eval_batch",
       "sample_tokens",
       "process_id",
       "profile_steps",
@@ -188,8 +195,21 @@ def _field_type(cls, f):
   return t if not origin else next(a for a in origin if a is not type(None))
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """Every field of the three sections is a flag; its help is the field's docstring (laplace_jax.cli)."""
+def _shown_default(section: str, name: str, preset: str, plain):
+  """The default a flag's help shows: the train field's own, or the chosen preset's model or optimizer
+  value (the optimizer's schedule spans the run's --steps in every preset but laplace-3b)."""
+  if section == "model":
+    return getattr(get_config(preset), name)
+  if section == "optimizer":
+    if preset != "laplace-3b" and name in ("total_steps", "warmup_steps"):
+      return "--steps" if name == "total_steps" else "max(1, --steps // 20)"
+    return getattr(optimizer_defaults(preset, TrainConfig.steps), name)
+  return plain
+
+
+def build_parser(preset: str = TrainConfig.preset) -> argparse.ArgumentParser:
+  """Every field of the three sections is a flag; its help is the field's docstring (laplace_jax.cli) and
+  the default the run will use: [model] and [optimizer] defaults are `preset`'s."""
   ap = cli.FlagParser(
     prog="python -m train",
     description="Train a Laplace model with pjit over a device mesh.",
@@ -198,11 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
   )
   ap.add_argument("--config", metavar="FILE.toml", help="TOML file with [train], [model], [optimizer] tables")
   for section, cls in _SECTIONS.items():
-    group = ap.add_argument_group(f"[{section}]")
+    title = f"[{section}]"
+    if section != "train":
+      title += f" (defaults: --preset {preset}'s; `--preset NAME --help` shows another preset's)"
+    group = ap.add_argument_group(title)
     for f in dataclasses.fields(cls):
       flag = f"--{f.name}" if section == "train" else f"--{section}.{f.name}"
       t = _field_type(cls, f)
-      default = f.default
+      default = _shown_default(section, f.name, preset, f.default)
       helptext = cli.field_help(cls, f.name) + (f": one of {sorted(PRESETS)}" if f.name == "preset" else "")
       if t is bool and section == "train":
         group.add_argument(
@@ -214,15 +237,33 @@ def build_parser() -> argparse.ArgumentParser:
         )
       else:
         typ = _parse_bool if t is bool else (t if t in (int, float, str) else str)
+        shown = default if isinstance(default, str) and default.startswith(("--", "max(")) else repr(default)
         group.add_argument(
           flag,
           dest=f"{section}.{f.name}",
           type=typ,
           default=None,
           metavar=t.__name__.upper() if hasattr(t, "__name__") else "V",
-          help=f"{helptext} (default: {default!r})".strip(),
+          help=f"{helptext} (default: {shown})".strip(),
         )
   return ap
+
+
+def chosen_preset(argv: list[str]) -> str:
+  """The preset a command line picks (--preset, else its --config's [train] preset, else the default), read
+  before the full parse so that --help can show that preset's defaults; anything unreadable is left to it."""
+  pre = cli.FlagParser(add_help=False)
+  pre.add_argument("--preset")
+  pre.add_argument("--config")
+  known, _ = pre.parse_known_args(argv)
+  preset = known.preset
+  if preset is None and known.config:
+    try:
+      with open(known.config, "rb") as fh:
+        preset = tomllib.load(fh).get("train", {}).get("preset")
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+      preset = None
+  return preset if preset in PRESETS else TrainConfig.preset
 
 
 def _apply(cls, base, values: dict, where: str):
@@ -241,6 +282,25 @@ def optimizer_defaults(preset: str, steps: int) -> OptimizerConfig:
   return OptimizerConfig(total_steps=steps, warmup_steps=max(1, steps // 20), adamw_lr=3e-3)
 
 
+def _type_errors(cls, values: dict, table: str) -> list[str]:
+  """One line per value of a TOML table whose type is not its field's (an int is a valid float)."""
+  errors = []
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  for name, value in values.items():
+    if name not in fields:
+      continue  # unknown names: _apply's error lists the valid ones
+    t = _field_type(cls, fields[name])
+    if t not in (int, float, str, bool):
+      continue
+    ok = isinstance(value, t) and (t is bool or not isinstance(value, bool))
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+      ok = True
+    if not ok:
+      want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[t]
+      errors.append(f"[{table}] {name} = {value!r}: expected {want}")
+  return errors
+
+
 def read_toml(path: str) -> dict:
   try:
     with open(path, "rb") as fh:
@@ -252,12 +312,19 @@ def read_toml(path: str) -> dict:
   unknown = set(data) - set(_SECTIONS)
   if unknown:
     raise ValueError(f"--config {path}: unknown table(s) {sorted(unknown)}; expected {sorted(_SECTIONS)}.")
+  errors = [e for sec, cls in _SECTIONS.items() for e in _type_errors(cls, data.get(sec, {}), sec)]
+  if errors:
+    raise ValueError(
+      f"--config {path}: {len(errors)} value(s) of the wrong type (TOML strings are quoted, numbers "
+      "and true/false are not):\n  " + "\n  ".join(errors)
+    )
   return data
 
 
 def load_config(argv=None) -> RunConfig:
   """Parse flags (and the TOML file they name) into a validated RunConfig: preset → TOML → flags."""
-  args = vars(build_parser().parse_args(argv))
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = vars(build_parser(chosen_preset(argv)).parse_args(argv))
   toml = read_toml(args.pop("config")) if args.get("config") else {}
   args.pop("config", None)
   flags = {

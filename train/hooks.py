@@ -35,9 +35,21 @@ def host_matmul_peak_flops() -> float:
   return per_device * n_dev * jax.process_count()
 
 
+# metrics.jsonl key -> TensorBoard tag (`tensorboard --logdir RUN` shows them, beside a --profile_steps trace)
+TB_TAGS = {
+  "loss": "train/loss",
+  "eval_loss": "eval/loss",
+  "lr": "train/learning_rate",
+  "grad_norm": "train/grad_norm",
+  "tokens_per_s": "perf/tokens_per_s",
+  "mfu": "perf/mfu",
+}
+
+
 class MetricsLog:
-  """Each step's metrics: metrics.jsonl (every --log_every steps and the last), the progress bar, the run's
-  first and last losses, and the stop after --max_bad_steps non-finite steps in a row."""
+  """Each step's metrics: metrics.jsonl and TensorBoard event files in RUN/tensorboard (tensorboardX; every
+  --log_every steps and the last), the progress bar, the run's first and last losses, and the stop after
+  --max_bad_steps non-finite steps in a row."""
 
   def __init__(self, tc: TrainConfig, start: int, *, tokens_per_step: int, flops_per_token: float):
     self.tc = tc
@@ -49,6 +61,12 @@ class MetricsLog:
     self.peak = host_matmul_peak_flops()
     self.ckpt_dir = Path(tc.out_dir) / "checkpoints"
     self.file = open(Path(tc.out_dir) / "metrics.jsonl", "a") if jax.process_index() == 0 else None
+    self.tb = None
+    if jax.process_index() == 0:
+      from tensorboardX import SummaryWriter
+
+      # a resumed run drops the events of the steps it redoes, as metrics.jsonl drops their rows
+      self.tb = SummaryWriter(str(Path(tc.out_dir) / "tensorboard"), purge_step=start + 1 if start else None)
     self.bar = None
     if tc.progress and jax.process_index() == 0:
       self.bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
@@ -64,6 +82,10 @@ class MetricsLog:
     if self.file:
       self.file.write(json.dumps(row) + "\n")
       self.file.flush()
+    if self.tb:
+      for key, tag in TB_TAGS.items():
+        if key in row:
+          self.tb.add_scalar(tag, row[key], row["step"], walltime=row.get("time"))
 
   def record(self, i: int, m, wait: float):
     """Wait for step i's metrics and log them."""
@@ -113,6 +135,8 @@ class MetricsLog:
       self.bar.close()
     if self.file:
       self.file.close()
+    if self.tb:
+      self.tb.close()
 
 
 def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global):
@@ -185,20 +209,15 @@ def export(params, out: Path, cfg, step: int) -> Path:
 
 
 def sample(export: Path, tc: TrainConfig, cfg) -> str | None:
-  """--sample_tokens: text sampled from the exported checkpoint through the explicit-state decode (process
-  0's; None on the others)."""
+  """--sample_tokens: text sampled from the exported checkpoint through the explicit-state decode, up to
+  <|endoftext|> (shown) or --sample_tokens (process 0's; None on the others)."""
   params = checkpoint.load_params(export, config=dataclasses.asdict(cfg))  # the checkpoint, as host arrays
   if jax.process_index() != 0:
     return None
-  ids = generate.generate(
-    params,
-    tokenizer.encode(tc.sample_prompt),
-    tc.sample_tokens,
-    cfg=cfg,
-    valid_vocab=tokenizer.VOCAB_SIZE,
-    seed=tc.seed,
+  out = generate.complete(
+    params, cfg, tc.sample_prompt, tc.sample_tokens, temperature=0.8, top_k=40, seed=tc.seed
   )
-  sample = tc.sample_prompt + tokenizer.decode(ids)
+  sample = tc.sample_prompt + out.text + (tokenizer.EOS_TEXT if out.stop == "stop" else "")
   log0("sample (explicit-state decode):\n" + sample)
   return sample
 

@@ -47,9 +47,10 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
   path = Path(tc.data_dir)
   if not (path / "manifest.json").exists():
     if tc.data_dir != TrainConfig.data_dir:
+      what = "no manifest.json there" if path.is_dir() else "no such directory"
       raise FileNotFoundError(
-        f"--data_dir {path}: no manifest.json there. Prepare it first: "
-        f"python -m train.prepare YOUR_FILES -o {path}"
+        f"--data_dir {path}: {what}. Prepare your text first: python -m train.prepare YOUR_FILE.txt -o {path} "
+        f"(or leave out --data_dir to train on the embedded corpus, prepared into {TrainConfig.data_dir})"
       )
     if jax.process_index() == 0:
       log0(f"preparing the embedded corpus (King James Bible) into {path} …")
@@ -59,6 +60,57 @@ def ensure_data(tc: TrainConfig, vocab_size: int) -> dict:
   manifest = data.load_manifest(path)
   data.check_vocab(manifest, vocab_size)
   return manifest
+
+
+def eval_batch_size(tc: TrainConfig) -> int:
+  """Sequences per held-out batch: --eval_batch, or the training batch."""
+  return tc.eval_batch or tc.global_batch
+
+
+def check_data(tc: TrainConfig, seq_len: int, vocab_size: int, batch_devices: int) -> None:
+  """Every check of the run's data that needs no compile: the data directory and its manifest, a non-empty
+  train split, and a held-out split (and --eval_batch) that fills one eval batch; raises naming the fix."""
+  rows = batch_devices  # all processes' devices: a held-out batch is split over them, as a training batch is
+  eb = eval_batch_size(tc)
+  if tc.eval_batches and eb % rows:
+    raise ValueError(
+      f"--eval_batch {eb}{' (the global batch)' if not tc.eval_batch else ''}: expected a multiple of the "
+      f"{rows} devices a batch is split over; use --eval_batch {max(rows, eb // rows * rows)}."
+    )
+  if tc.data_source:
+    check_recall_vocab(tc.data_source, vocab_size)
+    return
+  manifest = ensure_data(tc, vocab_size)
+  splits, where = manifest["splits"], f"--data_dir {tc.data_dir}"
+  if not splits.get("train", {}).get("documents"):
+    raise ValueError(
+      f"{where}: the train split has no documents. Prepare more text, or keep more of it for training "
+      f"(python -m train.prepare YOUR_FILE.txt -o {tc.data_dir} --overwrite --val_fraction 0.1)."
+    )
+  if not tc.eval_batches:
+    return
+  skip = "or run with --eval_batches 0 (no held-out loss)"
+  val = splits.get("val", {})
+  if not val.get("documents"):
+    raise ValueError(
+      f"{where}: the val split has no documents, so there is no held-out loss. Re-run python -m "
+      f"train.prepare YOUR_FILE.txt -o {tc.data_dir} --overwrite (one text file alone is split into "
+      f"documents and its last tenth held out; many files: a larger --val_fraction), {skip}."
+    )
+  width = seq_len + 1
+  have = int(val["tokens"]) + int(val["documents"])  # each document is followed by EOS
+  if have < eb * width:
+    fit = have // width // rows * rows
+    fixes = [f"--eval_batch {fit}"] if fit else []
+    if not fit and have // rows - 1 >= 1:
+      fixes.append(f"a --seq_len of at most {have // rows - 1} with --eval_batch {rows}")
+    fixes.append(
+      f"a larger val split (python -m train.prepare ... -o {tc.data_dir} --overwrite --val_fraction 0.2)"
+    )
+    raise ValueError(
+      f"{where}: the val split holds {have:,} tokens (with EOS), fewer than one eval batch of --eval_batch "
+      f"{eb} × (--seq_len {seq_len} + 1) = {eb * width:,}. Use " + ", or ".join(fixes) + f", {skip}."
+    )
 
 
 def check_recall_vocab(spec: str, vocab_size: int):
@@ -99,18 +151,18 @@ def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
 def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
   """Held-out batches (this process's rows): the recall task's fixed test seeds, or the text's split."""
   if tc.data_source:
-    b = tc.global_batch // jax.process_count()
+    b = eval_batch_size(tc) // jax.process_count()
     rows = slice(jax.process_index() * b, (jax.process_index() + 1) * b)
     return [
       {k: v[rows] for k, v in batch.items()}
       for batch in recall.eval_batches(
-        tc.data_source, global_batch=tc.global_batch, n_batches=tc.eval_batches
+        tc.data_source, global_batch=eval_batch_size(tc), n_batches=tc.eval_batches
       )
     ]
   return data.make_eval_batches(
     tc.data_dir,
     seq_len=seq_len,
-    global_batch_size=tc.global_batch,
+    global_batch_size=eval_batch_size(tc),
     max_batches=tc.eval_batches or None,
     vocab_size=vocab_size,
     split=split,
@@ -198,6 +250,9 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
       f"{tc.target or jax.default_backend()} device(s), {jax.process_count()} process(es)"
       + ("" if tc.data_source else f"; packed documents {'apart' if segmented(tc) else 'read as one stream'}")
     )
+    if not (tc.compile_only or tc.target):  # everything checkable, before the compile
+      check_data(tc, seq_len, cfg.vocab_size, mesh.devices.size // sharding.context_size(mesh))
+    flops = flops_per_token(cfg, seq_len=seq_len)
     key = _step_key(rc, mesh, seq_len, weighted, carry_batch, prng_impl)
     t0 = time.perf_counter()
     if tc.target or key not in _COMPILED:
@@ -220,10 +275,6 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
   if tc.compile_only:
     return RunSummary(compile_s=compile_s, memory=_memory_bytes(compiled))
 
-  if tc.data_source:
-    check_recall_vocab(tc.data_source, cfg.vocab_size)
-  else:
-    ensure_data(tc, cfg.vocab_size)
   out = Path(tc.out_dir)
   it = make_train_data(tc, seq_len, cfg.vocab_size)
   if latest is not None:
@@ -242,7 +293,14 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, ts.Batch(**b)
   )
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
-  evaluate = hooks.make_evaluator(cfg, eval_batches, abstract, batch_sh, to_global)
+  eval_sh = jax.tree.map(
+    lambda s: s.sharding,
+    ts.abstract_batch(eval_batch_size(tc), seq_len, mesh, weighted=weighted, segmented=segmented(tc)),
+  )
+  eval_to_global = lambda b: jax.tree.map(
+    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), eval_sh, ts.Batch(**b)
+  )
+  evaluate = hooks.make_evaluator(cfg, eval_batches, abstract, eval_sh, eval_to_global)
   run_meta = resume.checkpoint_metadata(rc, prng_impl)
   save = lambda i, state: ckpt.save(
     i, state.to_tree(), data_state=it.get_state(), metadata=run_meta, force=i == tc.steps
@@ -251,7 +309,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     tc,
     start,
     tokens_per_step=tc.global_batch * seq_len,
-    flops_per_token=flops_per_token(cfg.replace(chunk_size=min(cfg.chunk_size, seq_len))),
+    flops_per_token=flops,
   )
   profile = hooks.Profile(tc, start, out / "profile", log.say)
   try:

@@ -3,12 +3,18 @@
     python -m train.prepare                                # the built-in corpus (KJV) into data/kjv
     python -m train.prepare corpus/ extra.jsonl --output data/mine
 
-Inputs: .txt (one document per file, or split on --txt_separator), .jsonl (one JSON object per line with
+Inputs: .txt (one document per file, or split on --txt_separator; one .txt file alone: see below), .jsonl (one JSON object per line with
 a `text` field), .parquet (a `text` column, FineWeb-Edu's layout; needs `pip install pyarrow`), or
 directories searched recursively for those. Each document is tokenised with the exact GPT-2 BPE and sent
 to the train or val split by a hash of its text (stable across runs and input order). The output
 directory gets the shards and a manifest.json; it is built in a temporary directory beside the target
 and renamed into place only when complete, so an existing good directory is never partly overwritten.
+
+One text file alone (a single .txt input, no --txt_separator) is split by this rule instead: its documents
+are the pieces between blank lines when there are at least 10 of them, otherwise the text cut into pieces of
+about 1,000 characters at line (or word) breaks; the last --val_fraction of them (default 0.1 here, at
+least one piece) are held out as val, the rest are train. Prepare prints what it wrote and warns, naming the
+fix, when a split is empty or too small for one held-out batch of `python -m train`'s defaults.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -37,6 +44,9 @@ if TYPE_CHECKING:
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 1 << 26  # ≈134 MB of uint16 per shard
 DEFAULT_VAL_FRACTION = 0.01
+ONE_FILE_VAL_FRACTION = 0.1  # one text file alone: its last tenth held out
+MIN_PARAGRAPHS = 10  # one text file alone: fewer documents between blank lines, and it is cut into pieces
+PIECE_CHARS = 1000
 CORPORA = ("kjv", "kjv-books")  # the KJV one document per chapter, or per book (long documents)
 
 
@@ -208,6 +218,37 @@ def read_documents(
   return _read_parquet(path, text_field)
 
 
+def cut_into_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+  """`text` in consecutive pieces of about `size` characters, each ending at a line break (else a space)
+  where one falls in its second half; the pieces joined are the text."""
+  pieces, start = [], 0
+  while start < len(text):
+    end = min(len(text), start + size)
+    if end < len(text):
+      cut = max(text.rfind("\n", start + size // 2, end), text.rfind(" ", start + size // 2, end))
+      end = cut + 1 if cut >= 0 else end
+    pieces.append(text[start:end])
+    start = end
+  return pieces
+
+
+def one_file_documents(text: str, val_fraction: float) -> tuple[list[tuple[str, str]], str]:
+  """(document, split) pairs of one text file given alone, by the module docstring's rule, and a line
+  saying how they were found."""
+  paragraphs = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+  if len(paragraphs) >= MIN_PARAGRAPHS:
+    docs, how = paragraphs, f"{len(paragraphs):,} documents between blank lines"
+  else:
+    docs = [p for p in cut_into_pieces(text) if p.strip()]
+    how = (
+      f"fewer than {MIN_PARAGRAPHS} documents between blank lines ({len(paragraphs)}), so cut into "
+      f"{len(docs):,} pieces of about {PIECE_CHARS:,} characters"
+    )
+  n_val = max(1, round(val_fraction * len(docs))) if val_fraction > 0 and len(docs) >= 2 else 0
+  how += f"; the last {n_val:,} held out as val (--val_fraction {val_fraction:g})"
+  return [(d, "val" if i >= len(docs) - n_val else "train") for i, d in enumerate(docs)], how
+
+
 # ---- writing shards ------------------------------------------------------------------------------
 
 
@@ -316,7 +357,7 @@ def _check_output(output: Path, overwrite: bool) -> None:
 
 
 def _tokenised(
-  texts: Iterable[tuple[str, int]],
+  texts: Iterable[tuple],
   *,
   val_fraction: float,
   threads: int,
@@ -324,18 +365,21 @@ def _tokenised(
   counts: dict,
   bar,
 ) -> Iterator[tuple[list[int], str]]:
-  """Tokenise non-empty documents in batches; yields (ids, split) and counts skipped empties."""
+  """Tokenise non-empty documents in batches; yields (ids, split) and counts skipped empties. `texts` holds
+  (text, bytes) pairs, split by a hash of the text, or (text, bytes, split) triples."""
   batch: list[str] = []
+  splits: list[str | None] = []
 
   def flush():
     ids = tok.encode_batch(batch, num_threads=threads)
-    for text, t in zip(batch, ids):
+    for text, split, t in zip(batch, splits, ids):
       counts["tokens"] += len(t)
-      yield t, ("val" if is_val(text, val_fraction) else "train")
+      yield t, split or ("val" if is_val(text, val_fraction) else "train")
     bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"], refresh=False)
     batch.clear()
+    splits.clear()
 
-  for text, nbytes in texts:
+  for text, nbytes, *split in texts:
     bar.update(nbytes)
     if max_documents is not None and counts["documents"] >= max_documents:
       break
@@ -344,6 +388,7 @@ def _tokenised(
       continue
     counts["documents"] += 1
     batch.append(text)
+    splits.append(split[0] if split else None)
     if len(batch) >= 256:
       yield from flush()
   if batch:
@@ -355,7 +400,7 @@ def prepare(
   output,
   *,
   corpus: str | None = None,
-  val_fraction: float = DEFAULT_VAL_FRACTION,
+  val_fraction: float | None = None,
   shard_tokens: int = DEFAULT_SHARD_TOKENS,
   overwrite: bool = False,
   text_field: str = "text",
@@ -364,13 +409,19 @@ def prepare(
   threads: int | None = None,
   progress: bool = True,
 ) -> dict:
-  """Tokenise `inputs` (or the built-in `corpus`) into `output`; returns the manifest."""
+  """Tokenise `inputs` (or the built-in `corpus`) into `output`; returns the manifest (its "split_rule": how one
+  text file given alone was split, the module docstring's rule). `val_fraction` None: 0.01, or 0.1 for one
+  text file alone."""
   from tqdm import tqdm
 
   if bool(inputs) == bool(corpus):
     raise PrepareError("give input files/directories or --corpus, not both and not neither")
   if corpus is not None and corpus not in CORPORA:
     raise PrepareError(f"--corpus {corpus!r} is unknown; choose one of {CORPORA}")
+  files = [] if corpus else expand_inputs(inputs)
+  one_file = len(files) == 1 and files[0].suffix == ".txt" and txt_separator is None
+  if val_fraction is None:
+    val_fraction = ONE_FILE_VAL_FRACTION if one_file else DEFAULT_VAL_FRACTION
   if not 0.0 <= val_fraction < 1.0:
     raise PrepareError(f"--val_fraction {val_fraction} must be in [0, 1)")
   if shard_tokens <= 0:
@@ -379,17 +430,20 @@ def prepare(
   _check_output(output, overwrite)
   threads = threads or min(8, os.cpu_count() or 1)
 
-  streams: list[Iterator[tuple[str, int]]]
+  streams: list[Iterator[tuple]]
+  rule = ""
   if corpus:
     kjv = kjv_documents("book" if corpus == "kjv-books" else "chapter")
     sources = [_kjv_source()]
     streams = [((d, len(d.encode())) for d in kjv)]
     total = sum(len(d.encode()) for d in kjv)
   else:
-    files = expand_inputs(inputs)
     sources = [{"path": str(p), "bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files]
     streams = [read_documents(p, text_field=text_field, txt_separator=txt_separator) for p in files]
     total = sum(s["bytes"] for s in sources)
+  if one_file:
+    found, rule = one_file_documents(_decode(files[0].read_bytes(), str(files[0])), val_fraction)
+    streams = [iter([(d, len(d.encode()), split) for d, split in found])]
 
   counts = {"documents": 0, "tokens": 0, "skipped_empty": 0}
 
@@ -424,6 +478,7 @@ def prepare(
           "val_fraction": val_fraction,
           "corpus": corpus,
           "skipped_empty_documents": counts["skipped_empty"],
+          "split_rule": rule,
         },
       )
     if counts["documents"] == 0:
@@ -434,6 +489,34 @@ def prepare(
     raise
   manifest["seconds"] = time.perf_counter() - t0
   return manifest
+
+
+def warnings_for(manifest: dict, output) -> list[str]:
+  """What would stop `python -m train` on this data at its defaults (--preset tiny: --global_batch 16,
+  --seq_len 256), each with the fix that works."""
+  from train.config import TrainConfig
+
+  batch, seq = TrainConfig.global_batch, 256  # the tiny preset's max_seq_len, the default --seq_len
+  tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
+  redo = f"python -m train.prepare ... -o {output} --overwrite"
+  out = []
+  if not tr["documents"]:
+    out.append(f"the train split is empty: give more text, or a smaller --val_fraction ({redo}).")
+  if not va["documents"]:
+    out.append(
+      "the val split is empty, so training has no held-out loss: give several documents (one text file "
+      f"alone is split for you; for many files, a larger --val_fraction: {redo}), or train with "
+      "--eval_batches 0."
+    )
+  elif (have := va["tokens"] + va["documents"]) < batch * (seq + 1):
+    fit = have // (seq + 1)
+    fix = f"--eval_batch {fit}" if fit else f"--eval_batch 1 --seq_len {have - 1} or shorter"
+    out.append(
+      f"the val split holds {have:,} tokens (with EOS), fewer than one held-out batch of python -m train's "
+      f"defaults ({batch} × {seq + 1} = {batch * (seq + 1):,}): train with {fix} (--eval_batch is a multiple "
+      f"of the devices), or hold out more text with a larger --val_fraction ({redo})."
+    )
+  return out
 
 
 def _remove_stale_partials(output: Path) -> None:
@@ -492,9 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--val_fraction",
     type=float,
-    default=DEFAULT_VAL_FRACTION,
-    help="share of documents held out for eval, chosen by a hash of each text "
-    f"(default {DEFAULT_VAL_FRACTION})",
+    default=None,
+    help="share of documents held out for eval, chosen by a hash of each text (default "
+    f"{DEFAULT_VAL_FRACTION}); one text file alone: its last share of documents (default "
+    f"{ONE_FILE_VAL_FRACTION})",
   )
   p.add_argument(
     "--shard_tokens",
@@ -558,7 +642,10 @@ def main(argv: list[str] | None = None) -> int:
     f"(train {tr['documents']:,} docs / {tr['tokens']:,} tokens in {len(tr['shards'])} shard(s); "
     f"val {va['documents']:,} / {va['tokens']:,}); {m['skipped_empty_documents']} empty skipped; "
     f"{m['seconds']:.1f} s, {total / max(m['seconds'], 1e-9):,.0f} tokens/s"
+    + (f"\none text file alone: {m['split_rule']}" if m["split_rule"] else "")
   )
+  for w in warnings_for(m, output):
+    print(f"prepare: warning: {w}", file=sys.stderr)
   return 0
 
 
