@@ -9,16 +9,13 @@ engine requests the handler submitted (each prompt counted once, the output of e
 that decodes nothing (/health, /v1/models, an error) logs zeros and ttft_ms=-. The prompt, the output and
 the API key are never logged; the tenant is the key's name (serve.tenants), '-' without keys.
 
-`install(app, engine, tenant_key)` adds the middleware (outermost, so it sees the status of every answer,
-errors included) and records the requests the handler submits: the engine's submit_all is wrapped to
-note each request in the handler's context (a contextvar), which is how this module reads their progress
-without a change to the handlers.
+`install(app, tenant_key, requests_key)` adds the middleware (outermost, so it sees the status of every
+answer, errors included); the server keeps the caller's tenant and the engine requests a handler submitted
+under those keys of the aiohttp request.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import logging
 import time
 
@@ -26,20 +23,13 @@ from aiohttp import web
 
 log = logging.getLogger("serve.access")
 
-# the engine requests submitted by the handler of the HTTP request being served (None: outside one)
-_SUBMITTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("access_log_submitted", default=None)
 
-
-def install(app: web.Application, engine, tenant_key) -> None:
-  """Log one line per request of `app`; `tenant_key` is where the server keeps the caller's tenant."""
-  if not getattr(engine.submit_all, "_access_log", False):  # Engine.submit goes through submit_all too
-    engine.submit_all = _noting(engine.submit_all)
+def install(app: web.Application, tenant_key, requests_key) -> None:
+  """Log one line per request of `app` (tenant_key, requests_key: see the module docstring)."""
 
   @web.middleware
   async def access_log(request: web.Request, handler):
     t0 = time.perf_counter()  # the engine's clock (Progress.first_token_at)
-    submitted: list = []
-    token = _SUBMITTED.set(submitted)
     status = 500
     try:
       resp = await handler(request)
@@ -49,24 +39,11 @@ def install(app: web.Application, engine, tenant_key) -> None:
       status = e.status
       raise
     finally:
-      _SUBMITTED.reset(token)
       if log.isEnabledFor(logging.INFO):
+        submitted = request.get(requests_key, [])
         log.info(line(request, status, submitted, t0, time.perf_counter(), request.get(tenant_key, "")))
 
   app.middlewares.insert(0, access_log)
-
-
-def _noting(submit_all):
-  @functools.wraps(submit_all)
-  def noted(reqs):
-    out = submit_all(reqs)  # raises (a full queue) before anything is queued: nothing to note
-    noting = _SUBMITTED.get()
-    if noting is not None:
-      noting.extend(reqs)
-    return out
-
-  noted._access_log = True  # type: ignore[attr-defined]
-  return noted
 
 
 def line(request, status: int, submitted: list, t0: float, t1: float, tenant: str) -> str:

@@ -18,7 +18,7 @@ from typing import cast
 
 from aiohttp import web
 
-from serve import chat, protocol, responses, tokenize_api
+from serve import access_log, chat, protocol, responses, tokenize_api
 from serve.engine import Engine, EngineStopped, QueueFull, Request
 from serve.protocol import ApiError
 from serve.response_store import ResponseStore
@@ -26,6 +26,7 @@ from serve.tenants import Tenants, name_of_key
 from serve.text import TextStream
 
 TENANT = web.RequestKey("tenant", str)  # set by Server.check_key
+ENGINE_REQUESTS = web.RequestKey("engine_requests", list)  # set by Server.run_completion: what it submitted
 RETOKENIZED_TAIL = 8  # prompt tokens tokenized again with a reply's text (Server._keep_resent)
 log = logging.getLogger(__name__)
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -98,9 +99,7 @@ class Server:
     app.router.add_get("/v1/models/{model_id}", self.model_info)
     app.router.add_get("/health", self.health)
     app.router.add_get("/metrics", self.metrics)
-    from serve import access_log  # imported here: the registration is the server's only line for it
-
-    access_log.install(app, self.engine, TENANT)
+    access_log.install(app, TENANT, ENGINE_REQUESTS)
     return app
 
   async def start(self, host: str, port: int) -> int:
@@ -423,6 +422,7 @@ class Server:
       raise _engine_down()
     try:
       self.engine.submit_all(leaders)
+      request[ENGINE_REQUESTS] = leaders
     except QueueFull as e:
       raise ApiError(429, f"server busy: {e}. Retry later.") from None
     except EngineStopped:
