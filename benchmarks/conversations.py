@@ -66,6 +66,23 @@ def user_text(rng, words):
   return " ".join(rng.choice(WORDS, words)).capitalize() + "?"
 
 
+def _read(stream, t0, text_of):
+  """(reply text, time to first text or to the finish of an empty reply, usage) of a streamed reply."""
+  reply, ttft, usage = "", None, None
+  for chunk in stream:
+    usage = chunk.usage or usage
+    for ch in chunk.choices:
+      piece = text_of(ch) or ""
+      if piece or ch.finish_reason:
+        ttft = ttft or time.perf_counter() - t0
+      reply += piece
+  return reply, ttft, usage
+
+
+def _turn(usage, ttft):
+  return usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens, ttft
+
+
 def chat_turns(client, model, turns, words, stop, max_tokens):
   rng = np.random.default_rng(0)
   messages = [{"role": "system", "content": f"You answer briefly{'' if stop is None else ' (stop)'}."}]
@@ -73,23 +90,12 @@ def chat_turns(client, model, turns, words, stop, max_tokens):
     messages.append({"role": "user", "content": user_text(rng, words)})
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
-      model=model,
-      messages=messages,
-      max_tokens=max_tokens,
-      temperature=0,
-      stop=stop,
-      stream=True,
+      model=model, messages=messages, max_tokens=max_tokens, temperature=0, stop=stop, stream=True,
       stream_options={"include_usage": True},
-    )
-    reply, ttft, usage = "", None, None
-    for chunk in stream:
-      usage = chunk.usage or usage
-      for ch in chunk.choices:  # (an empty reply: its time to the finish)
-        if ch.delta.content or ch.finish_reason:
-          ttft = ttft or time.perf_counter() - t0
-        reply += ch.delta.content or ""
+    )  # fmt: skip
+    reply, ttft, usage = _read(stream, t0, lambda ch: ch.delta.content)
     messages.append({"role": "assistant", "content": reply})
-    yield usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens, ttft
+    yield _turn(usage, ttft)
 
 
 def text_turns(client, model, turns, words, stop, max_tokens):
@@ -99,23 +105,12 @@ def text_turns(client, model, turns, words, stop, max_tokens):
     prompt += user_text(rng, words) + "\n\n"
     t0 = time.perf_counter()
     stream = client.completions.create(
-      model=model,
-      prompt=prompt,
-      max_tokens=max_tokens,
-      temperature=0,
-      stop=stop,
-      stream=True,
+      model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stop=stop, stream=True,
       stream_options={"include_usage": True},
-    )
-    reply, ttft, usage = "", None, None
-    for chunk in stream:
-      usage = chunk.usage or usage
-      for ch in chunk.choices:  # (an empty reply: its time to the finish)
-        if ch.text or ch.finish_reason:
-          ttft = ttft or time.perf_counter() - t0
-        reply += ch.text
+    )  # fmt: skip
+    reply, ttft, usage = _read(stream, t0, lambda ch: ch.text)
     prompt += reply + "\n\n"
-    yield usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens, ttft
+    yield _turn(usage, ttft)
 
 
 def response_turns(client, model, turns, words, stop, max_tokens):
@@ -138,7 +133,7 @@ def response_turns(client, model, turns, words, stop, max_tokens):
         final = event.response
     previous = final.id
     u = final.usage
-    yield u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens, ttft
+    yield u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens, ttft  # (responses' names)
     del i
 
 
