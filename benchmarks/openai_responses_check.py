@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -59,7 +58,11 @@ def metric(url: str, name: str) -> float:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--server_python", default=sys.executable, help="the interpreter that runs python -m serve")
+  p.add_argument(
+    "--server_python",
+    default=os.path.join(ROOT, ".venv", "bin", "python"),
+    help="the interpreter that runs python -m serve (default: the project's .venv)",
+  )
   p.add_argument("--state_cache_dir", help="default: a new temporary directory")
   args = p.parse_args()
   cache_dir = args.state_cache_dir or tempfile.mkdtemp(prefix="responses-check-")
