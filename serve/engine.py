@@ -781,8 +781,9 @@ class Engine:
         deliveries.append(Delivery(r, toks, None))
     if finished and self.state_io is not None:
       # A finished slot's state holds its prompt and every output token but the last, and the last too once
-      # the call in flight has fed it (a single step or a verify does; a call of several steps does not).
-      # A conversation goes on without a stop id that ended it.
+      # the call in flight has fed it (a verify does; a single step does unless the slot functions hold ended
+      # slots, as they do with a state cache; a call of several steps does not). A conversation goes on
+      # without a stop id that ended it.
       later = [x for x in self.pending if x.kind != "insert"]
       if len(later) <= 1:  # (one call at most is ever in flight behind the one read back)
         extra = int(bool(later) and later[0].runs_finished_slots_on(self.fns.hold_ended))
