@@ -38,7 +38,7 @@ def rope(x_BxTxHxd, pos_BxT, base: float = 10000.0):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxTxHxd.dtype)
 
 
-def _attend(q_BxTxHxd, k_BxSxHxd, v_BxSxHxd, visible_BxTxS, kv_layout: str = "bshd"):
+def attend(q_BxTxHxd, k_BxSxHxd, v_BxSxHxd, visible_BxTxS, kv_layout: str = "bshd"):
   """o [B, T, H, d] fp32; keys and values [B, S, H, d], or [B, H, S, d] with kv_layout="bhsd"."""
   scale = q_BxTxHxd.shape[-1] ** -0.5
   s_BxHxTxS = jnp.einsum(f"bthd,{kv_layout}->bhts", q_BxTxHxd, k_BxSxHxd, preferred_element_type=F32) * scale
@@ -56,7 +56,7 @@ def causal_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, segment_BxT=None):
   visible = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
   if segment_BxT is not None:
     visible = visible & (segment_BxT[:, :, None] == segment_BxT[:, None, :])
-  return _attend(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, visible)
+  return attend(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, visible)
 
 
 def write_positions(pos_B, n_B, T: int, S: int):
@@ -90,7 +90,7 @@ def cached_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, k_cache_BxSxHxd, v_cache_B
   k_cache, v_cache = write(k_cache_BxSxHxd, k_BxTxHxd), write(v_cache_BxSxHxd, v_BxTxHxd)
   q_pos_BxT = pos_B[:, None] + t_T[None]
   visible_BxTxS = jnp.arange(S)[None, None, :] <= q_pos_BxT[:, :, None]
-  return _attend(q_BxTxHxd.astype(k_cache.dtype), k_cache, v_cache, visible_BxTxS), k_cache, v_cache
+  return attend(q_BxTxHxd.astype(k_cache.dtype), k_cache, v_cache, visible_BxTxS), k_cache, v_cache
 
 
 def write_rows(table, layer, index_B, x_BxHxd, seq_axis: int):
@@ -174,7 +174,7 @@ def _cache_decode_matmuls(q_Bx1xHxd, k_Bx1xHxd, v_Bx1xHxd, k_table, v_table, lay
   v_table = write_rows(v_table, layer, pos_B, v_Bx1xHxd[:, 0], 2)
   visible_Bx1xS = (jnp.arange(S)[None, :] <= pos_B[:, None])[:, None, :]
   return (
-    _attend(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xS),
+    attend(q_Bx1xHxd.astype(k_table.dtype), k_table[layer], v_table[layer], visible_Bx1xS),
     k_table,
     v_table,
   )

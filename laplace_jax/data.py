@@ -127,7 +127,7 @@ def _resolve_processes(process_index, process_count, global_batch_size) -> tuple
   return int(process_index), int(process_count)
 
 
-def _documents(data_dir, manifest, split: str) -> grain.MapDataset:
+def split_documents(data_dir, manifest, split: str) -> grain.MapDataset:
   """The split's documents as a grain MapDataset of token arrays (stored dtype, no EOS)."""
   data_dir = os.fspath(data_dir)
   splits = manifest["splits"]
@@ -310,7 +310,7 @@ def make_train_iterator(
   manifest = load_manifest(data_dir)
   if vocab_size is not None:
     check_vocab(manifest, vocab_size)
-  docs = _documents(data_dir, manifest, split)
+  docs = split_documents(data_dir, manifest, split)
   stream = docs.shuffle(seed=seed).repeat()  # a new permutation every epoch
   b_local = global_batch_size // n
   rows = [stream[r::global_batch_size] for r in range(p * b_local, (p + 1) * b_local)]
@@ -365,7 +365,7 @@ def make_eval_batches(
   manifest = load_manifest(data_dir)
   if vocab_size is not None:
     check_vocab(manifest, vocab_size)
-  docs = _documents(data_dir, manifest, split)
+  docs = split_documents(data_dir, manifest, split)
   width = seq_len + 1
   want = None if max_batches is None else max_batches * global_batch_size * width
   tokens, doc_ids = joined_documents(docs, int(manifest["eos_id"]), want)

@@ -19,7 +19,7 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from laplace_jax.hlo_traffic import _array_bytes, _computations, execution_counts
+from laplace_jax.hlo_traffic import array_bytes, computations, execution_counts
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -110,7 +110,7 @@ def parse_instructions(lines: list[str]) -> list[Instr]:
 
 
 def _bytes(type_text: str) -> int:
-  return sum(_array_bytes(type_text))
+  return sum(array_bytes(type_text))
 
 
 def _fusion_traffic(fused: list[Instr], operand_bytes: list[int], result_bytes: int) -> tuple[int, int]:
@@ -175,7 +175,7 @@ def _update_bytes(ins: Instr, by_name: dict[str, Instr]) -> int:
 
 def memory_traffic(hlo_text: str) -> list[OpTraffic]:
   """Every instruction that moves memory in a compiled HLO module, with its bytes and executions per call."""
-  raw, entry = _computations(hlo_text)
+  raw, entry = computations(hlo_text)
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text: pass `jitted.lower(...).compile().as_text()`.")
   comps = {name: parse_instructions(lines) for name, lines in raw.items()}

@@ -85,7 +85,7 @@ class Collective:
     return self.sent_bytes
 
 
-def _array_bytes(type_text: str) -> list[int]:
+def array_bytes(type_text: str) -> list[int]:
   out = []
   for dtype, dims in _ARRAY.findall(type_text):
     size = 1
@@ -97,7 +97,7 @@ def _array_bytes(type_text: str) -> list[int]:
 
 def _largest_dtype(type_text: str) -> str:
   arrays = _ARRAY.findall(type_text)
-  sizes = _array_bytes(type_text)
+  sizes = array_bytes(type_text)
   return arrays[sizes.index(max(sizes))][0] if arrays else ""
 
 
@@ -112,7 +112,7 @@ def _group_size(attrs: str, n_devices: int) -> int:
 
 
 def _buffer_bytes(kind: str, start: bool, type_text: str, group: int) -> int:
-  arrays = _array_bytes(type_text)
+  arrays = array_bytes(type_text)
   if not arrays:
     return 0
   if kind == "all-to-all" or kind == "ragged-all-to-all":
@@ -124,7 +124,7 @@ def _buffer_bytes(kind: str, start: bool, type_text: str, group: int) -> int:
   return arrays[0] if start else sum(arrays)
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   """Each computation's body lines by name, and the ENTRY computation's name (None when there is none)."""
   comps: dict[str, list[str]] = {}
   entry: str | None = None
@@ -155,7 +155,7 @@ def execution_counts(
   known_trip_count, 1 if unknown), its condition k times (k + 1 with condition_runs_once_more: it also runs
   to end the loop), conditional branches and called computations as often as their caller. follow_fused=False
   leaves out the computations a fusion or a reduction applies (they are not run as instructions of their own);
-  `call` and `async-start` targets are followed either way. `comps` as returned by `_computations`."""
+  `call` and `async-start` targets are followed either way. `comps` as returned by `computations`."""
   counts: dict[str, int] = defaultdict(int)
   stack = [(entry, 1)]
   while stack:
@@ -179,7 +179,7 @@ def execution_counts(
 
 def parse_collectives(hlo_text: str, n_devices: int) -> list[Collective]:
   """Every collective in a compiled HLO module, with how often it runs per call."""
-  comps, entry = _computations(hlo_text)
+  comps, entry = computations(hlo_text)
   counts = execution_counts(comps, entry) if entry else defaultdict(lambda: 1)
   out = []
   for comp, lines in comps.items():

@@ -24,13 +24,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from laplace_jax import platform
-from laplace_jax.attention import _attend, decode_in_place, write_rows
+from laplace_jax.attention import attend, decode_in_place, write_rows
 
 F32 = jnp.float32
 
 
 def _attend_rings(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS):
-  return _attend(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS, kv_layout="bhsd")
+  return attend(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS, kv_layout="bhsd")
 
 
 def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int, segment_BxT=None):
@@ -57,7 +57,7 @@ def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int, segment_BxT=N
     visible = visible & (seg[..., :, None] == seg2[..., None, :])
   visible = visible.reshape(B * N, C, 2 * C)
   flat = lambda x: x.reshape(B * N, *x.shape[2:])
-  o = _attend(flat(q), flat(k2), flat(v2), visible)  # [B·N, C, H, d]
+  o = attend(flat(q), flat(k2), flat(v2), visible)  # [B·N, C, H, d]
   return o.reshape(B, N * C, H, -1)[:, :T]
 
 

@@ -79,7 +79,7 @@ def test_execution_counts_with_and_without_fused_computations():
   text += "\n%fused (x: f32[4]) -> f32[4] {\n  ROOT %x = f32[4] parameter(0)\n}\n"
   text += "\n%called (x: f32[4]) -> f32[4] {\n  ROOT %x = f32[4] parameter(0)\n}\n"
   text += "\n%add (x: f32[], y: f32[]) -> f32[] {\n  ROOT %s = f32[] add(%x, %y)\n}\n"
-  comps, entry = hlo_traffic._computations(text)
+  comps, entry = hlo_traffic.computations(text)
   every = hlo_traffic.execution_counts(comps, entry)
   assert dict(every) == {"main": 1, "body": 3, "cond": 3, "add": 1, "fused": 1, "called": 1}
   run = hlo_traffic.execution_counts(comps, entry, condition_runs_once_more=True, follow_fused=False)

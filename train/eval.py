@@ -116,7 +116,7 @@ def split_batches(
     )
     batches = [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full]
   else:
-    docs = data._documents(data_dir, manifest, split)
+    docs = data.split_documents(data_dir, manifest, split)
     tokens, ids = data.joined_documents(docs, int(manifest["eos_id"]))
     width = seq_len + 1
     n_windows = -(-len(tokens) // width)
@@ -173,7 +173,7 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
     )
   manifest = data.load_manifest(data_dir)
   data.check_vocab(manifest, cfg.vocab_size)
-  docs = data._documents(data_dir, manifest, split)
+  docs = data.split_documents(data_dir, manifest, split)
   params = ckpt.load_params(path, config=cfg)
 
   @jax.jit
