@@ -233,6 +233,12 @@ def _done(tok_S, index_S, max_tokens_S, stop_ids_SxN):
   return (tok_S[:, None] == stop_ids_SxN).any(-1) | (index_S + 1 >= max_tokens_S)
 
 
+def _input_ends(table: SlotTable):
+  """bool [S]: the slot's next input (its last sampled token) ended it: finished, freed or never used."""
+  s = table.settings
+  return _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)
+
+
 class SlotFunctions:
   """Jitted prefill / insert / generate for one model, slot count, prefill batch and mesh."""
 
@@ -460,11 +466,7 @@ class SlotFunctions:
 
   def _decode_next(self, params, table: SlotTable):
     """One decode step of every slot (those whose next input ends them stand still with hold_ended)."""
-    s = table.settings
-    live_S = (
-      ~_done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids) if self.hold_ended else None
-    )
-    return self._decode_logits(params, table, live_S)
+    return self._decode_logits(params, table, ~_input_ends(table) if self.hold_ended else None)
 
   def _decode_logits(self, params, table: SlotTable, live_S=None):
     logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=live_S)
@@ -479,7 +481,7 @@ class SlotFunctions:
     index, so it stays ended until an insert, and samples nothing: greedy, without logprobs (a freed slot's
     last settings would otherwise keep the sampler's costly paths running for nobody)."""
     s = table.settings
-    ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)
+    ended_S = _input_ends(table)
     index = table.last_output_index + 1  # also the draw's position in the slot's random stream
     if greedy:  # the sampler's own greedy path (its rows at temperature 0), without its branches
       tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab)
@@ -496,11 +498,8 @@ class SlotFunctions:
     ), out
 
   def _steps(self, params, table: SlotTable, steps: int, greedy: bool):
-    s = table.settings
-
     def one(table: SlotTable, _):
-      ended_S = _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)  # its input ends it
-      moved, logits = self._decode_logits(params, table, live_S=~ended_S)
+      moved, logits = self._decode_logits(params, table, live_S=~_input_ends(table))
       return self._sample_step(logits, moved, greedy)  # (an ended slot keeps its token and index)
 
     table, outs = jax.lax.scan(one, table, None, length=steps)
