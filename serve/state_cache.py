@@ -184,24 +184,14 @@ class StateCache:
     chain = self._chain(ids, max_len // BLOCK, scope)
     with self._lock:
       counts = self.tenant_stats[tenant]
-      for j in range(len(chain) - 1, -1, -1):
-        best = None
-        for key in self.by_block.get(chain[j], ()):
-          e = self.entries[key]
-          n = len(e.ids)
-          if (
-            e.scope == scope
-            and n <= max_len
-            and (best is None or n > len(best.ids))
-            and np.array_equal(e.ids, ids[:n])
-          ):
-            best = e
-        if best is not None:
-          self.entries.move_to_end(best.key)
-          for c in (self.stats, counts):
-            c["hits"] += 1
-            c["tokens_reused"] += len(best.ids)
-          return len(best.ids), best.state
+      found = self._prefixes(ids, scope, chain, max_len)
+      if found:
+        best = found[0]
+        self.entries.move_to_end(best.key)
+        for c in (self.stats, counts):
+          c["hits"] += 1
+          c["tokens_reused"] += len(best.ids)
+        return len(best.ids), best.state
       self.stats["misses"] += 1
       counts["misses"] += 1
     return 0, None
@@ -225,7 +215,7 @@ class StateCache:
       if e.key in self.entries:
         self.entries.move_to_end(e.key)
         return True
-      prefixes = self._prefixes(ids, scope, chain)
+      prefixes = self._prefixes(ids, scope, chain, len(ids) - 1)
       evicted = self._supersede(prefixes, e)
       e.parent = prefixes[0].key if prefixes else None
       if e.parent is not None:
@@ -249,14 +239,15 @@ class StateCache:
           self.stats["files_not_written"] += 1
     return True
 
-  def _prefixes(self, ids: np.ndarray, scope: str, chain: list[bytes]) -> list[Entry]:
-    """The scope's cached states whose ids are a strict prefix of `ids`, longest first (under the lock)."""
+  def _prefixes(self, ids: np.ndarray, scope: str, chain: list[bytes], max_len: int) -> list[Entry]:
+    """The scope's cached states whose ids are a prefix of `ids` no longer than max_len, longest first
+    (under the lock; `chain`: `_chain` of ids over at least max_len // BLOCK blocks)."""
     out = []
-    for h in chain:
+    for h in chain[: max_len // BLOCK + 1]:
       for key in self.by_block.get(h, ()):
         e = self.entries[key]
         n = len(e.ids)
-        if e.scope == scope and n < len(ids) and np.array_equal(e.ids, ids[:n]):
+        if e.scope == scope and n <= max_len and np.array_equal(e.ids, ids[:n]):
           out.append(e)
     return sorted(out, key=lambda e: -len(e.ids))
 
