@@ -102,26 +102,29 @@ def complete(
       f"temperature={temperature}, top_k={top_k}, top_p={top_p}: expected temperature >= 0 (0: greedy), "
       "top_k >= 0 (0: off) and 0 < top_p <= 1 (1: off)."
     )
-  if state is None:
-    state = model.init_state(cfg, 1, max_len=max_len or len(ids) + max_new_tokens)
-  elif state.batch_size != 1:
+  if state is not None and state.batch_size != 1:
     raise ValueError(f"state holds {state.batch_size} sequences: complete continues one (batch 1).")
-  valid = min(cfg.vocab_size, tokenizer.VOCAB_SIZE)
-  how: dict = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), valid_vocab=valid)
-  logits, state = model.prefill(params, state, np.asarray([ids], np.int32), cfg=cfg)
-  key, sub = jax.random.split(jax.random.key(seed))
-  tok = sample_logits(logits, sub, **how)
   out: list[int] = []
-  stop = "length"
-  for _ in range(max_new_tokens):
-    t = int(np.asarray(tok)[0])
-    if t in stop_ids:
-      stop = "stop"
-      break
+  # One token more than returned: the state that comes with it has read every returned id.
+  steps = _continue(
+    params,
+    [ids],
+    max_new_tokens + 1,
+    cfg=cfg,
+    temperature=float(temperature),
+    top_k=int(top_k),
+    top_p=float(top_p),
+    seed=seed,
+    valid_vocab=min(cfg.vocab_size, tokenizer.VOCAB_SIZE),
+    state=state,
+    max_len=max_len or len(ids) + max_new_tokens,
+  )
+  for tok, read in steps:
+    t = int(tok[0])
+    if len(out) == max_new_tokens or t in stop_ids:
+      return Completion(tokenizer.decode(out), out, "length" if len(out) == max_new_tokens else "stop", read)
     out.append(t)
-    key, sub = jax.random.split(key)
-    tok, state = _decode_and_sample(params, state, tok, sub, cfg=cfg, **how)  # the state reads t
-  return Completion(tokenizer.decode(out), out, stop, state)
+  raise AssertionError("unreachable: _continue yields max_new_tokens + 1 steps")
 
 
 def save_state(path, state: DecodeState, cfg: LaplaceConfig) -> None:
@@ -155,28 +158,40 @@ def load_state(path, cfg: LaplaceConfig) -> DecodeState:
 
 
 def _continue(
-  params, prompts_BxT, max_new_tokens: int, *, cfg, temperature, top_k, seed, valid_vocab, stop_id=None
+  params,
+  prompts_BxT,
+  max_new_tokens: int,
+  *,
+  cfg,
+  temperature,
+  top_k,
+  seed,
+  valid_vocab,
+  top_p=1.0,
+  stop_id=None,
+  state=None,
+  max_len=None,
 ):
-  """Yield the next token of every row [B] (host ints), max_new_tokens times; stops after a step whose
-  tokens all equal stop_id."""
+  """Yield (the next token of every row [B] as host ints, the state that has read everything before it),
+  max_new_tokens times; stops after a step whose tokens all equal stop_id. state: the one the prompts
+  continue (None: a fresh one whose attention caches hold max_len tokens, default prompt + new)."""
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1.")
   prompts = np.asarray(prompts_BxT, np.int32)
-  vv = valid_vocab or cfg.vocab_size
-  state = model.init_state(cfg, prompts.shape[0], max_len=prompts.shape[1] + max_new_tokens)  # attention
+  how = dict(temperature=temperature, top_k=top_k, top_p=top_p, valid_vocab=valid_vocab or cfg.vocab_size)
+  if state is None:
+    state = model.init_state(cfg, prompts.shape[0], max_len=max_len or prompts.shape[1] + max_new_tokens)
   logits, state = model.prefill(params, state, prompts, cfg=cfg)
   key = jax.random.key(seed)
   key, sub = jax.random.split(key)
-  tok = sample_logits(logits, sub, temperature=temperature, top_k=top_k, valid_vocab=vv)
+  tok = sample_logits(logits, sub, **how)
   for i in range(max_new_tokens):
     host = np.asarray(tok)
-    yield host
+    yield host, state
     if i == max_new_tokens - 1 or (stop_id is not None and (host == stop_id).all()):
       return
     key, sub = jax.random.split(key)
-    tok, state = _decode_and_sample(
-      params, state, tok, sub, cfg=cfg, temperature=temperature, top_k=top_k, valid_vocab=vv
-    )
+    tok, state = _decode_and_sample(params, state, tok, sub, cfg=cfg, **how)
 
 
 def generate(
@@ -196,7 +211,7 @@ def generate(
     raise ValueError("prompt_ids is empty: give at least one token (e.g. the EOS id to start fresh).")
   return [
     int(t[0])
-    for t in _continue(
+    for t, _ in _continue(
       params,
       [prompt_ids],
       max_new_tokens,
@@ -226,8 +241,9 @@ def generate_batch(
   if prompts.ndim != 2 or not prompts.size:
     raise ValueError(f"prompts have shape {prompts.shape}: expected [B, T] with B, T >= 1.")
   return np.stack(
-    list(
-      _continue(
+    [
+      t
+      for t, _ in _continue(
         params,
         prompts,
         max_new_tokens,
@@ -237,7 +253,7 @@ def generate_batch(
         seed=seed,
         valid_vocab=valid_vocab,
       )
-    ),
+    ],
     axis=1,
   )
 
