@@ -3,9 +3,12 @@ atomically and privately, read only when they are regular files of a bounded siz
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
+
+log = logging.getLogger(__name__)
 
 TMP = ".tmp-"  # in the name of every temporary file `atomic_write` writes (their owners remove them at start)
 
@@ -43,3 +46,17 @@ def read_regular(path: str, limit: int, what: str = "such a file") -> bytes:
       return f.read(st.st_size + 1)
   finally:
     os.close(fd)
+
+
+def remove_temporaries(directory: str, owner: str):
+  """Remove the temporary files an interrupted `atomic_write` left in `directory` (their names only; links
+  are unlinked, not followed; directories are left alone). `owner` names the directory's user in the log."""
+  for name in os.listdir(directory):
+    if TMP in name:
+      path = os.path.join(directory, name)
+      try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+          os.unlink(path)
+          log.info("%s: removed %s, left by an interrupted write", owner, name)
+      except OSError as e:
+        log.warning("%s: cannot remove %s (%s)", owner, name, e)

@@ -22,11 +22,10 @@ import json
 import logging
 import os
 import re
-import stat
 import threading
 
-from serve.files import TMP, read_regular
 from serve.files import atomic_write as _atomic_write
+from serve.files import read_regular, remove_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +187,7 @@ class ResponseStore:
     try:
       os.makedirs(directory, mode=0o700, exist_ok=True)
       os.chmod(directory, 0o700)  # the records hold conversations
+      remove_temporaries(directory, "stored responses")
       names = os.listdir(directory)
     except OSError as e:
       raise ValueError(
@@ -197,14 +197,6 @@ class ResponseStore:
     records = []
     for name in names:
       path = os.path.join(directory, name)
-      if TMP in name:
-        try:
-          if not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
-            log.info("stored responses: removed %s, left by an interrupted write", name)
-        except OSError as e:
-          log.warning("stored responses: cannot remove %s (%s)", path, e)
-        continue
       m = FILE.fullmatch(name)
       if m is None:
         continue

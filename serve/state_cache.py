@@ -35,7 +35,7 @@ import numpy as np
 
 from laplace_jax import model as laplace_model
 from laplace_jax.config import LAYOUT_NEUTRAL
-from serve.files import TMP, read_regular
+from serve.files import TMP, read_regular, remove_temporaries
 from serve.files import atomic_write as _atomic_write  # (a module name: tests slow the disk down)
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ class StateCache:
           )
       else:
         _atomic_write(marker, json.dumps({"model_id": self.model_id, "format": 1}).encode())
-      self._remove_temporaries(directory)
+      remove_temporaries(directory, "state cache")
       probe = os.path.join(directory, ".write-probe")
       _atomic_write(probe, b"ok")
       os.remove(probe)
@@ -352,18 +352,6 @@ class StateCache:
     self._load_dir(directory)
     self._writes = queue.Queue()
     threading.Thread(target=self._writer, name="state-cache-writer", daemon=True).start()
-
-  def _remove_temporaries(self, directory: str):
-    """Temporary files a crashed writer left behind (this module's names only; links are unlinked, not
-    followed)."""
-    for name in os.listdir(directory):
-      if TMP in name:
-        try:
-          if not stat.S_ISDIR(os.lstat(os.path.join(directory, name)).st_mode):
-            os.unlink(os.path.join(directory, name))
-            log.info("state cache: removed %s, left by an interrupted write", name)
-        except OSError as e:
-          log.warning("state cache: cannot remove %s (%s)", name, e)
 
   def _load_dir(self, directory: str):
     """Newest files first while they fit the budget; the rest are removed. Only regular files named
