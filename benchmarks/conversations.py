@@ -7,7 +7,7 @@ conversation: the states it keeps.
 
 Run it from a venv that has `openai` (not a project dependency); it starts `python -m serve` itself:
 
-    /path/to/venv/bin/python benchmarks/conversations.py [--checkpoint RUN/export/step_N] [--turns 20]
+    /path/to/venv/bin/python -m benchmarks conversations [--checkpoint RUN/export/step_N] [--turns 20]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bytes the compiled decode step moves per step, against the minimum (docs/BENCHMARKS.md).
 
-    python benchmarks/decode_bytes.py [--preset small] [--slots 1280] [--top 12] [--json out.json]
+    python -m benchmarks decode_bytes [--preset small] [--slots 1280] [--top 12] [--json out.json]
                                       [--mixers GGGGS --window 2048 [--n_layers N]] [--max_len 1024]
 
 Compiles `model.decode_step` (jitted, state donated, weights in the compute dtype as the server holds them)

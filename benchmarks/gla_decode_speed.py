@@ -1,6 +1,6 @@
 """Time of one layer's decode-state update against a copy of the same bytes (docs/BENCHMARKS.md).
 
-    python benchmarks/gla_decode_speed.py [--preset laplace-3b] [--slots 1280] [--layers 2] [--impls xla,pallas]
+    python -m benchmarks gla_decode_speed [--preset laplace-3b] [--slots 1280] [--layers 2] [--impls xla,pallas]
 
 For each implementation of `gla_decode.gla_decode_layer` (table donated, layer 1 of --layers): the median
 step time, the state bytes it must move (one layer read + written once) per second, and that time as a

@@ -1,6 +1,6 @@
 """Speed of chunk_simple_gla against the token-by-token scan and softmax attention.
 
-    python benchmarks/gla_speed.py [--lengths 2048 8192 16384] [--heads 16 --dk 96 --dv 192]
+    python -m benchmarks gla_speed [--lengths 2048 8192 16384] [--heads 16 --dk 96 --dv 192]
 
 Prints a markdown table: forward and forward+backward times, achieved GFLOP/s of the chunked form (counted as
 2C(K+V)+4KV FLOPs per token and head forward, 3× that for forward+backward), and a fp32 matmul peak measured

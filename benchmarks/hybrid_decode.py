@@ -1,6 +1,6 @@
 """Decode tokens/s of mixer patterns side by side, and per-token time at a short vs a long context.
 
-    python benchmarks/hybrid_decode.py [--preset small] [--n_layers 8] [--slots 64,1280]
+    python -m benchmarks hybrid_decode [--preset small] [--n_layers 8] [--slots 64,1280]
         [--cases G,GGGS:2048,GGGS:64,GGGA] [--context 1024] [--long 65536] [--long_slots 32]
         [--steps 3] [--rounds 3] [--budget_gb 2.5] [--sections slots,context] [--json out.json]
 

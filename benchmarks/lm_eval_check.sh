@@ -29,9 +29,9 @@ TIKTOKEN_CACHE_DIR="$WORK/tiktoken" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$LME
   --model_args "model=gpt2,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer_backend=tiktoken,num_concurrent=1,max_retries=1" \
   --tasks laplace_local_mc --include_path benchmarks/lm_eval_task --output_path "$WORK/out" --log_samples
 SAMPLES=$(find "$WORK/out" -name 'samples_laplace_local_mc*.jsonl' | head -1)
-$PY benchmarks/lm_eval_compare.py "$SAMPLES" --preset tiny --seed 0
+$PY -m benchmarks lm_eval_compare "$SAMPLES" --preset tiny --seed 0
 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$LMEVAL_VENV/bin/lm_eval" \
   --model local-chat-completions --apply_chat_template \
   --model_args "model=gpt2,base_url=http://127.0.0.1:$PORT/v1/chat/completions,num_concurrent=1,max_retries=1" \
   --tasks laplace_local_chat --include_path benchmarks/lm_eval_task --output_path "$WORK/out"
-"$LMEVAL_VENV/bin/python" benchmarks/openai_chat_check.py "http://127.0.0.1:$PORT"
+"$LMEVAL_VENV/bin/python" -m benchmarks openai_chat_check "http://127.0.0.1:$PORT"

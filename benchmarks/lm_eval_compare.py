@@ -1,7 +1,7 @@
 """Compare lm-evaluation-harness's per-choice loglikelihoods (its --log_samples file) with the same sums
 computed directly from `model.forward` of the weights the server was started with (--random-init).
 
-    python benchmarks/lm_eval_compare.py SAMPLES.jsonl --preset tiny --seed 0
+    python -m benchmarks lm_eval_compare SAMPLES.jsonl --preset tiny --seed 0
 It tokenizes each (context, continuation) the way lm-eval does (trailing spaces of the context move to the
 continuation; continuation ids = ids(context + continuation) after ids(context)) and prints the largest
 absolute difference; exit status 1 if it is above --tol.

@@ -1,6 +1,6 @@
 """The train step at long sequence lengths, same tokens per step: time and activation memory per token.
 
-    python benchmarks/long_context.py [--preset small] [--lengths 2048 8192 16384 32768]
+    python -m benchmarks long_context [--preset small] [--lengths 2048 8192 16384 32768]
         [--tokens-per-step 32768] [--steps 2] [--compute-dtype float32] [--mesh-context C] [--model.FIELD V ...]
 
 For each length T: global batch = tokens-per-step / T; the compiled step's temporaries per token

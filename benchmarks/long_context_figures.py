@@ -1,6 +1,6 @@
 """Build docs/eval/long-context.json from the runs' own result files, never from typed numbers.
 
-    python benchmarks/long_context_figures.py --passkey runs/longctx-sp runs/longctx-plain \
+    python -m benchmarks long_context_figures --passkey runs/longctx-sp runs/longctx-plain \
         --by_position runs/tiny-sp/by_position.json runs/tiny-plain/by_position.json \
         [--cost runs/state_passing_cost.txt [more runs]] [--machine "2-core CPU, jax 0.10.0"] [--markdown] \
         -o docs/eval/long-context.json
@@ -10,7 +10,7 @@ cell's accuracy by (context, distance) and by (context, depth)). --by_position: 
 --by_position --json` files; the training run is found from the checkpoint path in each
 (RUN/export/step_N) and its config read from its newest checkpoint (RUN/checkpoints/N/meta/metadata).
 Each list sits beside the commands that produced it, rebuilt from those files. --cost: the lines printed by
-benchmarks/state_passing_cost.py, one file per run.
+`python -m benchmarks state_passing_cost` (benchmarks/step_cost.py), one file per run.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     "--cost",
     nargs="*",
     default=[],
-    help="files holding benchmarks/state_passing_cost.py's output "
+    help="files holding `python -m benchmarks state_passing_cost`'s output "
     "(its command on the first line after '$ '), one per run",
   )
   ap.add_argument("--machine", default="2-core CPU (shared), jax 0.10.0", help="where the runs ran")

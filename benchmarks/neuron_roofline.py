@@ -1,6 +1,6 @@
 """Roofline of laplace-3b on one trn2.48xlarge from this project's own counts (docs/NEURON.md).
 
-    python benchmarks/neuron_roofline.py [--slots 1280] [--measure]
+    python -m benchmarks neuron_roofline [--slots 1280] [--measure]
 
 Hardware (Neuron docs, Trainium2): 16 chips; per chip 667 dense BF16 TFLOP/s, 96 GiB HBM at 2.9 TB/s,
 NeuronLink-v3 1.28 TB/s; LNC=2 gives 4 logical cores per chip (64 devices), each assumed to get a quarter of
@@ -68,10 +68,9 @@ def training(cfg, n_dev: int, measured: dict | None) -> dict:
 
 
 def decode(cfg, slots: int, n_dev: int) -> dict:
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import decode_bytes
   import jax
 
+  from benchmarks import decode_bytes
   from laplace_jax.counts import param_counts, state_bytes_per_sequence
 
   params, state, _ = decode_bytes.abstract_inputs(cfg, slots)

@@ -8,7 +8,7 @@ the same continuation before the kill.
 It starts the server itself (it must kill it): run it from a venv that has `openai` (not a project
 dependency), naming the project's interpreter:
 
-    /path/to/venv/bin/python benchmarks/openai_responses_check.py --server_python .venv/bin/python
+    /path/to/venv/bin/python -m benchmarks openai_responses_check --server_python .venv/bin/python
 """
 
 import argparse

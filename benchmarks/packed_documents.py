@@ -2,7 +2,7 @@
 stream), at the same tokens, seed and data order; each scored with train.eval per document (segment ids: every
 document as if alone in its window) and as one stream, split by a document's order in its window.
 
-    python benchmarks/packed_documents.py [--steps 100] [--seq_len 256] [--global_batch 16] [--out DIR]
+    python -m benchmarks packed_documents [--steps 100] [--seq_len 256] [--global_batch 16] [--out DIR]
 
 Prepares the embedded corpus into DIR/kjv if missing; trains DIR/apart and DIR/stream (resuming finished runs);
 prints one JSON line per (trained, scored) pair and a markdown table. One CPU device.

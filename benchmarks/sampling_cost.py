@@ -6,7 +6,7 @@ the figures are medians over rounds of each round's ratio (docs/BENCHMARKS.md, "
 `--baseline PATH` also times an engine whose sampler is `sample` from another copy of serve/sampling.py
 (the code before a change), interleaved with this one's in the same rounds.
 
-    python benchmarks/sampling_cost.py [--preset small] [--concurrency 1,16,64] [--rounds 5] [--steps 16]
+    python -m benchmarks sampling_cost [--preset small] [--concurrency 1,16,64] [--rounds 5] [--steps 16]
         [--baseline /path/to/old/serve/sampling.py]
 """
 
@@ -21,8 +21,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from serve_bench_common import laplace_params
 
+from benchmarks.serve_bench_common import laplace_params
 from laplace_jax.config import get_config
 from laplace_jax.tokenizer import VOCAB_SIZE
 from serve.engine import Engine, Request

@@ -1,4 +1,4 @@
-"""`python benchmarks/serve_bench.py`: serving throughput, time per token against context, memory per sequence, and
+"""`python -m benchmarks serve_bench`: serving throughput, time per token against context, memory per sequence, and
 decode-step FLOP/s, for Laplace and for a same-size softmax-attention KV-cache baseline (benchmarks/serve_baseline.py).
 
 Sections (each prints a table; --json writes all numbers; `overhead` runs only when named):
@@ -30,12 +30,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import serve_baseline as baseline
-import serve_bench_cache as bench_cache
-from serve_bench_common import gb as _gb
-from serve_bench_common import laplace_params
-from serve_bench_common import table as _table
 
+from benchmarks import serve_baseline as baseline
+from benchmarks import serve_bench_cache as bench_cache
+from benchmarks.serve_bench_common import gb as _gb
+from benchmarks.serve_bench_common import laplace_params
+from benchmarks.serve_bench_common import table as _table
 from laplace_jax import model
 from laplace_jax.config import PRESETS, get_config
 from laplace_jax.counts import param_counts, state_bytes_per_sequence
@@ -48,7 +48,7 @@ from serve.sampling import argmax_rows
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-    prog="python benchmarks/serve_bench.py",
+    prog="python -m benchmarks serve_bench",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )

@@ -1,4 +1,4 @@
-"""State-cache sections of `python benchmarks/serve_bench.py` (registered there):
+"""State-cache sections of `python -m benchmarks serve_bench` (registered there):
 
   agent         --agent-conversations conversations of --agent-turns turns in lock step: each turn resends
                 the whole conversation plus --turn-tokens new tokens and generates --gen-tokens. Per turn:
@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import serve_baseline as baseline
-from serve_bench_common import gb as _gb
-from serve_bench_common import laplace_params
-from serve_bench_common import table as _table
 
+from benchmarks import serve_baseline as baseline
+from benchmarks.serve_bench_common import gb as _gb
+from benchmarks.serve_bench_common import laplace_params
+from benchmarks.serve_bench_common import table as _table
 from laplace_jax.config import get_config
 from laplace_jax.counts import state_bytes_per_sequence
 from laplace_jax.tokenizer import VOCAB_SIZE as GPT2

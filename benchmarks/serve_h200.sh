@@ -7,10 +7,10 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # The decode-step FLOP/s goal is stated on the small preset (fp32 compute).
-timeout 150 python3 benchmarks/serve_bench.py --sections flops --preset small --flops-slots 1280 --steps 10 \
+timeout 150 python3 -m benchmarks serve_bench --sections flops --preset small --flops-slots 1280 --steps 10 \
   --matmul-size 8192 --json "$OUT/h200_small.json" 2>&1 | tee "$OUT/h200_small.txt"
 # laplace-3b end to end: 1,280 slots as published, its baseline, contexts to 64K.
-timeout 420 python3 benchmarks/serve_bench.py --preset laplace-3b --throughput-preset laplace-3b \
+timeout 420 python3 -m benchmarks serve_bench --preset laplace-3b --throughput-preset laplace-3b \
   --concurrency 1,64,1280 --prompt-tokens 128 --steps 10 --contexts 1024,8192,65536 \
   --max-real-prefill 8192 --context-steps 20 --baseline-mem-gb 60 --matmul-size 8192 \
   --json "$OUT/h200_3b.json" 2>&1 | tee "$OUT/h200_3b.txt"

@@ -1,7 +1,7 @@
 """The abusive requests the server must survive against a tiny random-init server on loopback, each
 answered while /health is polled every 20 ms: what each got and the slowest /health reply meanwhile.
 
-    python benchmarks/serve_robust_check.py [--slots 8] [--queue 64]
+    python -m benchmarks serve_robust_check [--slots 8] [--queue 64]
 
 Engine: `tiny` with random weights (what matters here is the HTTP side and the event loop, not the model).
 """
@@ -16,9 +16,10 @@ import time
 
 import aiohttp
 
+from benchmarks.serve_bench_common import table
+
 sys.path.insert(0, "tests")
 import serve_fixtures as sf  # noqa: E402
-from serve_bench_common import table  # noqa: E402
 
 
 async def _probe(session, url, body, label):

@@ -1,6 +1,6 @@
 """The model half of speculative decoding: one verify + commit of k drafts against one decode step.
 
-    python benchmarks/speculative_model.py [--preset small] [--batches 1 8 64] [--drafts 2 4 8 16]
+    python -m benchmarks speculative_model [--preset small] [--batches 1 8 64] [--drafts 2 4 8 16]
         [--calls 10]
 
 For each batch size: the compiled decode step (`model.decode_step`, state donated) and, per draft count k,

@@ -1,7 +1,7 @@
 """Speculative decoding end to end through the serving engine: drafts from a prediction or from prompt lookup,
 verified K at a time, against plain decoding of the same requests.
 
-    python benchmarks/speculative_serve.py [--preset small] [--batches 1 8] [--drafts 8] [--max-tokens 128]
+    python -m benchmarks speculative_serve [--preset small] [--batches 1 8] [--drafts 8] [--max-tokens 128]
                                            [--rules cost always]
 
 Workload (the embedded corpus): each request's prompt is a KJV chapter's first `--passage-tokens` tokens,

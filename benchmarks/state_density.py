@@ -1,6 +1,6 @@
 """Decode-state bytes per sequence and sequences per accelerator, by mixer pattern (docs/EVAL.md).
 
-    python benchmarks/state_density.py [--preset laplace-3b] [--patterns G,GGGS,GGGA,A] [--window 2048]
+    python -m benchmarks state_density [--preset laplace-3b] [--patterns G,GGGS,GGGA,A] [--window 2048]
                                        [--contexts 2048,32768,131072] [--json out.json]
 
 Bytes are summed over the arrays of `model.init_state(cfg, 1, max_len=context)` as `jax.eval_shape` gives

@@ -1,6 +1,6 @@
 """Train-step throughput and MFU, and Muon's share of step time beside its share of FLOPs.
 
-    python benchmarks/train_throughput.py [--preset small] [--batch 4] [--seq-len 512] [--steps 3]
+    python -m benchmarks train_throughput [--preset small] [--batch 4] [--seq-len 512] [--steps 3]
         [--compute-dtype float32] [--matmul-size 2048] [--micro-batches 1] [--muon-ns-dtype float32]
         [--compile-only]
 
