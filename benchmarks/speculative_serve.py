@@ -7,7 +7,7 @@ verified K at a time, against plain decoding of the same requests.
 Workload (the embedded corpus): each request's prompt is a KJV chapter's first `--passage-tokens` tokens,
 then "Repeat the passage above exactly:" and the passage's first words: a prompt that quotes a passage and
 asks for it back. Greedy decoding of `--max-tokens` tokens, no stop, `batch` requests at once in an engine of
-`batch` slots, random weights of `--preset` in its compute dtype or a trained export (`--checkpoint`). Cases,
+`batch` slots (or `--n-slots`, where more), random weights of `--preset` in its compute dtype or a trained export (`--checkpoint`). Cases,
 each on the same requests:
 
 - none: no prediction, no lookup (the plain generate step);
@@ -79,6 +79,9 @@ def main(argv=None):
     "weights: its config is the model's, --preset must match it or be omitted",
   )
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+  ap.add_argument(
+    "--n-slots", type=int, default=0, help="the engine's slot table (default 0: as many slots as the batch)"
+  )
   ap.add_argument("--drafts", type=int, nargs="+", default=[8], help="K: drafts verified per slot and step")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--passage-tokens", type=int, default=160)
@@ -103,7 +106,12 @@ def main(argv=None):
     ]
     for K in args.drafts:
       eng = Engine(
-        params, cfg, n_slots=B, prefill_batch=min(B, 8), valid_vocab=VOCAB_SIZE, speculative_tokens=K
+        params,
+        cfg,
+        n_slots=max(B, args.n_slots),
+        prefill_batch=min(B, 8),
+        valid_vocab=VOCAB_SIZE,
+        speculative_tokens=K,
       )
       eng.warmup()
       run_case(eng, [{**s, "max_tokens": 8} for s in specs], [()] * B, lookup=False)  # the first batch's
@@ -137,7 +145,8 @@ def main(argv=None):
           f"{c['accepted']} | {same}/{B} |",
           flush=True,
         )
-      print(f"<!-- verify / generate step measured by the engine: {eng.drafter.cost.ratio():.2f} -->")
+      ratios = ", ".join(f"{b} rows {r:.2f}" for b, r in sorted(eng.drafter.cost.ratios().items()))
+      print(f"<!-- verify / generate step measured by the engine, per bucket: {ratios} -->")
 
 
 if __name__ == "__main__":

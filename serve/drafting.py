@@ -160,31 +160,35 @@ class VerifyCost:
   """Seconds per generate step and per verify call, measured as the engine runs them, and the rule that
   decides between them: verify when the tokens it is expected to give per second beat a generate step's,
   (active slots + Σ DraftRecord.expected_extra) · t_generate >= active slots · t_verify. Each time is the
-  median of the last `window` the engine measured (Drafter.time_call). Until each call has `min_samples`
-  of them a verify is taken to cost a generate step's, so the first verifies are tried and measured in
-  service (calls timed at warm-up run on cold caches, several times slower than in steady serving)."""
+  median of the last `window` the engine measured (Drafter.time_call) for calls over the same bucket of
+  rows (serve.slots.step_rows): the two calls' costs and their ratio change with it. Until a bucket's calls
+  each have `min_samples` of them a verify is taken to cost a generate step's, so the first verifies are
+  tried and measured in service (calls timed at warm-up run on cold caches, several times slower than in
+  steady serving)."""
 
   def __init__(self, window: int = 9, min_samples: int = 3):
-    self.min_samples = min_samples
-    self.seconds: dict[str, collections.deque[float]] = {
-      kind: collections.deque(maxlen=window) for kind in ("gen", "verify")
-    }
-    self._ratio = 1.0
+    self.window, self.min_samples = window, min_samples
+    self.seconds: dict[tuple[str, int], collections.deque[float]] = {}  # (kind, bucket) -> recent times
+    self._ratio: dict[int, float] = {}  # bucket -> t_verify / t_generate
 
-  def record(self, kind: str, seconds: float) -> None:
-    self.seconds[kind].append(seconds)
-    gen, ver = self.seconds["gen"], self.seconds["verify"]
+  def record(self, kind: str, seconds: float, bucket: int = 0) -> None:
+    self.seconds.setdefault((kind, bucket), collections.deque(maxlen=self.window)).append(seconds)
+    gen, ver = (self.seconds.get((k, bucket), ()) for k in ("gen", "verify"))
     if min(len(gen), len(ver)) >= self.min_samples:  # kept here: the engine asks twice a step
-      self._ratio = statistics.median(ver) / statistics.median(gen)
+      self._ratio[bucket] = statistics.median(ver) / statistics.median(gen)
 
-  def ratio(self) -> float:
-    """t_verify / t_generate (1 until both are measured)."""
-    return self._ratio
+  def ratio(self, bucket: int = 0) -> float:
+    """t_verify / t_generate over `bucket` rows (1 until both are measured)."""
+    return self._ratio.get(bucket, 1.0)
 
-  def pays(self, n_active: int, extra: float) -> bool:
-    """Whether a verify beats a generate step for n_active slots when their drafts are expected to add
-    `extra` tokens to the n_active a step gives."""
-    return extra > 0 and n_active + extra >= n_active * self.ratio()
+  def ratios(self) -> dict[int, float]:
+    """{bucket: t_verify / t_generate} of the buckets measured so far."""
+    return dict(self._ratio)
+
+  def pays(self, n_active: int, extra: float, bucket: int = 0) -> bool:
+    """Whether a verify beats a generate step for n_active slots (run over `bucket` rows) when their drafts
+    are expected to add `extra` tokens to the n_active a step gives."""
+    return extra > 0 and n_active + extra >= n_active * self.ratio(bucket)
 
 
 class Drafter:
@@ -200,7 +204,7 @@ class Drafter:
     self.cost = VerifyCost()  # what a verify and a generate step cost here, measured as they run
     self._last_read: tuple[int, float] | None = None  # the last generate or verify read back: (step, when)
 
-  def worth_reading_back(self, slot_req: Sequence, n_active: int) -> bool:
+  def worth_reading_back(self, slot_req: Sequence, n_active: int, bucket: int = 0) -> bool:
     """Whether some request may draft and its drafts could pay: only then are the steps in flight read back
     to build drafts. A prediction that the output has left (prediction_at None) drafts nothing, so generate
     steps go on, pipelined, until a token read back finds its place in the prediction again; so do they
@@ -216,9 +220,11 @@ class Drafter:
       elif not r.prediction_ids and self.prompt_lookup:
         may.append(r)
         n_may.append(self.k)
-    return bool(may) and self.pays(may, n_may, n_active, upfront=True)
+    return bool(may) and self.pays(may, n_may, n_active, bucket, upfront=True)
 
-  def drafts(self, slot_req: Sequence, n_active: int) -> tuple[np.ndarray, np.ndarray] | None:
+  def drafts(
+    self, slot_req: Sequence, n_active: int, bucket: int = 0
+  ) -> tuple[np.ndarray, np.ndarray] | None:
     """(drafts [S, K], n_drafts [S]) for the next step from the outputs read back so far, or None: a plain
     generate step (no slot drafts, or the drafts would not pay). With attention layers every slot's KV cache
     must have room for K + 1 more tokens."""
@@ -237,13 +243,15 @@ class Drafter:
         p.drafts.add_lookup(bool(d), len(p.output_ids))
       drafts[s, : len(d)], n[s] = d, len(d)
     drafting = [r for r, k in zip(slot_req, n) if k]
-    if not drafting or not self.pays(drafting, n[n > 0].tolist(), n_active):
+    if not drafting or not self.pays(drafting, n[n > 0].tolist(), n_active, bucket):
       return None
     return drafts, n
 
-  def pays(self, reqs: Sequence, n_drafts: Sequence[int], n_active: int, upfront: bool = False) -> bool:
-    """Whether verifying n_drafts[i] drafts of each reqs[i] beats a generate step over n_active slots;
-    upfront: before the lookups are made, K drafts each where they find any."""
+  def pays(
+    self, reqs: Sequence, n_drafts: Sequence[int], n_active: int, bucket: int = 0, upfront: bool = False
+  ) -> bool:
+    """Whether verifying n_drafts[i] drafts of each reqs[i] beats a generate step over n_active slots (in a
+    call over `bucket` rows); upfront: before the lookups are made, K drafts each where they find any."""
     if self.rule == "always":
       return True
     extra = sum(
@@ -252,14 +260,15 @@ class Drafter:
       )
       for r, n in zip(reqs, n_drafts)
     )
-    return self.cost.pays(n_active, extra)
+    return self.cost.pays(n_active, extra, bucket)
 
-  def time_call(self, kind: str, step: int, timed: bool, now: float, steps: int = 1) -> None:
+  def time_call(self, kind: str, step: int, timed: bool, now: float, steps: int = 1, bucket: int = 0) -> None:
     """A generate or verify call's cost as the engine runs it (one call in flight, host work beside it): the
     time from the previous call's read-back to this one's (`now`, call number `step`), when the two calls
-    follow each other and no prefill ran beside this one (`timed`); a generate of several `steps`, per step."""
+    follow each other and no prefill ran beside this one (`timed`); a generate of several `steps`, per step;
+    `bucket`: the rows it ran."""
     if timed and self._last_read is not None and self._last_read[0] == step - 1:
-      self.cost.record(kind, (now - self._last_read[1]) / steps)
+      self.cost.record(kind, (now - self._last_read[1]) / steps, bucket)
     self._last_read = (step, now)
 
   def forget_timing(self) -> None:

@@ -36,6 +36,7 @@ from serve.slots import (
   StepOutput,
   StepsOutput,
   host_settings,
+  step_rows,
 )
 from serve.state_cache import StateCache, layout_of
 
@@ -286,6 +287,7 @@ class Engine:
         chunk_size=self.cfg.chunk_size,
       )
     self._gens = 0  # generate and verify calls dispatched
+    self.warmup_seconds: dict[str, float] = {}  # warmup's compile and first run, per bucket and the rest
 
   @property
   def cache(self) -> StateCache | None:
@@ -461,22 +463,19 @@ class Engine:
     self._advance_prefill()
     timed = self.stats["prefill_tokens"] == prefilled  # no prefill shares this step's time on the device
     dispatched = False
-    if self.active_slots:
-      drafts = self._drafts() if self.speculative_tokens else None
+    rows, drafts = self._drafts() if self.speculative_tokens and self.active_slots else (self._rows(), None)
+    if len(rows):
+      owners = tuple(self.slot_req[s] for s in rows)  # the call's row i runs slot rows[i]
       if drafts is None:
         # Several tokens a call only while no prompt waits for a slot: admission goes on between calls.
         steps = 1 if self.queue or self.prefill is not None else self.decode_steps
-        greedy = steps > 1 and all(
-          r is None or (r.temperature == 0 and r.logprobs is None) for r in self.slot_req
-        )
-        self.table, out = self.fns.generate(self.params, self.table, steps, greedy)
-        self.pending.append(Pending("gen", out, tuple(self.slot_req), steps, step=self._gens, timed=timed))
+        greedy = steps > 1 and all(r is None or (r.temperature == 0 and r.logprobs is None) for r in owners)
+        self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
+        self.pending.append(Pending("gen", out, owners, steps, step=self._gens, timed=timed))
       else:
         K = self.speculative_tokens
-        self.table, out = self.fns.verify(self.params, self.table, drafts[0], drafts[1])
-        self.pending.append(
-          Pending("verify", out, tuple(self.slot_req), K + 1, drafts[1], step=self._gens, timed=timed)
-        )
+        self.table, out = self.fns.verify(self.params, self.table, *drafts, rows_B=rows)
+        self.pending.append(Pending("verify", out, owners, K + 1, drafts[1], step=self._gens, timed=timed))
       self.stats["steps"] += 1
       self._gens += 1
       dispatched = True
@@ -615,7 +614,7 @@ class Engine:
     next one is the oldest request of the waiting tenant that holds the fewest slots (ties: the tenant
     whose oldest request came first), so while several tenants wait the freed slots go to those with the
     fewest until they hold as many as the others. One tenant: first come, first served."""
-    free = [s for s, r in enumerate(self.slot_req) if r is None and s not in self.reserved]
+    free = self._free_slots()
     need = lambda r: sum(m.max_tokens > 0 for m in self._members(r))  # max_tokens 0: scored, never decoded
     held = collections.Counter(r.tenant for r in self.slot_req if r is not None)
     with self._lock:
@@ -649,6 +648,19 @@ class Engine:
     pf.n_chunks = max(-(-(len(r.prompt_ids) - r.progress.cached_tokens) // C) for r in take)
     pf.state = self.fns.empty_prefill() if state is None else state
     return True
+
+  def _free_slots(self) -> list[int]:
+    """The slots free for a new request, in the order to fill them: over a mesh, those of the devices that
+    run the fewest live slots first, so each device's share of a step's rows (its bucket) stays small."""
+    per = self.n_slots // self.fns.n_devices
+    load = collections.Counter(s // per for s, r in enumerate(self.slot_req) if r is not None)
+    order = []
+    for s, r in enumerate(self.slot_req):
+      if r is None and s not in self.reserved:
+        d = s // per
+        order.append((load[d], s))
+        load[d] += 1
+    return [s for _, s in sorted(order)]
 
   def _fairest(self, held) -> int:
     """The queue index of the next request to admit (see _start_prefill); call under the lock."""
@@ -744,7 +756,8 @@ class Engine:
     packed = np.asarray(item.out)  # the one device-to-host copy of this call
     now = time.perf_counter()
     if self.speculative_tokens and item.kind != "insert":
-      self.drafter.time_call(item.kind, item.step, item.timed, now, item.width if item.kind == "gen" else 1)
+      per_call = item.width if item.kind == "gen" else 1
+      self.drafter.time_call(item.kind, item.step, item.timed, now, per_call, bucket=len(item.owners))
     multi = StepsOutput.unpack(packed, item.width) if item.width > 1 else None
     steps = StepOutput.unpack(packed) if multi is None else multi.steps  # multi: [S, width] fields
     deliveries, n_tokens, finished = [], 0, []
@@ -905,16 +918,29 @@ class Engine:
       self._waiting.clear()
     self._fail(self._in_flight() + [m for r in waiting for m in self._members(r)])
 
-  def _drafts(self):
-    """(drafts [S, K], n_drafts [S]) for the next step, or None: a plain generate step (serve.drafting.Drafter).
-    Drafts follow the output so far, so the steps in flight are read back first, unless no drafts could pay."""
-    if not self.drafter.worth_reading_back(self.slot_req, self.active_slots):
-      return None
+  def _rows(self) -> np.ndarray:
+    """The slots the next generate or verify runs (serve.slots.step_rows): the live ones, in the smallest
+    compiled bucket that holds them; none when no slot is live."""
+    live = [s for s, r in enumerate(self.slot_req) if r is not None]
+    if not live:
+      return np.zeros((0,), np.int32)
+    return step_rows(live, self.n_slots, self.fns.buckets, self.fns.n_devices)
+
+  def _drafts(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """(rows, drafts): the slots the next call runs and, for a verify, (drafts [B, K], n_drafts [B]) of those
+    rows, or None: a plain generate step (serve.drafting.Drafter). Drafts follow the output so far, so the
+    steps in flight are read back first (which may finish slots), unless no drafts could pay."""
+    rows = self._rows()
+    if not self.drafter.worth_reading_back(self.slot_req, self.active_slots, len(rows)):
+      return rows, None
     self.read_back_all()
-    return self.drafter.drafts(self.slot_req, self.active_slots)
+    rows = self._rows()
+    drafts = self.drafter.drafts(self.slot_req, self.active_slots, len(rows)) if len(rows) else None
+    return rows, None if drafts is None else (drafts[0][rows], drafts[1][rows])
 
   def warmup(self):
-    """Compile every function by serving one short request to completion (nothing of it is cached)."""
+    """Compile every function (each bucket's generate and verify) by running them once: nothing is compiled
+    at request time, and nothing of the warm-up is cached. `warmup_seconds`: per bucket, and the rest."""
     state_io, self.state_io = self.state_io, None
     try:
       self._warm_calls()
@@ -926,14 +952,26 @@ class Engine:
     self._rate.clear()
 
   def _warm_calls(self):
+    t = time.perf_counter()
     self.generate([Request(prompt_ids=[0], max_tokens=2, temperature=1.0, top_k=1, top_p=0.5, seed=0)])
-    if self.decode_steps > 1:  # the generates of several steps, over slots that hold no request
-      for greedy in (False, True):
-        self.table, out = self.fns.generate(self.params, self.table, self.decode_steps, greedy)
+    self.warmup_seconds = {"prefill and insert": time.perf_counter() - t}
+    D = self.fns.n_devices
+    per = self.n_slots // D
+    for B in self.fns.buckets:  # each over slots that hold no request
+      t = time.perf_counter()
+      rows = (np.arange(D)[:, None] * per + np.arange(B // D)[None, :]).reshape(-1).astype(np.int32)
+      calls = [(1, False)] + (
+        [(self.decode_steps, g) for g in (False, True)] if self.decode_steps > 1 else []
+      )
+      for steps, greedy in calls:
+        self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
         np.asarray(out)
-    if self.speculative_tokens:  # the verify step, over slots that hold no request
-      K = self.speculative_tokens
-      drafts, n = np.zeros((self.n_slots, K), np.int32), np.zeros((self.n_slots,), np.int32)
-      self.table, out = self.fns.verify(self.params, self.table, drafts, n)
-      np.asarray(out)
+      if self.speculative_tokens:
+        K = self.speculative_tokens
+        drafts, n = np.zeros((B, K), np.int32), np.zeros((B,), np.int32)
+        self.table, out = self.fns.verify(self.params, self.table, drafts, n, rows_B=rows)
+        np.asarray(out)
+      self.warmup_seconds[f"bucket {B}"] = time.perf_counter() - t
+    t = time.perf_counter()
     self.generate([Request(prompt_ids=[0], max_tokens=1, echo=True, logprobs=0)])  # the scored prefill
+    self.warmup_seconds["scored prefill"] = time.perf_counter() - t

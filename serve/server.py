@@ -272,8 +272,9 @@ class Server:
       (
         "verify_cost_ratio",
         "gauge",
-        "A verify step's time over a generate step's, as the engine measured them (1 until measured).",
-        [("", round(e.drafter.cost.ratio(), 3))],
+        "A verify step's time over a generate step's over the same bucket of rows, as the engine measured "
+        "them (1 until measured).",
+        [(f'{{bucket="{b}"}}', round(e.drafter.cost.ratio(b), 3)) for b in e.fns.buckets],
       ),
       ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
       ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -181,6 +182,8 @@ class SlotBackend(Protocol):
   `StepOutput.pack`'s, read on the host with `StepOutput.unpack`."""
 
   n_slots: int
+  buckets: tuple[int, ...]  # the row counts generate and verify are compiled for (`bucket_sizes`)
+  n_devices: int  # the slot axis is split over this many devices, in equal runs of slots
   prefill_batch: int
   n_stop: int  # stop ids per slot (SlotSettings.stop_ids' width)
   hold_ended: bool  # a single generate step leaves a slot whose next input ends it as it is
@@ -208,15 +211,17 @@ class SlotBackend(Protocol):
     (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
     ...
 
-  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
-    """Advance every slot by `steps` sampled tokens. Returns (table, packed StepOutput of the slots), for
-    steps > 1 a packed StepsOutput over `steps` positions in which a slot whose next input ends it is left
-    as it is; greedy: every slot in use is greedy and wants no logprobs. See SlotFunctions.generate."""
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False, rows_B=None):
+    """Advance slots rows_B (`step_rows`: B of them, a bucket's count; None: every slot) by `steps` sampled
+    tokens; the others are not touched. Returns (table, packed StepOutput of the B rows), for steps > 1 a packed StepsOutput
+    over `steps` positions in which a slot whose next input ends it is left as it is; greedy: every slot
+    in use is greedy and wants no logprobs. See SlotFunctions.generate."""
     ...
 
-  def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
-    """Advance every slot by its next input and its first n_drafts_S[s] drafts in one pass, emitting what as
-    many generate calls would. Returns (table, packed StepsOutput); see SlotFunctions.verify."""
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
+    """Advance slots rows_B (None: every slot) by their next input and their first n_drafts_B[b] drafts in one pass, emitting
+    what as many generate calls would. Returns (table, packed StepsOutput of the B rows); see
+    SlotFunctions.verify."""
     ...
 
   def gather(self, state, rows_E):
@@ -239,8 +244,38 @@ def _input_ends(table: SlotTable):
   return _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)
 
 
+def bucket_sizes(n_slots: int, n_devices: int = 1) -> tuple[int, ...]:
+  """The row counts a step is compiled for: each device's share of the rows doubles from 1 to all its slots
+  (1, 2, 4, ... and n_slots / n_devices itself), times n_devices. A step runs the smallest that holds the
+  live slots, so it reads and writes their states, not the whole table's."""
+  per = n_slots // n_devices
+  return tuple(n_devices * b for b in sorted({min(1 << i, per) for i in range(per.bit_length() + 1)}))
+
+
+def step_rows(live: Sequence[int], n_slots: int, buckets: Sequence[int], n_devices: int = 1) -> np.ndarray:
+  """The slots a generate or verify call runs, int32 [B] with B the smallest bucket that holds each
+  device's live slots: device d's B / n_devices rows (device-major) are its live slots, then as many of
+  its other slots as the bucket has room for. Rows are distinct, so every write back is a slot's own; an
+  idle row's slot holds no request (its next input ended it, or it is about to be overwritten by an
+  insert), and no request's tokens depend on which rows run beside it."""
+  per = n_slots // n_devices
+  mine: list[list[int]] = [[] for _ in range(n_devices)]
+  for s in live:
+    mine[s // per].append(s)
+  most = max(len(m) for m in mine)
+  B = next(b for b in buckets if b // n_devices >= most)
+  rows = np.empty((n_devices, B // n_devices), np.int32)
+  for d, m in enumerate(mine):
+    taken = set(m)
+    idle = (s for s in range(d * per, (d + 1) * per) if s not in taken)
+    rows[d] = sorted(m) + [next(idle) for _ in range(B // n_devices - len(m))]
+  return rows.reshape(-1)
+
+
 class SlotFunctions:
-  """Jitted prefill / insert / generate for one model, slot count, prefill batch and mesh."""
+  """Jitted prefill / insert / generate for one model, slot count, prefill batch and mesh. Generate and
+  verify run over a bucket of rows of the slot table (`step_rows`), gathered by index and written back in
+  place (the table is donated): one compiled program per bucket, none sized to the whole table."""
 
   def __init__(
     self,
@@ -265,6 +300,9 @@ class SlotFunctions:
     self.state_shape = jax.eval_shape(lambda: self._init_state(1))  # one sequence's decode state
     self.axes = self.state_shape.batch_axes()  # each leaf's sequence axis, a DecodeState of ints
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
+    self.n_devices = 1 if mesh is None else mesh.size
+    self.buckets = bucket_sizes(n_slots, self.n_devices)
+    self.every_row = np.arange(n_slots, dtype=np.int32)  # the largest bucket: the whole table
     # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
     self.branch_free = branch_free
     self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab, branch_free=branch_free)
@@ -307,12 +345,13 @@ class SlotFunctions:
     )
     self._decode = _jit(self._decode_next, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
+    # One program per bucket (and per steps and greedy; per draft length K): a bucket's shape is its own.
     self._generate_steps = (
-      jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1)
+      jax.jit(self._steps, static_argnums=(3, 4), donate_argnums=1)
       if mesh is None
-      else jax.jit(self._steps, static_argnums=(2, 3), donate_argnums=1, out_shardings=both)
+      else jax.jit(self._steps, static_argnums=(3, 4), donate_argnums=1, out_shardings=both)
     )
-    self._verify = _jit(self._verify_drafts, donate=(1,), out=both)  # one program per draft length K
+    self._verify = _jit(self._verify_drafts, donate=(1,), out=both)
     # State cache: copy a few rows of a state out (a small [L, E, ...] array; nothing is donated, so the
     # step that follows runs on), and start a prefill batch from host states.
     self.gather = jax.jit(self._gather)
@@ -442,39 +481,113 @@ class SlotFunctions:
       logits=jnp.zeros((self.prefill_batch, self.cfg.vocab_size), jnp.float32),
     )
 
-  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
-    """Advance every slot by `steps` tokens. Returns (table, packed output): one step's StepOutput, or for
-    steps > 1 a StepsOutput over T = steps positions (StepsOutput.unpack(out, steps)), the tokens and draws
-    of as many single steps.
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False, rows_B=None):
+    """Advance slots rows_B (`step_rows`; None: every slot) by `steps` tokens; the table's other rows are not
+    read or written. Returns (table, packed output over the B rows): one step's StepOutput, or for steps > 1 a StepsOutput
+    over T = steps positions (StepsOutput.unpack(out, steps)), the tokens and draws of as many single steps.
 
     One step is two compiled calls, decode then sampling: compiled into one program on the CPU, the
     (untaken) sampling branches made the step 1.7-2x slower than the decode step alone at 64 `tiny` slots.
-    More steps are one compiled program per (steps, greedy), a scan of both: the host reads back and delivers
-    once per call. `greedy` (the caller's promise that every slot in use samples greedily and wants no
-    logprobs) leaves out the sampler and the logprob rows, whose untaken branches cost ~10% of the call at
+    More steps are one compiled program per (bucket, steps, greedy), a scan of both: the host reads back and
+    delivers once per call. `greedy` (the caller's promise that every slot in use samples greedily and wants
+    no logprobs) leaves out the sampler and the logprob rows, whose untaken branches cost ~10% of the call at
     64 `tiny` slots on the CPU. In it a slot whose next input ends it (a stop id, or its last allowed token)
     does not advance (model.decode_step's live_B: no extra pass over the state), so a finished slot's state
     holds its prompt and every output token but the last however many steps follow: what the state cache
     copies out. (On GPUs such a call takes the XLA GLA step: the Pallas kernel has no rows that stand still.)"""
     # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
     # kernel (one device's program) knows to leave a multi-device table to XLA.
+    rows_B = self.every_row if rows_B is None else rows_B
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
       if steps > 1:
-        return self._generate_steps(params, table, steps, greedy)
-      table, logits = self._decode(params, table)
-    return self._sample(logits, table)
+        return self._generate_steps(params, table, rows_B, steps, greedy)
+      table, logits = self._decode(params, table, rows_B)
+    return self._sample(logits, table, rows_B)
 
-  def _decode_next(self, params, table: SlotTable):
-    """One decode step of every slot (those whose next input ends them stand still with hold_ended)."""
-    return self._decode_logits(params, table, ~_input_ends(table) if self.hold_ended else None)
+  # ---- a bucket of rows: gathered from the table by index, written back in place ----
+
+  def _table_axes(self) -> SlotTable:
+    """Each slot-table leaf's slot axis."""
+    return SlotTable(
+      model=self.axes,
+      tokens=0,
+      last_output_index=0,
+      settings=jax.tree.map(lambda _: 0, SlotSettings.inert(1, 1)),
+    )
+
+  def _local(self, rows_B):
+    """rows_B as [D, B / D] indices into each device's own run of slots."""
+    D = self.n_devices
+    return rows_B.reshape(D, -1) - (jnp.arange(D, dtype=rows_B.dtype) * (self.n_slots // D))[:, None]
+
+  def _take_rows(self, tree, axes, rows_B):
+    """Rows rows_B of every leaf along its slot axis. Over a mesh each device gathers from its own slots
+    (a gather batched over the devices' runs: no slot crosses a device)."""
+    D, local = self.n_devices, self._local(rows_B)
+
+    def take(x, axis):
+      if D == 1:
+        return jnp.take(x, local[0], axis=axis, mode="clip")
+      runs = x.reshape(*x.shape[:axis], D, -1, *x.shape[axis + 1 :])
+      got = jax.vmap(lambda xd, i: jnp.take(xd, i, axis=axis, mode="clip"), (axis, 0), axis)(runs, local)
+      return got.reshape(*x.shape[:axis], -1, *x.shape[axis + 1 :])
+
+    return jax.tree.map(take, tree, axes)
+
+  def _put_rows(self, tree, axes, rows_B, new):
+    """`tree` with rows rows_B of every leaf replaced by `new`'s (distinct rows: a scatter in place)."""
+    D, local = self.n_devices, self._local(rows_B)
+
+    def put_one(x, i, v, axis):
+      at = (slice(None),) * axis + (i,)
+      return x.at[at].set(v.astype(x.dtype), mode="promise_in_bounds", unique_indices=True)
+
+    def put(x, v, axis):
+      if D == 1:
+        return put_one(x, local[0], v, axis)
+      runs = x.reshape(*x.shape[:axis], D, -1, *x.shape[axis + 1 :])
+      vs = v.reshape(*v.shape[:axis], D, -1, *v.shape[axis + 1 :])
+      done = jax.vmap(lambda xd, i, vd: put_one(xd, i, vd, axis), (axis, 0, axis), axis)(runs, local, vs)
+      return done.reshape(x.shape)
+
+    return jax.tree.map(put, tree, new, axes)
+
+  def _rows(self, table: SlotTable, rows_B) -> SlotTable:
+    """The bucket's rows of the table, a table of B slots."""
+    return self._take_rows(table, self._table_axes(), rows_B)
+
+  def _write_back(self, table: SlotTable, rows_B, sub: SlotTable, model: bool = True) -> SlotTable:
+    """The table with the bucket's rows replaced by sub's (settings never change in a step; model=False:
+    nor did the state)."""
+    ax = self._table_axes()
+    return dataclasses.replace(
+      table,
+      model=self._put_rows(table.model, ax.model, rows_B, sub.model) if model else table.model,
+      tokens=self._put_rows(table.tokens, 0, rows_B, sub.tokens),
+      last_output_index=self._put_rows(table.last_output_index, 0, rows_B, sub.last_output_index),
+    )
+
+  # ---- the steps, over a bucket ----
+
+  def _decode_next(self, params, table: SlotTable, rows_B):
+    """One decode step of the bucket's slots (those whose next input ends them stand still with
+    hold_ended). Returns (table, logits [B, V])."""
+    sub = self._rows(table, rows_B)
+    sub, logits = self._decode_logits(params, sub, ~_input_ends(sub) if self.hold_ended else None)
+    ax = self._table_axes()
+    return dataclasses.replace(table, model=self._put_rows(table.model, ax.model, rows_B, sub.model)), logits
 
   def _decode_logits(self, params, table: SlotTable, live_S=None):
     logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=live_S)
     return dataclasses.replace(table, model=state), logits
 
-  def _sample_next(self, logits, table: SlotTable):
-    table, out = self._sample_step(logits, table)
-    return table, out.pack()
+  def _sample_next(self, logits, table: SlotTable, rows_B):
+    """Sample the bucket's next tokens from the decode call's logits [B, V]."""
+    ax = self._table_axes()
+    few = dataclasses.replace(ax, model=None)  # type: ignore[arg-type]  # every field but the state
+    sub = self._take_rows(dataclasses.replace(table, model=None), few, rows_B)  # type: ignore[arg-type]
+    sub, out = self._sample_step(logits, sub)
+    return self._write_back(table, rows_B, sub, model=False), out.pack()
 
   def _sample_step(self, logits, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
     """Each slot's next token. A slot whose input ended it (finished, freed, never used) keeps its token and
@@ -497,44 +610,47 @@ class SlotFunctions:
       last_output_index=jnp.where(ended_S, table.last_output_index, index),
     ), out
 
-  def _steps(self, params, table: SlotTable, steps: int, greedy: bool):
+  def _steps(self, params, table: SlotTable, rows_B, steps: int, greedy: bool):
     def one(table: SlotTable, _):
       moved, logits = self._decode_logits(params, table, live_S=~_input_ends(table))
       return self._sample_step(logits, moved, greedy)  # (an ended slot keeps its token and index)
 
-    table, outs = jax.lax.scan(one, table, None, length=steps)
-    out = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [T, S, ...] -> [S, T, ...]
+    sub, outs = jax.lax.scan(one, self._rows(table, rows_B), None, length=steps)
+    out = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [T, B, ...] -> [B, T, ...]
     # Up to the first token that ends the slot (a min over indices: no argmax, a variadic reduce on Neuron).
     first_end = jnp.where(out.done, jnp.arange(steps)[None, :], steps).min(1)
     emitted = jnp.minimum(first_end + 1, steps)
-    return table, StepsOutput(emitted=emitted, steps=out).pack()
+    return self._write_back(table, rows_B, sub), StepsOutput(emitted=emitted, steps=out).pack()
 
-  def verify(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
-    """Advance every slot by 1 … K + 1 tokens in one pass: its next input and its first n_drafts_S[s]
-    drafted tokens (drafts_SxK[s, :n]; the rest of the row is ignored, n = 0 makes the call one generate
-    step for that slot) go through the model together, each position samples the token the slot would
-    sample there, and a draft is accepted while it equals the token sampled before it (and that token
-    does not end the slot). Each slot emits its accepted drafts + 1 tokens, those that as many
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
+    """Advance slots rows_B (`step_rows`; None: every slot) by 1 … K + 1 tokens in one pass: each one's next input and its
+    first n_drafts_B[b] drafted tokens (drafts_BxK[b, :n]; the rest of the row is ignored, n = 0 makes the
+    call one generate step for that slot) go through the model together, each position samples the token
+    the slot would sample there, and a draft is accepted while it equals the token sampled before it (and
+    that token does not end the slot). Each slot emits its accepted drafts + 1 tokens, those that as many
     `generate` calls would have produced (the same draws; the logits equal up to fp32 rounding, the chunk
     form's against the recurrence's, so a near-tie may be chosen otherwise), and its state is committed at
-    that length (laplace_jax.speculative). Returns (table, packed StepsOutput; StepsOutput.unpack(out, K + 1)).
+    that length (laplace_jax.speculative). Returns (table, packed StepsOutput over the B rows;
+    StepsOutput.unpack(out, K + 1)).
 
     Slots of models with attention layers need K + 1 free rows in their KV cache (the engine verifies
     only then): a row that would outgrow it gets NaN logits, as in decode."""
+    rows_B = self.every_row if rows_B is None else rows_B
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-      return self._verify(params, table, drafts_SxK, n_drafts_S)
+      return self._verify(params, table, rows_B, drafts_BxK, n_drafts_B)
 
-  def _verify_drafts(self, params, table: SlotTable, drafts_SxK, n_drafts_S):
+  def _verify_drafts(self, params, table: SlotTable, rows_B, drafts_SxK, n_drafts_S):
+    sub = self._rows(table, rows_B)  # S below: the bucket's B slots
     S, K = drafts_SxK.shape
     T = K + 1
     real_SxK = jnp.arange(K)[None, :] < n_drafts_S[:, None]
-    inputs = jnp.concatenate([table.tokens[:, None], jnp.where(real_SxK, drafts_SxK, 0)], axis=1)
-    logits, drafted = speculative.verify(params, table.model, inputs, cfg=self.cfg)
+    inputs = jnp.concatenate([sub.tokens[:, None], jnp.where(real_SxK, drafts_SxK, 0)], axis=1)
+    logits, drafted = speculative.verify(params, sub.model, inputs, cfg=self.cfg)
     flat = logits.reshape(S * T, -1).astype(jnp.float32)
     # Position j of slot s draws as the (j + 1)-th next generate step would: its index in the output is
     # also its position in the slot's random stream.
-    index_SxT = table.last_output_index[:, None] + 1 + jnp.arange(T)[None, :]
-    st = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), table.settings)  # each slot's settings, T times
+    index_SxT = sub.last_output_index[:, None] + 1 + jnp.arange(T)[None, :]
+    st = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), sub.settings)  # each slot's settings, T times
     index = index_SxT.reshape(-1)
     tok = self.sample(flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi)
     done = _done(tok, index, st.max_tokens, st.stop_ids)
@@ -542,16 +658,16 @@ class SlotFunctions:
     agree = (tok_SxT[:, :K] == drafts_SxK) & real_SxK & ~done_SxT[:, :K]
     accepted = jnp.cumprod(agree.astype(jnp.int32), axis=1).sum(1)  # leading drafts that agree
     emitted = accepted + 1
-    state = speculative.commit(table.model, drafted, emitted, cfg=self.cfg)
+    state = speculative.commit(sub.model, drafted, emitted, cfg=self.cfg)
     new = dataclasses.replace(
-      table,
+      sub,
       model=state,
       tokens=jnp.take_along_axis(tok_SxT, accepted[:, None], axis=1)[:, 0],
-      last_output_index=table.last_output_index + emitted,
+      last_output_index=sub.last_output_index + emitted,
     )
     steps = self._step_output(flat, tok, done, st.logprobs)
     steps = jax.tree.map(lambda x: x.reshape(S, T, *x.shape[1:]), steps)
-    return new, StepsOutput(emitted=emitted, steps=steps).pack()
+    return self._write_back(table, rows_B, new), StepsOutput(emitted=emitted, steps=steps).pack()
 
 
 def entry_writes(slot_E, n_slots: int):

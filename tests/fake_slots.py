@@ -27,6 +27,7 @@ from serve.slots import (
   SlotTable,
   StepOutput,
   StepsOutput,
+  bucket_sizes,
   host_settings,
 )
 
@@ -159,6 +160,8 @@ class FakeSlots:
     self.hold_ended = hold_ended
     self.step_s = step_s  # seconds each generate step sleeps, as a model's step takes time
     self.cfg, self.n_slots, self.prefill_batch, self.n_stop = cfg, n_slots, prefill_batch, n_stop
+    self.n_devices, self.buckets = 1, bucket_sizes(n_slots)
+    self.rows_run: list[int] = []  # each generate call's row count (its bucket)
     self.valid_vocab = valid_vocab
     self.state_shape = jax.eval_shape(lambda: self._state(1))
     self.axes = self.state_shape.batch_axes()
@@ -231,11 +234,32 @@ class FakeSlots:
         getattr(table.settings, f.name)[s] = getattr(settings, f.name)[e]
     return table, self._output(h, tok, zero, settings).pack()
 
-  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False):
+  def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False, rows_B=None):
+    """As SlotFunctions.generate: rows rows_B of the table (None: all) advance, the others are untouched."""
     del params
     self.calls["generate"] += 1
+    rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
+    assert len(rows) in self.buckets and len(set(rows.tolist())) == len(rows), rows
+    self.rows_run.append(len(rows))
     if self.step_s:
       time.sleep(self.step_s * steps)
+    table = jax.tree.map(np.array, table)  # a new table: the caller's is "donated"
+    sub, out = self._generate(
+      jax.tree.map(lambda x, a: np.take(x, rows, axis=a), table, self._axes()), steps, greedy
+    )
+    for x, v, a in zip(jax.tree.leaves(table), jax.tree.leaves(sub), jax.tree.leaves(self._axes())):
+      np.moveaxis(x, a, 0)[rows] = np.moveaxis(v, a, 0)
+    return table, out
+
+  def _axes(self) -> SlotTable:
+    return SlotTable(
+      model=self.axes,
+      tokens=0,
+      last_output_index=0,
+      settings=jax.tree.map(lambda _: 0, SlotSettings.inert(1, 1)),
+    )
+
+  def _generate(self, table: SlotTable, steps: int, greedy: bool):
     if steps == 1 and not self.hold_ended:
       table, out = self._step(table)
       return table, out.pack()

@@ -22,12 +22,17 @@ SERVE_PROGRAMS = {
   "prefill_chunk",
   "prefill_chunk_scored",
   "insert",
-  "decode",
-  "sample",
   "gather_slots",
   "gather_prefill",
   "load_prefill",
 }
+
+
+def serve_programs(slots_per_device: int, n_dev: int) -> set[str]:
+  """Every engine program: the decode and sampling calls once per bucket of rows (serve.slots.bucket_sizes:
+  each device's share doubling from 1 to all its slots)."""
+  buckets = {n_dev * min(1 << i, slots_per_device) for i in range(slots_per_device.bit_length() + 1)}
+  return SERVE_PROGRAMS | {f"{p}_b{b}" for p in ("decode", "sample") for b in buckets}
 
 
 def _run(module, *args, timeout=300):
@@ -138,27 +143,27 @@ def test_train_target_neuron_laplace_3b_on_64_devices(train_3b):
   assert "tensor<256x2048xi32>" in text  # the global batch, as the README's compile proof
 
 
-def _check_serve(r, d, n_dev):
+def _check_serve(r, d, n_dev, n_slots):
   assert r.returncode in (0, 1), r.stdout + r.stderr
   counts = _independent_counts(d)
-  assert set(counts) == SERVE_PROGRAMS
+  assert set(counts) == serve_programs(n_slots // n_dev, n_dev)
   printed = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+): (\d+) violation", r.stdout, re.M)}
   assert printed == counts
   assert r.returncode == (1 if sum(counts.values()) else 0)
-  assert f"mhlo.num_partitions = {n_dev} " in (d / "decode.mlir").read_text()
+  assert f"mhlo.num_partitions = {n_dev} " in (d / f"decode_b{n_slots}.mlir").read_text()
 
 
 def test_serve_target_neuron_lowers_every_engine_program(serve_lowered):
-  _check_serve(*serve_lowered, 8)
+  _check_serve(*serve_lowered, 8, 16)
   # --prng auto under --target neuron: rbg, under which sampling draws with Philox (its first multiplier)
-  assert f"dense<{0xD2511F53}>" in (serve_lowered[1] / "sample.mlir").read_text()
+  assert f"dense<{0xD2511F53}>" in (serve_lowered[1] / "sample_b8.mlir").read_text()
 
 
 def test_serve_target_neuron_laplace_3b_1280_slots(serve_3b):
-  _check_serve(*serve_3b, 64)
-  assert (
-    "tensor<24x1280x16x96x192xf32>" in (serve_3b[1] / "decode.mlir").read_text()
-  )  # every slot's GLA state
+  _check_serve(*serve_3b, 64, 1280)
+  # every slot's GLA state in the table; a bucket's step gathers only its 64 rows (one per device)
+  assert "tensor<24x1280x16x96x192xf32>" in (serve_3b[1] / "decode_b1280.mlir").read_text()
+  assert "tensor<24x64x16x96x192xf32>" in (serve_3b[1] / "decode_b64.mlir").read_text()
 
 
 def test_other_targets_are_refused():
@@ -176,7 +181,7 @@ def test_serving_programs_conform(lowered, request):
   draws without Threefry under rbg), tiny at 16 slots on 8 devices and laplace-3b at 1,280 slots on 64."""
   r, d = request.getfixturevalue(lowered)
   counts = _independent_counts(d)
-  assert r.returncode == 0 and counts == dict.fromkeys(SERVE_PROGRAMS, 0), r.stdout[-4000:]
+  assert r.returncode == 0 and set(counts.values()) == {0}, r.stdout[-4000:]
 
 
 @pytest.mark.parametrize("lowered", ["train_lowered", "train_3b"])

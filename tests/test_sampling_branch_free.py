@@ -95,7 +95,7 @@ def test_the_sample_program_packs_the_same_output(want):
   """The engine's sampling call (tokens, finished flags, logprobs) is the same output in both forms."""
   progs = {bf: jax.jit(_slot_fns(bf)._sample_next) for bf in (False, True)}
   for batch in ("greedy", "mixed"):
-    outs = {bf: progs[bf](_logits(3), _table(batch, want)) for bf in progs}
+    outs = {bf: progs[bf](_logits(3), _table(batch, want), jnp.arange(S, dtype=jnp.int32)) for bf in progs}
     np.testing.assert_array_equal(np.asarray(outs[True][1]), np.asarray(outs[False][1]))
     jax.tree.map(np.testing.assert_array_equal, outs[True][0], outs[False][0])
     if want[1] < 0:  # no row asked: the logprob fields are zeros
@@ -107,7 +107,8 @@ def test_branch_free_lowers_without_case():
   """The rule the branch-free form exists for; the cond form breaks it (so the check can fail)."""
   count = {}
   for bf in (False, True):
-    text = jax.jit(_slot_fns(bf)._sample_next).lower(_logits(0), _table("mixed", [-1] * S)).as_text()
+    every = jnp.arange(S, dtype=jnp.int32)
+    text = jax.jit(_slot_fns(bf)._sample_next).lower(_logits(0), _table("mixed", [-1] * S), every).as_text()
     count[bf] = sum(v.rule == "cond" for v in neuron_check.violations(text))
   assert count[False] > 0 and count[True] == 0
 

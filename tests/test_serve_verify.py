@@ -191,9 +191,10 @@ def test_verify_and_generate_steps_lower_clean_for_neuron():
     )
     params = jax.eval_shape(lambda: model.init_params(CFG, jax.random.key(0)))
     table = jax.eval_shape(fns._empty_table)
-    drafts, n = jax.ShapeDtypeStruct((S, K), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.int32)
-    text = fns._verify.lower(params, table, drafts, n).as_text()
-    steps_texts = [fns._generate_steps.lower(params, table, 4, g).as_text() for g in (False, True)]
+    B = 2  # a bucket of the table's rows: gathered by index, written back in place
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    text = fns._verify.lower(params, table, i32(B), i32(B, K), i32(B)).as_text()
+    steps_texts = [fns._generate_steps.lower(params, table, i32(B), 4, g).as_text() for g in (False, True)]
   assert neuron_check.violations(text) == []
   assert [neuron_check.violations(t) for t in steps_texts] == [[], []]
 
@@ -315,7 +316,8 @@ def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
     m = dict(line.split(" ") for line in text.splitlines() if not line.startswith("#"))
     assert int(m["laplace_serve_accepted_draft_tokens_total"]) >= details["accepted_prediction_tokens"]
     assert int(m["laplace_serve_drafted_tokens_total"]) >= int(m["laplace_serve_accepted_draft_tokens_total"])
-    assert float(m["laplace_serve_verify_cost_ratio"]) > 0
+    ratios = {k: float(v) for k, v in m.items() if k.startswith("laplace_serve_verify_cost_ratio{bucket=")}
+    assert len(ratios) == len(spec_engine.fns.buckets) and all(v > 0 for v in ratios.values()), ratios
     for bad, needle in (
       ({"type": "text", "content": "x"}, "expected"),
       ({"type": "content", "content": 3}, "expected"),
@@ -425,7 +427,7 @@ class _FixedCost(VerifyCost):
     super().__init__()
     self.fixed = ratio
 
-  def ratio(self) -> float:
+  def ratio(self, bucket: int = 0) -> float:
     return self.fixed
 
 
@@ -478,7 +480,8 @@ def test_engine_verifies_only_when_the_cost_rule_says_it_pays(spec_engine):
       assert (r.progress.drafts.verifies > 0) is verified, (ratio, r.progress.drafts)
     eng.drafter.cost = VerifyCost()
     eng.generate([Request(**spec, prediction_ids=want[:6] + [0] * 6), Request(**spec)])
-    assert eng.drafter.cost.seconds["verify"] and eng.drafter.cost.seconds["gen"]
-    assert 0 < eng.drafter.cost.ratio() < float("inf")
+    measured = eng.drafter.cost.seconds  # (kind, bucket) -> times: one request's bucket, then two's
+    assert {k for k, _ in measured} == {"gen", "verify"} and {b for _, b in measured} <= set(eng.fns.buckets)
+    assert all(0 < eng.drafter.cost.ratio(b) < float("inf") for _, b in measured)
   finally:
     eng.drafter.rule, eng.drafter.cost = "always", VerifyCost()
