@@ -45,12 +45,13 @@ from typing import Any, cast
 import numpy as np
 
 from laplace_jax.tokenizer import EOS_ID, VOCAB_SIZE
+from serve import toolcalls
 from serve.protocol import ApiError
 
 # The JSON the model writes: json.dumps's separators and no other whitespace, so a random model cannot pad
 # with whitespace forever and a re-sent reply renders into the text it produced.
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # serve/toolcalls.py: the format around a call
+CALL_OPEN, CALL_CLOSE = toolcalls.OPEN + "\n", "\n" + toolcalls.CLOSE  # the format around a call
 WORDS = -(-VOCAB_SIZE // 32)  # the words of a row that llguidance writes (our vocabulary's tokens)
 
 
@@ -63,6 +64,9 @@ class GrammarLimits:
   max_tools: int = 128  # tools per request (OpenAI's bound)
   compile_seconds: float = 5.0  # a grammar's compile and first mask
   cache_entries: int = 512  # compiled grammars kept (all tenants together)
+
+
+LIMITS = GrammarLimits()  # the server's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Constraint:
   tools: tuple[Tool, ...] = ()
   choice: str = "auto"
   parallel: bool = True
+  lead: str = ""  # text before the first call when one must be made (the default template's space)
 
   def key(self) -> str:
     """The canonical form the cache is keyed by."""
@@ -123,7 +128,7 @@ def grammar_text(c: Constraint) -> str:
   if c.choice == "auto":  # free text, or text up to the first CALL_OPEN (lazy: it ends there) and calls
     start = ["start: TEXT | pre calls", "TEXT: /(.|\\n)*/", f"pre[lazy]: TEXT {_lark_str(CALL_OPEN)}"]
   else:
-    start = [f"start: {_lark_str(CALL_OPEN)} calls"]
+    start = [f"start: {_lark_str(c.lead + CALL_OPEN)} calls"]
   return "\n".join(["%llguidance {}", *start, f"calls: call {more}", body, *rules])
 
 
