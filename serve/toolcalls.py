@@ -111,6 +111,8 @@ class CallStream:
   def _emit_content(self, out, text):
     """Content; whitespace before anything else waits: before a call it is dropped (the default template's
     space after "Assistant:"), before text it goes out with it."""
+    if not text:
+      return
     if not self.content and not text.strip():
       self._blank += text
       return
