@@ -131,8 +131,10 @@ def _argmax_blocked(xb, block_max, valid: int):
 
 def masked(x_SxV, allowed_SxW):
   """x with the tokens a row's bitmask forbids at -inf: token t is allowed when bit t % 32 of word t // 32
-  is set (serve/grammar.py's rows). None: x as it is. The bits are unpacked by shifts, one elementwise pass
-  that XLA fuses with the select (no gather)."""
+  is set (serve/grammar.py's rows); None: x. The bits are unpacked by shifts, elementwise, and XLA fuses the
+  select into the passes that read the logits: on a CPU, 64 rows of tiny's vocabulary fed by the LM head's
+  matmul sample about as fast with an all-ones mask as with none (docs/BENCHMARKS.md, "Grammar masks"). A
+  cond skipping it for free batches costs more (its output copies the logits)."""
   if allowed_SxW is None:
     return x_SxV
   S, V = x_SxV.shape
