@@ -208,7 +208,7 @@ def grammar_rows(args, enc, words):
       print(f"{cls.name}: not installed ({e})")
   rng = np.random.default_rng(0)
   print(
-    "| library | grammar | compile + first mask, s (median) | mask + advance, µs: median | p99 | max | positions |"
+    "| library | grammar | compile + first mask, ms (median) | mask + advance, µs: median | p99 | max | positions |"
   )
   print("|---|---|---:|---:|---:|---:|---:|")
   for lib in libs:
@@ -235,10 +235,10 @@ def grammar_rows(args, enc, words):
         walk(lib, fresh, None, rng, times)
       us = np.array(times) * 1e6
       print(
-        f"| {lib.name} {lib.version} | {gname} | {np.median(compile_s):.3f} | {np.median(us):.0f} | "
+        f"| {lib.name} {lib.version} | {gname} | {np.median(compile_s) * 1e3:.1f} | {np.median(us):.0f} | "
         f"{np.percentile(us, 99):.0f} | {us.max():.0f} | {len(us)} |"
       )
-    print(f"| {lib.name} | its tokenizer from our vocabulary | {lib.tokenizer_s:.3f} | | | | |")
+    print(f"| {lib.name} | its tokenizer from our vocabulary | {lib.tokenizer_s * 1e3:.0f} | | | | |")
 
 
 def sampler_rows(args, words):
