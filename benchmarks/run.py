@@ -63,6 +63,7 @@ _ALL = [
   Workload("speculative_model", "speculative_model", "verify of k drafts against one decode step"),
   Workload("speculative_serve", "speculative_serve", "speculative decoding through the engine"),
   Workload("serve_bench", "serve_bench", "serving throughput, context, memory, FLOP/s, engine, state cache"),
+  Workload("grammar_masks", "grammar_masks", "grammar libraries' mask cost per token and compile per schema"),
   Workload("occupancy", "occupancy", "time and bytes per step by live requests against the slot table"),
   Workload("sampling_cost", "sampling_cost", "time per token of each sampling setting against greedy"),
   # clients and robustness (the openai ones run from a venv that has `openai`)

@@ -12,7 +12,10 @@ base model (trained on plain text, no chat tokens), is plain text:
 
 (an assistant message that begins with a space or a newline, as a reply generated after "Assistant:" does,
 follows the colon as it is: the history a client re-sends renders into the text the model produced), and,
-with it, every request also stops at "\\n\\nUser:" (where a base model starts the next turn).
+with it, every request also stops at "\\n\\nUser:" (where a base model starts the next turn). With tools, a
+system message listing them and the call format (serve/toolcalls.py) comes first; an assistant message's
+`tool_calls` follow its content in that format, and `tool` messages (results) are "Tool: ..." turns. A
+Hugging Face template gets `tools` and the messages' `tool_calls` (arguments as objects) as HF passes them.
 Special-token text the rendered prompt holds ("<|endoftext|>") becomes the special token, as in
 Hugging Face's and vLLM's chat paths.
 """
@@ -26,7 +29,7 @@ import jinja2
 from aiohttp import web
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from serve import protocol
+from serve import constraints, grammar, protocol, toolcalls
 from serve.protocol import ApiError
 
 # A reply is rendered after "Assistant:" as it was generated (it begins with its own space), so a re-sent
@@ -46,11 +49,8 @@ MAX_MESSAGES = 4096
 DEFAULT_MAX_TOKENS = 256
 # Chat fields that change the output and that this server does not do: refused unless absent or "off".
 UNSUPPORTED = {
-  "tools": [],
-  "tool_choice": "none",
   "functions": [],
   "function_call": "none",
-  "response_format": {"type": "text"},
   "audio": None,
   "modalities": ["text"],
 }
@@ -78,7 +78,10 @@ class ChatTemplate:
       ) from None
     self.tok = tokenizer
     self.eos = tokenizer.token_bytes([tokenizer.eos_id]).decode()
+    self.is_default = source is None
     self.stop = [DEFAULT_STOP] if source is None else []
+    # what the model writes before a call it must make: the default template's space after "Assistant:"
+    self.call_lead = " " if source is None else ""
 
   @classmethod
   def from_file(cls, path: str | None, tokenizer) -> ChatTemplate:
@@ -99,10 +102,16 @@ class ChatTemplate:
         ) from None
     return cls(source, tokenizer, where=f"--chat_template {path}")
 
-  def render(self, messages: list, add_generation_prompt: bool = True) -> str:
+  def render(self, messages: list, add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    """The prompt of `messages` (parse_messages' shape); `tools`: Hugging Face's tool list, or None."""
+    messages = _plain(messages, tools) if self.is_default else [_hf(m) for m in messages]
     try:
       return self.template.render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.eos, eos_token=self.eos
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=self.eos,
+        eos_token=self.eos,
+        tools=tools or None,
       )
     except jinja2.TemplateError as e:  # raise_exception(...) in the template, or the sandbox refusing
       raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
@@ -120,6 +129,71 @@ class ChatTemplate:
       if part:
         ids += self.tok.encode(part)
     return ids
+
+
+TOOLS_PREAMBLE = (
+  "You can call these functions. To call one, write " + toolcalls.call_text("NAME", "ARGUMENTS") + " with "
+  "ARGUMENTS a JSON object that follows its parameters:\n"
+)
+
+
+def _plain(messages: list, tools: list | None) -> list:
+  """Messages for the default template: the tools as a first system message, each assistant message's
+  calls after its content as the model writes them."""
+  out = []
+  if tools:
+    listing = "\n".join(json.dumps(t["function"]) for t in tools)
+    out.append({"role": "system", "content": TOOLS_PREAMBLE + listing})
+  for m in messages:
+    if m.get("tool_calls"):
+      calls = toolcalls.calls_text(
+        [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+      )
+      m = {"role": m["role"], "content": m["content"] + calls}
+    out.append(m)
+  return out
+
+
+def _hf(m: dict) -> dict:
+  """A message as Hugging Face templates take it: tool call arguments as objects (the string when it is
+  not JSON)."""
+  if not m.get("tool_calls"):
+    return m
+  calls = []
+  for c in m["tool_calls"]:
+    try:
+      args = json.loads(c["function"]["arguments"])
+    except ValueError:
+      args = c["function"]["arguments"]
+    calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
+  return {**m, "tool_calls": calls}
+
+
+def _tool_calls(v, where: str) -> list:
+  """An assistant message's `tool_calls`, checked: [{"id", "type": "function", "function": {"name",
+  "arguments": a string}}]."""
+  want = '[{"id": ..., "type": "function", "function": {"name": ..., "arguments": a JSON string}}]'
+  if not isinstance(v, list) or len(v) > grammar.LIMITS.max_tools:
+    raise ApiError(400, f"'{where}' is {protocol.show(v, 40)}: expected {want}.", "messages")
+  out = []
+  for c in v:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if (
+      not isinstance(fn, dict)
+      or c.get("type", "function") != "function"
+      or not isinstance(fn.get("name"), str)
+      or not isinstance(fn.get("arguments"), str)
+      or not isinstance(c.get("id", ""), str)
+    ):
+      raise ApiError(400, f"'{where}' has {protocol.show(c, 60)}: expected {want}.", "messages")
+    out.append(
+      {
+        "id": c.get("id", ""),
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": fn["arguments"]},
+      }
+    )
+  return out
 
 
 def parse_messages(obj: dict) -> list:
@@ -146,8 +220,9 @@ def parse_messages(obj: dict) -> list:
       raise ApiError(
         400, f"'{where}.role' is {protocol.show(role, 40)}: expected one of {list(ROLES)}.", "messages"
       )
-    if m.get("tool_calls"):
-      raise ApiError(400, f"'{where}.tool_calls': tool calls are not supported by this server.", "messages")
+    calls = m.get("tool_calls")
+    if calls and role != "assistant":
+      raise ApiError(400, f"'{where}.tool_calls': only assistant messages carry tool calls.", "messages")
     content = m.get("content")
     if isinstance(content, list):
       if not all(
@@ -171,6 +246,10 @@ def parse_messages(obj: dict) -> list:
     msg = {"role": role, "content": content}
     if isinstance(m.get("name"), str):
       msg["name"] = m["name"]
+    if calls:
+      msg["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool" and isinstance(m.get("tool_call_id"), str):
+      msg["tool_call_id"] = m["tool_call_id"]
     out.append(msg)
   return out
 
@@ -190,6 +269,15 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
         400, f"'{name}'={protocol.show(obj[name])} is not supported by this server: omit it.", name
       )
   messages = parse_messages(obj)
+  tool_constraint, tools = constraints.tools(obj, False, grammar.LIMITS, template.call_lead)
+  fmt = constraints.json_format(obj.get("response_format"), "response_format", False, grammar.LIMITS)
+  if fmt is not None and tool_constraint is not None:
+    raise ApiError(
+      400,
+      "'response_format' and 'tools' (with a tool_choice other than \"none\") are not served together: "
+      "send one of them.",
+      "response_format",
+    )
   want = obj.get("logprobs")
   if want is not None and not isinstance(want, bool):
     raise ApiError(
@@ -208,7 +296,18 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
   body = {
     k: v
     for k, v in obj.items()
-    if k not in ("messages", "logprobs", "top_logprobs", "max_tokens", "max_completion_tokens")
+    if k
+    not in (
+      "messages",
+      "logprobs",
+      "top_logprobs",
+      "max_tokens",
+      "max_completion_tokens",
+      "response_format",
+      "tools",
+      "tool_choice",
+      "parallel_tool_calls",
+    )
   }
   for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
     if obj.get(name) is not None:
@@ -225,7 +324,8 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
     body["logprobs"] = top or 0
   c = protocol.parse_settings(body, limits)  # every field checked before the messages are rendered
   try:
-    ids, _ = protocol.prompt_ids_of(template.encode(template.render(messages)), limits, template.encode)
+    prompt = template.render(messages, tools=constraints.hf_tools(tools) if tools else None)
+    ids, _ = protocol.prompt_ids_of(template.encode(prompt), limits, template.encode)
     c = protocol.with_prompts(c, [ids], [None], limits)
     c.resent_as_text = True
     c = protocol.with_prediction(c, obj, limits, template.tok.encode)
@@ -237,7 +337,37 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
   for s in template.stop:
     if s not in c.stop:
       c.stop.append(s)
-  return c
+  return protocol.with_constraint(c, fmt or tool_constraint, limits)
+
+
+def calls_expected(c: protocol.Completion) -> bool:
+  """Whether the reply's text is parsed for tool calls (the request's tools may be called)."""
+  return c.constraint is not None and c.constraint.kind == "tools"
+
+
+def reply_message(text: str, finish: str | None, with_calls: bool) -> tuple[dict, str | None]:
+  """The assistant message of a whole reply and its finish_reason ("tool_calls" when it ended by calling)."""
+  if not with_calls:
+    return {"role": "assistant", "content": text}, finish
+  content, calls = toolcalls.parse(text)
+  message: dict = {"role": "assistant", "content": content or None}
+  if not calls:
+    return message, finish
+  message["tool_calls"] = [
+    {"id": k.id, "type": "function", "function": {"name": k.name, "arguments": k.arguments}} for k in calls
+  ]
+  return message, "tool_calls" if finish == "stop" else finish
+
+
+def call_delta(e) -> dict:
+  """OpenAI's streamed delta of a toolcalls event: content, a call's start (index, id, type, name) or a
+  fragment of its arguments."""
+  if isinstance(e, toolcalls.Content):
+    return {"content": e.text}
+  if isinstance(e, toolcalls.CallStart):
+    fn = {"name": e.call.name, "arguments": ""}
+    return {"tool_calls": [{"index": e.index, "id": e.call.id, "type": "function", "function": fn}]}
+  return {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
 
 
 class Chat:
@@ -276,15 +406,17 @@ class Chat:
       parts[ch.index].append(piece)
 
     def build():
-      out = [
-        {
-          "index": ch.index,
-          "message": {"role": "assistant", "content": "".join(parts[ch.index])},
-          "logprobs": self._logprobs(ch, c, 0),
-          "finish_reason": ch.finish,
-        }
-        for ch in choices
-      ]
+      out = []
+      for ch in choices:
+        message, finish = reply_message("".join(parts[ch.index]), ch.finish, calls_expected(c))
+        out.append(
+          {
+            "index": ch.index,
+            "message": message,
+            "logprobs": self._logprobs(ch, c, 0),
+            "finish_reason": finish,
+          }
+        )
       return {**meta, "object": "chat.completion", "choices": out, "usage": self.server.usage(c, choices)}
 
     return await self.server.json_reply(build)
@@ -311,21 +443,28 @@ class Chat:
               ]
             )
           )
+        calls = {ch.index: toolcalls.CallStream() for ch in choices} if calls_expected(c) else None
         async for ch, piece, reason, _ in self.server.pieces(choices, c):
-          if piece:
+          events = [] if calls is None else calls[ch.index].feed(piece)
+          if calls is not None and reason is not None:
+            events += calls[ch.index].close()
+          deltas = [{"content": piece}] if calls is None and piece else [call_delta(e) for e in events]
+          for delta in deltas:
             first, ch.sent = ch.sent, len(ch.out_ids)
             await send(
               chunk(
                 [
                   {
                     "index": ch.index,
-                    "delta": {"content": piece},
+                    "delta": delta,
                     "logprobs": self._logprobs(ch, c, first),
                     "finish_reason": None,
                   }
                 ]
               )
             )
+          if reason is not None and calls is not None and calls[ch.index].calls and reason == "stop":
+            reason = "tool_calls"
           if reason is not None:
             first, ch.sent = ch.sent, len(ch.out_ids)
             await send(

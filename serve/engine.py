@@ -27,6 +27,7 @@ from laplace_jax import model as laplace_model
 from serve.drafting import Drafter, DraftRecord, LookupIndex, PredictionIndex, follow_prediction
 from serve.engine_cache import StateCacheIO
 from serve.engine_config import DEFAULTS, slots_for
+from serve.grammar import Matcher
 from serve.slots import (
   PrefillRows,
   PromptScores,
@@ -94,6 +95,9 @@ class Request:
   # engine drafts from them and verifies the drafts in one pass; the output is the same with or without.
   prediction_ids: Sequence[int] = ()
   context: object = None  # the caller's (e.g. the HTTP handler's queue); the engine never reads it
+  # The grammar this choice's output must follow (serve/grammar.py: fill / advance / rollback / done), one
+  # per choice; None: free. Set by the server only when `applies_constraints` says the engine honours it.
+  constraint: Matcher | None = None
   # The engine's own: prefill the prompt only to keep its state in the cache (max_tokens 0, not counted in
   # the engine's request counters): a conversation's state where its slot's state ran past it.
   cache_only: bool = False

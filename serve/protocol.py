@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 
 class ApiError(Exception):
@@ -67,6 +67,8 @@ class Completion:
   texts: list = dataclasses.field(
     default_factory=list
   )  # the prompts as text (echo): the string sent, or None
+  # What the reply must follow (serve.grammar.Constraint: a JSON format or tool calls), or None: free
+  constraint: Any = None
 
   @property
   def prompt_ids(self) -> list:
@@ -210,6 +212,22 @@ def parse_completion(obj: dict, limits: Limits, encode: Callable[[str], list]) -
     raise ApiError(400, "'prompt' is missing: expected a string or a list of token ids.", "prompt")
   c = with_prompts(c, *_prompts(obj["prompt"], limits, encode), limits)
   return with_prediction(c, obj, limits, encode)
+
+
+def with_constraint(c: Completion, constraint, limits: Limits) -> Completion:
+  """`c` constrained (None: free). A constrained reply ends by its grammar's end token (EOS), so that is one
+  of its stop ids even under ignore_eos."""
+  c.constraint = constraint
+  if constraint is not None and limits.eos_id is not None and limits.eos_id not in c.stop_ids:
+    if len(c.stop_ids) >= limits.max_stop_ids:
+      raise ApiError(
+        400,
+        f"a constrained reply ends with the end-of-text token, and 'stop_token_ids' already holds "
+        f"{len(c.stop_ids)} (at most {limits.max_stop_ids} with it): send one fewer.",
+        "stop_token_ids",
+      )
+    c.stop_ids = [*c.stop_ids, limits.eos_id]
+  return c
 
 
 def with_prediction(c: Completion, obj: dict, limits: Limits, encode: Callable[[str], list]) -> Completion:

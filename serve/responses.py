@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from serve import chat, protocol
+from serve import chat, constraints, grammar, protocol, toolcalls
 from serve.protocol import ApiError, show
 from serve.response_store import Record, ResponseStore
 
@@ -69,6 +69,10 @@ SERVED = frozenset(
     "top_p",
     "stream",
     "metadata",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
   }
 )
 # Fields that change nothing here (no tools, one server tier, no routing): accepted, echoed.
@@ -79,26 +83,15 @@ ACCEPTED = frozenset(
     "prompt_cache_key",
     "prompt_cache_retention",
     "service_tier",
-    "parallel_tool_calls",
     "max_tool_calls",
     "stream_options",
   }
 )
 
 
-def _off_text(v) -> bool:
-  if not isinstance(v, dict) or set(v) - {"format", "verbosity"}:
-    return False
-  fmt = v.get("format")
-  return (fmt is None or fmt == {"type": "text"}) and v.get("verbosity") in (None, "medium")
-
-
 # Fields that would change the output and are not served: refused unless absent or at their "off" value.
 REFUSED = {
-  "tools": (lambda v: v == [], "[]"),
-  "tool_choice": (lambda v: v in ("none", "auto"), '"none" or "auto" (no tools are served)'),
   "reasoning": (lambda v: isinstance(v, dict) and all(x is None for x in v.values()), "{}"),
-  "text": (_off_text, '{"format": {"type": "text"}} (text output only)'),
   "include": (lambda v: v == [], "[]"),
   "background": (lambda v: v is False, "false"),
   "conversation": (lambda v: False, "nothing (use previous_response_id)"),
@@ -140,9 +133,35 @@ def unknown(rid, store: ResponseStore, param: str | None = None) -> ApiError:
   )
 
 
+def _call_item(item: dict, where: str, out: list):
+  """A function_call item (a call the model made) as a tool call of the assistant message before it (or of
+  a new one); a function_call_output item (its result) as a tool message."""
+  if item["type"] == "function_call_output":
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str) or not isinstance(output, str):
+      raise ApiError(
+        400, f'\'{where}\' is {show(item, 60)}: expected {{"call_id": ..., "output": a string}}.', "input"
+      )
+    out.append({"role": "tool", "content": output, "tool_call_id": call_id})
+    return
+  name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+  if not all(isinstance(x, str) for x in (name, args, call_id)):
+    raise ApiError(
+      400,
+      f'\'{where}\' is {show(item, 60)}: expected {{"call_id", "name", "arguments": a JSON string}}.',
+      "input",
+    )
+  call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+  if out and out[-1]["role"] == "assistant":
+    out[-1].setdefault("tool_calls", []).append(call)
+  else:
+    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
 def parse_input(v) -> list:
   """`input` as chat messages [{"role", "content"}]: a string is one user message; message items (with or
-  without "type": "message") have a role and a string or a list of input_text / output_text parts."""
+  without "type": "message") have a role and a string or a list of input_text / output_text parts;
+  function_call and function_call_output items are an assistant's tool calls and their results."""
   if isinstance(v, str):
     if not v:
       raise ApiError(400, "'input' is an empty string: expected text or a list of message items.", "input")
@@ -156,7 +175,7 @@ def parse_input(v) -> list:
     )
   if len(v) > chat.MAX_MESSAGES:
     raise ApiError(400, f"'input' has {len(v)} items: at most {chat.MAX_MESSAGES}.", "input")
-  out = []
+  out: list[dict] = []
   for i, item in enumerate(v):
     where = f"input[{i}]"
     if not isinstance(item, dict):
@@ -164,11 +183,14 @@ def parse_input(v) -> list:
         400, f"'{where}' is {show(item, 40)}: expected a message item with 'role' and 'content'.", "input"
       )
     kind = item.get("type", "message")
+    if kind in ("function_call", "function_call_output"):
+      _call_item(item, where, out)
+      continue
     if kind != "message":
       raise ApiError(
         400,
-        f"'{where}' is a {show(kind, 40)} item: this server takes message items only (no tools, "
-        "reasoning or item references).",
+        f"'{where}' is a {show(kind, 40)} item: this server takes message, function_call and "
+        "function_call_output items (no reasoning or item references).",
         "input",
       )
     role = item.get("role")
@@ -229,9 +251,6 @@ def _echo(obj: dict, max_tokens: int, c: protocol.Completion) -> dict:
       f"a string of at most {MAX_ID_CHARS} characters",
     )
   protocol.get_field(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
-  protocol.get_field(
-    obj, "parallel_tool_calls", True, lambda v: isinstance(v, bool), "true or false (no tools are served)"
-  )
   protocol.get_field(obj, "max_tool_calls", None, lambda v: protocol.is_int(v) and v >= 0, "an integer >= 0")
   protocol.get_field(
     obj, "service_tier", None, lambda v: isinstance(v, str) and len(v) <= 32, "a service tier name"
@@ -266,6 +285,8 @@ def _echo(obj: dict, max_tokens: int, c: protocol.Completion) -> dict:
     "safety_identifier": obj.get("safety_identifier"),
     "temperature": c.temperature,
     "tool_choice": obj.get("tool_choice") or "auto",
+    "tools": obj.get("tools") or [],
+    "text": {"format": (obj.get("text") or {}).get("format") or {"type": "text"}, "verbosity": "medium"},
     "top_p": c.top_p,
     "truncation": obj.get("truncation") or "disabled",
     "user": obj.get("user"),
@@ -289,6 +310,27 @@ def parse_request(
   )
   body = {k: obj[k] for k in ("model", "temperature", "top_p", "stream") if k in obj}
   c = protocol.parse_settings({**body, "max_tokens": max_tokens}, limits)
+  text = protocol.get_field(
+    obj,
+    "text",
+    {},
+    lambda v: isinstance(v, dict) and not set(v) - {"format", "verbosity"},
+    '{"format": {...}}',
+  )
+  if text.get("verbosity") not in (None, "medium"):
+    raise ApiError(
+      400, f"'text.verbosity' is {show(text['verbosity'], 40)}: only \"medium\" is served.", "text"
+    )
+  fmt = constraints.json_format(text.get("format"), "text", True, grammar.LIMITS)
+  tool_constraint, tools = constraints.tools(obj, True, grammar.LIMITS, template.call_lead)
+  if fmt is not None and tool_constraint is not None:
+    raise ApiError(
+      400,
+      "'text.format' and 'tools' (with a tool_choice other than \"none\") are not served together: send one "
+      "of them.",
+      "text",
+    )
+  hf_tools = constraints.hf_tools(tools) if tools else None
   echo = _echo(obj, max_tokens, c)
   if "input" not in obj:
     raise ApiError(400, "'input' is missing: expected a string or a list of message items.", "input")
@@ -305,14 +347,14 @@ def parse_request(
       raise unknown(prev_id, store, "previous_response_id")
   if previous is None:
     messages = ([{"role": "system", "content": instructions}] if instructions is not None else []) + new
-    ids = template.encode(template.render(messages))
+    ids = template.encode(template.render(messages, tools=hf_tools))
   else:
     so_far = previous.messages
     added = (
       [] if instructions in (None, previous.instructions) else [{"role": "system", "content": instructions}]
     )
     messages = so_far + added + new
-    ids = _continuation_ids(previous, messages, template)
+    ids = _continuation_ids(previous, messages, template, hf_tools)
   try:
     ids, _ = protocol.prompt_ids_of(ids, limits, template.encode)
   except ApiError as e:
@@ -323,14 +365,16 @@ def parse_request(
   for s in template.stop:
     if s not in c.stop:
       c.stop.append(s)
+  c = protocol.with_constraint(c, fmt or tool_constraint, limits)
   return c, Turn(tenant, messages, instructions, previous, keep, echo)
 
 
-def _continuation_ids(previous: Record, messages: list, template: chat.ChatTemplate) -> list:
-  """The previous response's exact ids, then the tokens of what the template renders after its reply."""
+def _continuation_ids(previous: Record, messages: list, template: chat.ChatTemplate, tools=None) -> list:
+  """The previous response's exact ids, then the tokens of what the template renders after its reply (both
+  rendered with this request's tools: a tool list stays where it was given, as instructions do)."""
   global _prefix_fallback_logged
-  head = template.render(previous.messages, add_generation_prompt=False)
-  full = template.render(messages, add_generation_prompt=True)
+  head = template.render(previous.messages, add_generation_prompt=False, tools=tools)
+  full = template.render(messages, add_generation_prompt=True, tools=tools)
   if full.startswith(head):
     return previous.ids.tolist() + template.encode(full[len(head) :])
   if not _prefix_fallback_logged:
@@ -402,8 +446,6 @@ class Responses:
       "reasoning": {"effort": None, "summary": None},
       "service_tier": "default",
       "store": turn.store,
-      "text": {"format": {"type": "text"}, "verbosity": "medium"},
-      "tools": [],
       "top_logprobs": 0,
       "usage": usage,
       **turn.echo,
@@ -426,20 +468,40 @@ class Responses:
       "total_tokens": u["total_tokens"],
     }
 
-  def _final(self, turn, choices, c, meta, msg_id: str, text: str) -> dict:
-    """The finished response object (a reply cut by max_output_tokens is 'incomplete')."""
+  @staticmethod
+  def _call_item(call: toolcalls.Call, item_id: str, status: str) -> dict:
+    return {
+      "id": item_id,
+      "type": "function_call",
+      "status": status,
+      "call_id": call.id,
+      "name": call.name,
+      "arguments": call.arguments,
+    }
+
+  def _final(self, turn, choices, c, meta, items: list) -> dict:
+    """The finished response object from its output items (a reply cut by max_output_tokens is
+    'incomplete', and so are its items)."""
     cut = choices[0].finish == "length"
     status = "incomplete" if cut else "completed"
+    for item in items:
+      item["status"] = status
     return self._object(
-      turn,
-      meta,
-      status,
-      [self._message(msg_id, status, text)],
-      self._usage(c, choices),
-      "max_output_tokens" if cut else None,
+      turn, meta, status, items, self._usage(c, choices), "max_output_tokens" if cut else None
     )
 
-  async def _keep(self, turn: Turn, choices, c, resp: dict, text: str):
+  @staticmethod
+  def _assistant(items: list) -> dict:
+    """The reply as the chat message a continuation renders: its text, then its calls."""
+    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+    calls = [
+      {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+      for i in items
+      if i["type"] == "function_call"
+    ]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+  async def _keep(self, turn: Turn, choices, c, resp: dict):
     """Store the finished response (its file written first, when persisted) unless `store` is false."""
     if not turn.store:
       return
@@ -454,7 +516,7 @@ class Responses:
           tenant=turn.tenant,
           created_at=resp["created_at"],
           ids=ids,
-          messages=turn.messages + [{"role": "assistant", "content": text}],
+          messages=turn.messages + [self._assistant(resp["output"])],
           instructions=turn.instructions,
           response=resp,
         )
@@ -467,14 +529,23 @@ class Responses:
     async for _, piece, _, _ in self.server.pieces(choices, c):
       parts.append(piece)
     text = "".join(parts)
-    resp = self._final(turn, choices, c, meta, f"msg_{uuid.uuid4().hex}", text)
-    await self._keep(turn, choices, c, resp, text)
+    if chat.calls_expected(c):
+      content, calls = toolcalls.parse(text)
+      items = [self._message(f"msg_{uuid.uuid4().hex}", "", content)] if content else []
+      items += [self._call_item(k, f"fc_{uuid.uuid4().hex}", "") for k in calls]
+    else:
+      items = [self._message(f"msg_{uuid.uuid4().hex}", "", text)]
+    resp = self._final(turn, choices, c, meta, items)
+    await self._keep(turn, choices, c, resp)
     return await self.server.json_reply(lambda: resp)
 
   async def _stream(self, turn: Turn, request, choices, c, meta):
-    """OpenAI's event sequence: created, in_progress, output_item.added, content_part.added, output_text.delta
-    ..., output_text.done, content_part.done, output_item.done, then completed (or incomplete); an error
-    after the headers went out: error, then failed."""
+    """OpenAI's event sequence: created, in_progress, then per output item (a message: output_item.added,
+    content_part.added, output_text.delta ..., output_text.done, content_part.done, output_item.done; a
+    function call: output_item.added, function_call_arguments.delta ..., function_call_arguments.done,
+    output_item.done), then completed (or incomplete); an error after the headers went out: error, then
+    failed. Without tools the message item opens first; with tools an item opens when its text or call
+    starts."""
     resp = web.StreamResponse(
       headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
@@ -487,23 +558,80 @@ class Responses:
       seq += 1
       await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
 
-    msg_id = f"msg_{uuid.uuid4().hex}"
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     part = lambda text: {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    items: list = []  # output items: finished, and the open one last
+    is_open = False
+    closing = "completed"  # the status an item closes with (the last: the response's)
+
+    async def open_item(item: dict):
+      nonlocal is_open
+      await close_item()
+      items.append(item)
+      is_open = True
+      await send("response.output_item.added", output_index=len(items) - 1, item=item)
+      if item["type"] == "message":
+        await send(
+          "response.content_part.added",
+          item_id=item["id"],
+          output_index=len(items) - 1,
+          content_index=0,
+          part=part(""),
+        )
+
+    async def close_item():
+      nonlocal is_open
+      if not is_open:
+        return
+      is_open = False
+      item, where = items[-1], {"item_id": items[-1]["id"], "output_index": len(items) - 1}
+      item["status"] = closing
+      if item["type"] == "message":
+        text = "".join(p["text"] for p in item["content"])
+        item["content"] = [part(text)]
+        await send("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+        await send("response.content_part.done", **where, content_index=0, part=part(text))
+      else:
+        await send("response.function_call_arguments.done", **where, arguments=item["arguments"])
+      await send("response.output_item.done", output_index=len(items) - 1, item=item)
+
+    async def on_event(e):
+      if isinstance(e, toolcalls.Content):
+        if not (is_open and items[-1]["type"] == "message"):
+          await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
+        items[-1]["content"].append(part(e.text))
+        await send(
+          "response.output_text.delta",
+          item_id=items[-1]["id"],
+          output_index=len(items) - 1,
+          content_index=0,
+          delta=e.text,
+          logprobs=[],
+        )
+      elif isinstance(e, toolcalls.CallStart):
+        await open_item(self._call_item(e.call, f"fc_{uuid.uuid4().hex}", "in_progress") | {"arguments": ""})
+      else:
+        items[-1]["arguments"] += e.text
+        await send(
+          "response.function_call_arguments.delta",
+          item_id=items[-1]["id"],
+          output_index=len(items) - 1,
+          delta=e.text,
+        )
+
     try:
       started = self._object(turn, meta, "in_progress", [], None)
       await send("response.created", response=started)
       await send("response.in_progress", response=started)
-      await send(
-        "response.output_item.added", output_index=0, item=self._message(msg_id, "in_progress", None)
-      )
-      await send("response.content_part.added", **where, part=part(""))
-      parts = []
+      calls = toolcalls.CallStream() if chat.calls_expected(c) else None
+      if calls is None:
+        await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
       try:
-        async for _, piece, _, _ in self.server.pieces(choices, c):
-          if piece:
-            parts.append(piece)
-            await send("response.output_text.delta", **where, delta=piece, logprobs=[])
+        async for _, piece, reason, _ in self.server.pieces(choices, c):
+          events = [toolcalls.Content(piece)] if calls is None and piece else []
+          if calls is not None:
+            events = calls.feed(piece) + (calls.close() if reason is not None else [])
+          for e in events:
+            await on_event(e)
       except ApiError as e:  # headers are out: report in the stream
         await send("error", code=e.kind, message=e.message, param=e.param)
         failed = self._object(turn, meta, "failed", [], None)
@@ -511,12 +639,12 @@ class Responses:
         await send("response.failed", response=failed)
         await resp.write_eof()
         return resp
-      text = "".join(parts)
-      final = self._final(turn, choices, c, meta, msg_id, text)
-      await send("response.output_text.done", **where, text=text, logprobs=[])
-      await send("response.content_part.done", **where, part=part(text))
-      await send("response.output_item.done", output_index=0, item=final["output"][0])
-      await self._keep(turn, choices, c, final, text)
+      if not items:  # an empty reply is one empty message
+        await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
+      closing = "incomplete" if choices[0].finish == "length" else "completed"
+      await close_item()
+      final = self._final(turn, choices, c, meta, items)
+      await self._keep(turn, choices, c, final)
       await send(f"response.{final['status']}", response=final)
       await resp.write_eof()
     except ConnectionResetError:  # the client left; run_completion frees the slot

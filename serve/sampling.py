@@ -129,11 +129,28 @@ def _argmax_blocked(xb, block_max, valid: int):
   return (b * BLOCK + _first_max(inner)).astype(jnp.int32)
 
 
-def argmax_rows(x_SxV, valid: int):
-  """argmax over the first `valid` columns (first maximum). A plain max over contiguous blocks of the raw
+def masked(x_SxV, allowed_SxW):
+  """x with the tokens a row's bitmask forbids at -inf: token t is allowed when bit t % 32 of word t // 32
+  is set (serve/grammar.py's rows); None: x. The bits are unpacked by shifts, elementwise, and XLA fuses the
+  select into the passes that read the logits: on a CPU, 64 rows of tiny's vocabulary fed by the LM head's
+  matmul sample about as fast with an all-ones mask as with none (docs/BENCHMARKS.md, "Grammar masks"). A
+  cond skipping it for free batches costs more (its output copies the logits)."""
+  if allowed_SxW is None:
+    return x_SxV
+  S, V = x_SxV.shape
+  W = allowed_SxW.shape[1]
+  if W * 32 < V:
+    raise ValueError(f"allowed_SxW has {W} words a row: {V} logits need at least {-(-V // 32)}.")
+  bits = (allowed_SxW.astype(jnp.int32)[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  return jnp.where(bits.reshape(S, W * 32)[:, :V] != 0, x_SxV, -jnp.inf)
+
+
+def argmax_rows(x_SxV, valid: int, allowed_SxW=None):
+  """argmax over the first `valid` columns (first maximum), among the tokens `allowed_SxW` allows (int32
+  [S, W] bitmask, see `masked`; None: all). A plain max over contiguous blocks of the raw
   logits, then the first maximum inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a
   fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms; elsewhere it is no slower."""
-  xb, block_max = _blocked(x_SxV, valid)
+  xb, block_max = _blocked(masked(x_SxV, allowed_SxW), valid)
   return _argmax_blocked(xb, block_max, valid)
 
 
@@ -386,13 +403,17 @@ def sample(
   valid_vocab: int,
   seed_hi_S=None,
   branch_free: bool | None = None,
+  allowed_SxW=None,
 ):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
-  (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only)."""
+  (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only).
+  allowed_SxW: int32 [S, W] per-row bitmask of the tokens a row may produce (`masked`; all ones: free,
+  None: no mask): every path samples the settings' distribution renormalised over the allowed tokens (a row
+  must allow at least one)."""
   if branch_free is None:
     branch_free = branch_free_default()
   S = logits_SxV.shape[0]
-  x = logits_SxV.astype(F32)
+  x = masked(logits_SxV.astype(F32), allowed_SxW)
   xb, block_max = _blocked(x, valid_vocab)
   greedy = _argmax_blocked(xb, block_max, valid_vocab)
   hot = temperature_S > 0

@@ -18,7 +18,7 @@ from typing import cast
 
 from aiohttp import web
 
-from serve import access_log, chat, protocol, responses, tokenize_api
+from serve import access_log, chat, constraints, grammar, protocol, responses, tokenize_api
 from serve.engine import Engine, EngineStopped, QueueFull, Request
 from serve.protocol import ApiError
 from serve.response_store import ResponseStore
@@ -88,6 +88,7 @@ class Server:
     self.started = time.time()
     self.responses: collections.Counter[int] = collections.Counter()  # HTTP status -> count
     self.runner: web.AppRunner | None = None
+    self.compiler = grammar.Compiler()
 
   def app(self) -> web.Application:
     app = web.Application(middlewares=[self._errors, self._edge], client_max_size=4 << 20)
@@ -119,6 +120,7 @@ class Server:
     if self.runner is not None:
       await self.runner.cleanup()
     self.engine.stop()
+    self.compiler.close()
 
   @property
   def open_connections(self) -> int:
@@ -354,11 +356,15 @@ class Server:
     tenant = self.check_key(request)
     obj = await self.read_json(request)
     self.admit(protocol.count_choices(obj), tenant)
+
     # Tokenizing a long prompt takes a while (a 3.6 MB prompt: 0.26 s): off the event loop, so every open
     # stream keeps flowing meanwhile.
-    c = await asyncio.get_running_loop().run_in_executor(
-      None, lambda: protocol.parse_completion(obj, self.limits, self.tok.encode)
-    )
+    def parse():
+      c = protocol.parse_completion(obj, self.limits, self.tok.encode)
+      fmt = constraints.json_format(obj.get("response_format"), "response_format", False, grammar.LIMITS)
+      return protocol.with_constraint(c, fmt, self.limits)
+
+    c = await asyncio.get_running_loop().run_in_executor(None, parse)
     return await self.run_completion(request, c, self._whole, self._stream, "cmpl-")
 
   @staticmethod
@@ -390,6 +396,19 @@ class Server:
     events: asyncio.Queue = asyncio.Queue()
     choices, leaders = [], []
     tenant = request.get(TENANT, "")
+    compiled = None
+    if c.constraint is not None:
+      param = "tools" if c.constraint.kind == "tools" else "response_format"
+      # THE PHASE-2 HOOK: the engine sets `applies_constraints = True` once its compiled calls take each
+      # slot's mask (Request.constraint); until then a constrained reply could not keep its promise.
+      if not getattr(self.engine, "applies_constraints", False):
+        raise ApiError(
+          501,
+          f"'{param}': constrained decoding (JSON formats, tool calls) is not served by this engine yet; "
+          'send the request without it (or with tool_choice "none").',
+          param,
+        )
+      compiled = await self.compiler.compile(c.constraint, (tenant, c.cache_salt), param)
 
     def engine_request(ch: _Choice, ids, j: int, siblings=()) -> Request:
       # Choice j follows seed + j: a prompt sent in a list, or with n, gets what it gets alone.
@@ -408,6 +427,7 @@ class Server:
         tenant=tenant,
         cache_salt=c.cache_salt,
         prediction_ids=c.prediction_ids,
+        constraint=None if compiled is None else compiled.matcher(),
       )
 
     for p, ids in enumerate(c.prompts):

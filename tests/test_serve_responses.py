@@ -220,10 +220,12 @@ def test_streamed_events_follow_openai_and_add_up_to_the_response(served):
 @pytest.mark.parametrize(
   "field,value",
   [
-    ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
+    ("tools", [{"type": "web_search"}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),  # chat's nested shape
     ("tool_choice", "required"),
+    ("text", {"format": {"type": "json_schema", "schema": {}}}),
+    ("text", {"verbosity": "high"}),
     ("reasoning", {"effort": "high"}),
-    ("text", {"format": {"type": "json_object"}}),
     ("include", ["message.output_text.logprobs"]),
     ("background", True),
     ("conversation", "conv_1"),
@@ -234,7 +236,8 @@ def test_streamed_events_follow_openai_and_add_up_to_the_response(served):
     ("max_output_tokens", 65),
     ("metadata", {"k": 1}),
     ("previous_response_id", 7),
-    ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}]),
+    ("input", [{"type": "function_call_output", "call_id": "c", "output": 5}]),
+    ("input", [{"type": "function_call", "call_id": "c", "name": "f"}]),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]),
     ("input", [{"role": "tool", "content": "x"}]),
     ("input", ""),
