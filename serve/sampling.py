@@ -22,9 +22,9 @@ exactly that distribution (up to fp32 rounding of the weights), by these paths:
   bisection over the logits' 32 key bits (32 passes each, nothing of the vocabulary's size kept), then the
   two-level draw. Rarely needed, so rarely run.
 
-Batch-level `lax.cond`s skip the work no slot needs: an all-greedy batch costs one blocked argmax; a batch
-with at most 8 (16) sampling slots gathers those rows and samples them alone (ROW_BUCKETS), and a later
-candidate's test or the bisection runs on the few rows that need it, gathered. Neuron does not support
+Batch-level `lax.cond`s skip the work no slot needs: an all-greedy batch costs one blocked argmax, and a later
+candidate's test or the bisection runs on the few rows that need it, gathered (FEW_ROWS). The engine samples
+only its live slots' rows (serve.slots.step_rows), so a few sampling requests are a batch of a few rows. Neuron does not support
 `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both sides of each are
 computed over every row and the same predicate selects: the tokens are the conds' (tests/test_sampling_*.py),
 at the cost of every path on every step, the bisection's ~70 passes over the logits included
@@ -44,7 +44,7 @@ F32 = jnp.float32
 TOPK_CAP = 64  # the largest top_k the capped path serves (from TOPK_CAP + 1 candidates: a static shape)
 BLOCK = 64  # columns per block of the blocked reductions and of the two-level inverse CDF
 CANDIDATES = 4  # tokens drawn per top-p row before the bisection fallback (one more uniform for that)
-ROW_BUCKETS = (8, 16)  # the fewer sampling slots a batch has, the fewer rows its passes cover
+FEW_ROWS = 8  # a later candidate's test or the bisection needed by at most this many rows runs on those alone
 CHUNK_BYTES = 1 << 21  # about the logits one step of a pass over the vocabulary reads (they stay in cache)
 
 
@@ -322,8 +322,8 @@ def _filtered_full(xb, valid: int, m_S, r_S, u_S, top_k_S, top_p_S, branch_free:
 
 def _on_rows(need_S, f, rows_args, otherwise, branch_free: bool):
   """f(*rows_args) for the rows that need it (rows_args: arrays [S, ...]; f acts per row): `when_any`, and
-  when at most ROW_BUCKETS[0] rows need it, over those rows alone, gathered. Other rows get `otherwise`."""
-  S, H = need_S.shape[0], ROW_BUCKETS[0]
+  when at most FEW_ROWS rows need it, over those rows alone, gathered. Other rows get `otherwise`."""
+  S, H = need_S.shape[0], FEW_ROWS
   if branch_free or S <= H:
     return when_any(need_S, lambda: f(*rows_args), otherwise, branch_free)
 
@@ -412,7 +412,6 @@ def sample(
   must allow at least one)."""
   if branch_free is None:
     branch_free = branch_free_default()
-  S = logits_SxV.shape[0]
   x = masked(logits_SxV.astype(F32), allowed_SxW)
   xb, block_max = _blocked(x, valid_vocab)
   greedy = _argmax_blocked(xb, block_max, valid_vocab)
@@ -423,26 +422,10 @@ def sample(
     u = slot_uniforms(seed_S, pos_S, seed_hi_S, n=CANDIDATES + 1)
     return _sample_rows(x, xb, block_max, greedy, *settings, u, valid_vocab, branch_free)
 
-  def hot_rows(H):
-    """The first H rows that sample (the rest greedy), gathered: the passes cost H rows, not S."""
-    _, idx = jax.lax.top_k(jnp.where(hot, S - jnp.arange(S), 0), H)  # hot rows first
-    take = lambda a: None if a is None else a[idx]
-    xh = x[idx]
-    u = slot_uniforms(seed_S[idx], pos_S[idx], take(seed_hi_S), n=CANDIDATES + 1)
-    tok = _sample_rows(
-      xh, *_blocked(xh, valid_vocab), greedy[idx], *map(take, settings), u, valid_vocab, branch_free
-    )
-    return greedy.at[idx].set(tok, mode="promise_in_bounds")
-
-  # Batch-level conds skip the work no slot needs: an all-greedy batch costs one blocked argmax, and a batch
-  # with few sampling slots samples only those (in the smallest of the row buckets that holds them). Each
-  # row's result depends on its own row alone, whichever branches run. Branch-free, all the rows.
-  def bucketed(buckets):
-    if branch_free or not buckets:
-      return all_rows()
-    return jax.lax.cond(hot.sum() <= buckets[0], lambda: hot_rows(buckets[0]), lambda: bucketed(buckets[1:]))
-
-  return when_any(hot, lambda: bucketed([H for H in ROW_BUCKETS if H < S]), lambda: greedy, branch_free)
+  # A batch-level cond skips the work no slot needs: an all-greedy batch costs one blocked argmax. (The
+  # engine's steps run only the live slots' rows, serve.slots.step_rows: a lone sampling request is a batch
+  # of one.) Each row's result depends on its own row alone, whichever branch runs. Branch-free, both.
+  return when_any(hot, all_rows, lambda: greedy, branch_free)
 
 
 TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)

@@ -8,9 +8,12 @@ pytrees; each field says what it holds where it is declared. The model's state i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import os
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -228,6 +231,12 @@ class SlotBackend(Protocol):
     """Rows rows_E of a model state as device arrays (copied to the host asynchronously by the caller)."""
     ...
 
+  def precompile(
+    self, params, table: SlotTable, *, decode_steps: int = 1, speculative_tokens: int = 0, workers: int = 0
+  ) -> dict[int, float]:
+    """Compile every bucket's generate and verify programs before their first call; each bucket's seconds."""
+    ...
+
   def load_prefill(self, state) -> PrefillRows:
     """A prefill batch starting from the given host state rows."""
     ...
@@ -343,6 +352,7 @@ class SlotFunctions:
       if mesh is None
       else sharding.batch_shardings(jax.ShapeDtypeStruct((n_slots, cfg.vocab_size), jnp.float32), mesh)
     )
+    self.logits_sharding = one if mesh is None else logits_sh  # where the decode call leaves its logits
     self._decode = _jit(self._decode_next, donate=(1,), out=None if mesh is None else (table_sh, logits_sh))
     self._sample = _jit(self._sample_next, donate=(1,), out=both)
     # One program per bucket (and per steps and greedy; per draft length K): a bucket's shape is its own.
@@ -356,6 +366,40 @@ class SlotFunctions:
     # step that follows runs on), and start a prefill batch from host states.
     self.gather = jax.jit(self._gather)
     self.load_prefill = _jit(self._load_prefill, out=one if mesh is None else pf_sh)
+
+  def precompile(
+    self, params, table: SlotTable, *, decode_steps: int = 1, speculative_tokens: int = 0, workers: int = 0
+  ) -> dict[int, float]:
+    """Compile every bucket's generate (and verify, with speculative_tokens K) programs ahead of their first
+    call, `workers` at a time (0: one per CPU core): tracing is Python's, but XLA compiles outside the GIL,
+    and a call finds the program its arguments' shapes and shardings compiled. Returns each bucket's compile
+    seconds (its programs' sum, measured in its threads)."""
+    like = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
+    params, table = like(params), like(table)
+    jobs = []  # (bucket, lowered)
+    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      for B in self.buckets:
+        rows = jax.ShapeDtypeStruct((B,), jnp.int32)  # the engine's rows: a host array
+        logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
+        jobs += [(B, self._decode.lower(params, table, rows)), (B, self._sample.lower(logits, table, rows))]
+        if decode_steps > 1:
+          jobs += [(B, self._generate_steps.lower(params, table, rows, decode_steps, g)) for g in (False, True)]
+        if speculative_tokens:
+          drafts, n = jax.ShapeDtypeStruct((B, speculative_tokens), jnp.int32), rows
+          jobs.append((B, self._verify.lower(params, table, rows, drafts, n)))
+
+    def compile_one(lowered) -> float:
+      t = time.perf_counter()
+      lowered.compile()
+      return time.perf_counter() - t
+
+    seconds = dict.fromkeys(self.buckets, 0.0)
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+      for (B, _), spent in zip(jobs, pool.map(compile_one, [lowered for _, lowered in jobs])):
+        seconds[B] += spent
+    return seconds
 
   # ---- the traced functions ----
 

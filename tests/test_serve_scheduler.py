@@ -74,6 +74,21 @@ def test_requests_arriving_at_any_time_get_their_tokens_alone(engine):
   assert engine.active_slots == 0 and not engine.reserved and not engine.pending
 
 
+def test_each_step_runs_the_smallest_bucket_that_holds_the_live_slots(engine):
+  """A lone request in an 8-slot engine steps one row; three step four; as requests finish the bucket
+  shrinks; every bucket was warmed up; the tokens are those each request gets alone."""
+  assert set(engine.fns.buckets) == {1, 2, 4, 8} and {f"bucket {b}" for b in (2, 4, 8)} <= {
+    k.removeprefix("compile ") for k in engine.warmup_seconds
+  }
+  for n in (1, 3):
+    specs = [dict(s, max_tokens=4 + 6 * i) for i, s in enumerate(_specs(7, n))]
+    reqs = [Request(**s) for s in specs]
+    engine.fns.rows_run.clear()
+    engine.generate(reqs)
+    assert [r.progress.output_ids for r in reqs] == [_alone(s) for s in specs]
+    assert max(engine.fns.rows_run) == (1 if n == 1 else 4) and min(engine.fns.rows_run) == 1
+
+
 def test_choices_of_one_prompt_share_its_prefill_and_follow_their_seeds(engine):
   prompt = list(range(300))  # three chunks
   siblings = [Request(prompt_ids=prompt, max_tokens=9, temperature=1.0, seed=s) for s in (2, 3)]
