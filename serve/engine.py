@@ -971,7 +971,9 @@ class Engine:
     per = self.n_slots // D
     for B in self.fns.buckets:  # each over slots that hold no request
       rows = (np.arange(D)[:, None] * per + np.arange(B // D)[None, :]).reshape(-1).astype(np.int32)
-      calls = [(1, False)] + ([(self.decode_steps, g) for g in (False, True)] if self.decode_steps > 1 else [])
+      calls = [(1, False)] + (
+        [(self.decode_steps, g) for g in (False, True)] if self.decode_steps > 1 else []
+      )
       for steps, greedy in calls:
         self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
         np.asarray(out)

@@ -374,8 +374,14 @@ class SlotFunctions:
     call, `workers` at a time (0: one per CPU core): tracing is Python's, but XLA compiles outside the GIL,
     and a call finds the program its arguments' shapes and shardings compiled. Returns each bucket's compile
     seconds (its programs' sum, measured in its threads)."""
+    devices = None if self.mesh is None else set(self.mesh.devices.flat)
+
+    def placed(x):  # where the call will find x (left to jit where x is not on the serving mesh's devices)
+      sh = getattr(x, "sharding", None)
+      return sh if sh is None or devices is None or set(sh.device_set) == devices else None
+
     like = lambda tree: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed(x)), tree
     )
     params, table = like(params), like(table)
     jobs = []  # (bucket, lowered)
@@ -385,7 +391,9 @@ class SlotFunctions:
         logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
         jobs += [(B, self._decode.lower(params, table, rows)), (B, self._sample.lower(logits, table, rows))]
         if decode_steps > 1:
-          jobs += [(B, self._generate_steps.lower(params, table, rows, decode_steps, g)) for g in (False, True)]
+          jobs += [
+            (B, self._generate_steps.lower(params, table, rows, decode_steps, g)) for g in (False, True)
+          ]
         if speculative_tokens:
           drafts, n = jax.ShapeDtypeStruct((B, speculative_tokens), jnp.int32), rows
           jobs.append((B, self._verify.lower(params, table, rows, drafts, n)))
