@@ -10,7 +10,8 @@ train/import_hf.py; the PyTorch side is train/hf_files/ (copied into each export
 safetensors (the format: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
 shape and byte range, then the raw little-endian bytes) is written here tensor by tensor into files whose
 header is laid out before any data, and read back through a memory map, so neither direction needs the
-`safetensors` package nor holds a whole file in memory.
+`safetensors` package nor holds a whole file in memory. The bytes are the host's (little-endian hosts only:
+x86-64 and Arm, as the format).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import mmap
 import os
 import shutil
 import struct
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,6 +31,8 @@ import numpy as np
 
 from laplace_jax import tokenizer
 from laplace_jax.config import LaplaceConfig
+
+assert sys.byteorder == "little", "safetensors data is little-endian, as this host's arrays must be"
 
 HF_FILES = Path(__file__).resolve().parent / "hf_files"  # configuration_laplace.py, modeling_laplace.py
 MODEL_TYPE = "laplace"
@@ -311,7 +315,7 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype, tensors: Itera
     for spec in specs:
       x = next(tensors)
       assert x.shape == spec.shape and x.dtype == np.dtype(dtype), (spec, x.shape, x.dtype)
-      f.write(np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).data.cast("B"))
+      f.write(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
   return offset
 
 
@@ -345,7 +349,7 @@ class SafetensorsFile:
     h = self.header[name]
     begin, _ = h["data_offsets"]
     count = int(np.prod(h["shape"]))
-    dt = DTYPES[h["dtype"]].newbyteorder("<")
+    dt = DTYPES[h["dtype"]]
     if count == 0 or self._map is None:
       return np.zeros(h["shape"], dt)
     return np.frombuffer(self._map, dt, count, self._start + begin).reshape(h["shape"])
