@@ -7,11 +7,28 @@ import numpy as np
 from laplace_jax import checkpoint, model
 from laplace_jax.config import get_config
 
+# Leaves that start as ones or zeros: moved off them, so that a misplaced one (a tier's norm weight on the
+# wrong heads, say) changes the outputs.
+CONSTANT_AT_INIT = {
+  "ln1_scale",
+  "ln2_scale",
+  "final_norm_scale",
+  "head_norm_scale",
+  "aug_balance",
+  "conv_bias",
+}
+
 
 def make_export(path, seed: int = 0, **overrides):
-  """An export (params + config) of the tiny preset with `overrides`, weights from `seed`; its path, params."""
+  """An export (params + config) of the tiny preset with `overrides`, weights from `seed` (the leaves that
+  start constant drawn at random too); its path, params."""
   cfg = get_config("tiny", **overrides)
   params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.key(seed)))
+  rng = np.random.default_rng(seed)
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: (x + rng.normal(0, 0.3, x.shape)).astype(x.dtype) if p[-1].key in CONSTANT_AT_INIT else x,
+    params,
+  )
   checkpoint.export_params(params, path, config=cfg)
   return path, params
 
