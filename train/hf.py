@@ -44,22 +44,21 @@ DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' own default max_shard_size ("5G
 DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
-# config.json fields that define the architecture: an import refuses a directory that lacks any of them.
-ARCHITECTURE_FIELDS = (
-  "vocab_size",
-  "d_model",
-  "n_layers",
-  "n_heads",
-  "d_k",
-  "d_v",
-  "d_ff",
-  "ffn",
-  "conv_size",
-  "decay_t_min",
-  "decay_t_max",
-  "n_decay_tiers",
-  "norm_eps",
-  "mixers",
+# LaplaceConfig fields that change neither the parameters' shapes nor the forward's math (training, layout,
+# initialisation, the attention mixers' settings): config.json may lack them (their defaults then). Every other
+# field is required by the import.
+NOT_ARCHITECTURE = frozenset(
+  {
+    "chunk_size",
+    "max_seq_len",
+    "init_std",
+    "param_dtype",
+    "compute_dtype",
+    "remat",
+    "unroll_chunks",
+    "gla_form",
+  }
+  | {"rope_base", "attn_heads", "window", "scan_layers"}
 )
 
 # One layer's leaves: (JAX leaf under params["layers"], HF name under model.layers.{i}., layout).
@@ -194,13 +193,13 @@ def config_from_json(d: dict, where: str) -> LaplaceConfig:
       f"{where}: model_type is {d.get('model_type')!r}, expected {MODEL_TYPE!r}. Only directories written by "
       "python -m train.export_hf (or saved from its LaplaceForCausalLM) import."
     )
-  missing = [f for f in ARCHITECTURE_FIELDS if f not in d]
+  fields = [f.name for f in dataclasses.fields(LaplaceConfig)]
+  missing = [f for f in fields if f not in NOT_ARCHITECTURE and f not in d]
   if missing:
     raise HFDirectoryError(
       f"{where}: config.json lacks the architecture field(s) {missing}. Add them (docs/HUGGING_FACE.md lists "
       "each), or export the model again with python -m train.export_hf."
     )
-  fields = {f.name for f in dataclasses.fields(LaplaceConfig)}
   try:
     cfg = LaplaceConfig(**{k: v for k, v in d.items() if k in fields})
   except (TypeError, ValueError) as e:

@@ -17,55 +17,39 @@ class LaplaceConfig(PretrainedConfig):
     "intermediate_size": "d_ff",
   }
 
+  # laplace-jax's LaplaceConfig fields that shape the model, at laplace-3b's values. Its other fields
+  # (param_dtype, compute_dtype, remat, gla_form, ...) arrive in kwargs and stay attributes, so a config saved
+  # back holds them for the import.
+  architecture = {
+    "vocab_size": 50304,
+    "d_model": 3072,
+    "n_layers": 24,
+    "n_heads": 16,
+    "d_k": 96,
+    "d_v": 192,
+    "d_ff": 8192,
+    "ffn": True,
+    "conv_size": 4,
+    "decay_t_min": 1.0,
+    "decay_t_max": 2048.0,
+    "n_decay_tiers": 4,
+    "chunk_size": 128,
+    "max_seq_len": 2048,
+    "norm_eps": 1e-5,
+    "init_std": 0.02,
+    "mixers": "G",
+  }
+
   def __init__(
-    self,
-    vocab_size=50304,
-    d_model=3072,
-    n_layers=24,
-    n_heads=16,
-    d_k=96,
-    d_v=192,
-    d_ff=8192,
-    ffn=True,
-    conv_size=4,
-    decay_t_min=1.0,
-    decay_t_max=2048.0,
-    n_decay_tiers=4,
-    chunk_size=128,
-    max_seq_len=2048,
-    norm_eps=1e-5,
-    init_std=0.02,
-    mixers="G",
-    use_cache=True,
-    bos_token_id=50256,
-    eos_token_id=50256,
-    tie_word_embeddings=False,
-    **kwargs,
+    self, use_cache=True, bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=False, **kwargs
   ):
-    if mixers != "G":
-      raise ValueError(f"mixers={mixers!r}: this model implements the Laplace layer only (mixers='G').")
-    if n_heads % n_decay_tiers:
-      raise ValueError(f"n_decay_tiers={n_decay_tiers}: expected a divisor of n_heads={n_heads}.")
-    self.vocab_size = vocab_size
-    self.d_model = d_model
-    self.n_layers = n_layers
-    self.n_heads = n_heads
-    self.d_k = d_k
-    self.d_v = d_v
-    self.d_ff = d_ff
-    self.ffn = ffn
-    self.conv_size = conv_size
-    self.decay_t_min = decay_t_min
-    self.decay_t_max = decay_t_max
-    self.n_decay_tiers = n_decay_tiers
-    self.chunk_size = chunk_size
-    self.max_seq_len = max_seq_len
-    self.norm_eps = norm_eps
-    self.init_std = init_std
-    self.mixers = mixers
+    for name, default in self.architecture.items():
+      setattr(self, name, kwargs.pop(name, default))
+    if self.mixers != "G":
+      raise ValueError(f"mixers={self.mixers!r}: this model implements the Laplace layer only (mixers='G').")
+    if self.n_heads % self.n_decay_tiers:
+      raise ValueError(f"n_decay_tiers={self.n_decay_tiers}: expected a divisor of n_heads={self.n_heads}.")
     self.use_cache = use_cache
-    # laplace-jax's other fields (param_dtype, compute_dtype, remat, gla_form, ...) arrive in kwargs and
-    # are kept as attributes, so the config saved back holds them for the import.
     super().__init__(
       bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs
     )

@@ -299,12 +299,6 @@ class LaplaceForCausalLM(LaplacePreTrainedModel, GenerationMixin):
     self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
     self.post_init()
 
-  def get_input_embeddings(self):
-    return self.model.embed_tokens
-
-  def set_input_embeddings(self, value):
-    self.model.embed_tokens = value
-
   def get_output_embeddings(self):
     return self.lm_head
 
