@@ -45,7 +45,8 @@ def random_export(path: Path, cfg, scratch: Path, seed: int = 0) -> dict:
     return np.asarray(mm)
 
   params = jax.tree_util.tree_map_with_path(leaf, abstract)
-  checkpoint.export_params(params, path, config=cfg)
+  largest = max(a.nbytes for a in jax.tree.leaves(params))
+  checkpoint.export_params(params, path, config=cfg, save_concurrent_gb=-(-largest // 10**9))
   return jax.tree.map(lambda a: a.nbytes, params)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -88,6 +89,8 @@ def read_directory(directory: str | Path):
 
 def import_directory(directory: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
   """Writes the export `out` of the Hugging Face directory `directory`; returns its path."""
+  import jax
+
   from laplace_jax import checkpoint as ckpt
 
   out = Path(out).absolute()
@@ -99,7 +102,8 @@ def import_directory(directory: str | Path, out: str | Path, *, overwrite: bool 
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
   try:
-    ckpt.export_params(params, tmp / "export", config=cfg)
+    largest = max(x.nbytes for x in jax.tree.leaves(params))  # one big leaf in flight at a time
+    ckpt.export_params(params, tmp / "export", config=cfg, save_concurrent_gb=math.ceil(largest / 1e9))
     hf.publish(tmp / "export", out)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
