@@ -361,8 +361,10 @@ def export_params(params, path, *, config=None, save_concurrent_gb: int | None =
   if config is not None:
     items["config"] = ocp.args.JsonSave(_config_dict(config))
   handlers = {}
-  if save_concurrent_gb is not None:
-    handlers["params"] = ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
+  if save_concurrent_gb is not None:  # named handlers: every item's, or Orbax finds none for the others
+    handlers = {"params": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)}
+    if config is not None:
+      handlers["config"] = ocp.JsonCheckpointHandler()
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as ckptr:
     ckptr.save(path, args=ocp.args.Composite(**items))
 
