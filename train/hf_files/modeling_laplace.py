@@ -306,23 +306,14 @@ class LaplaceForCausalLM(LaplacePreTrainedModel, GenerationMixin):
     self.lm_head = value
 
   def forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    past_key_values=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    return_dict=None,
-    **kwargs,
+    self, input_ids=None, attention_mask=None, past_key_values=None, labels=None, logits_to_keep=0, **kwargs
   ):
+    """LaplaceModel.forward's arguments (inputs_embeds and use_cache in kwargs), and `labels` for the
+    shifted cross-entropy, `logits_to_keep` > 0 for the last positions' logits only."""
+    return_dict = kwargs.pop("return_dict", None)
+    model_args = {k: kwargs[k] for k in ("inputs_embeds", "use_cache") if k in kwargs}
     out = self.model(
-      input_ids=input_ids,
-      attention_mask=attention_mask,
-      past_key_values=past_key_values,
-      inputs_embeds=inputs_embeds,
-      use_cache=use_cache,
+      input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values, **model_args
     )
     x = out.last_hidden_state
     if isinstance(logits_to_keep, int) and logits_to_keep > 0:
