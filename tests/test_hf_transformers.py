@@ -103,3 +103,11 @@ def test_auto_tokenizer_is_gpt2s_bpe(exported):
   assert tok("Hello world")["input_ids"] == [15496, 995]
   assert tok(text)["input_ids"] == tokenizer.encode(text)
   assert tok.eos_token_id == tokenizer.EOS_ID
+
+
+def test_beam_search_reorders_the_state(exported):
+  """Beams carried in the state (reordered each step) = beams recomputed from their whole prefixes."""
+  _, _, _, _, hf_model = exported
+  ids = torch.tensor([np.random.default_rng(5).integers(0, tokenizer.VOCAB_SIZE, 12).tolist()])
+  kw = dict(max_new_tokens=10, num_beams=4, early_stopping=False)
+  assert torch.equal(hf_model.generate(ids, **kw), hf_model.generate(ids, use_cache=False, **kw))
