@@ -315,6 +315,7 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype, tensors: Itera
       x = next(tensors)
       assert x.shape == spec.shape and x.dtype == np.dtype(dtype), (spec, x.shape, x.dtype)
       f.write(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
+      del x  # a view of the producer's leaf would keep it alive while it reads the next
   return offset
 
 
@@ -412,12 +413,12 @@ def check_tensors(files: dict[str, SafetensorsFile], table: list[TensorSpec], wh
 
 def leaf_reader(read_leaf: Callable[[tuple[str, ...]], np.ndarray], table: list[TensorSpec]):
   """The table's tensors in order in the HF layout, reading each JAX leaf once when its first tensor comes
-  and dropping it after its last: one leaf in memory at a time."""
-  held: tuple[tuple[str, ...] | None, np.ndarray | None] = (None, None)
+  and dropping it before the next is read: one leaf in memory at a time."""
+  name: tuple[str, ...] | None = None
+  leaf: np.ndarray | None = None
   for spec in table:
-    if held[0] != spec.leaf:
-      held = (None, None)  # the previous leaf freed before the next is read
-      held = (spec.leaf, read_leaf(spec.leaf))
-    x = held[1]
-    assert x is not None
-    yield to_hf(x if spec.layer is None else x[spec.layer], spec.layout)
+    if name != spec.leaf:
+      leaf = None  # freed before the next read (the caller keeps no view of it: write_safetensors)
+      name, leaf = spec.leaf, read_leaf(spec.leaf)
+    assert leaf is not None
+    yield to_hf(leaf if spec.layer is None else leaf[spec.layer], spec.layout)
