@@ -9,7 +9,7 @@ the PyTorch code (configuration_laplace.py, modeling_laplace.py), so that
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
 loads it. The tensors are read one JAX leaf at a time from the Orbax export and written one layer's tensor at a
-time: host memory follows the largest leaf, never the model (laplace-3b: 7.03 GiB for 11.28 GiB of params,
+time: host memory follows the largest leaf, never the model (laplace-3b: 5.27 GiB for 11.28 GiB of params,
 docs/BENCHMARKS.md). Layout: docs/HUGGING_FACE.md. The
 directory is written under a temporary name and renamed when complete; an existing DIR is refused unless
 --overwrite.
