@@ -9,7 +9,7 @@ train/import_hf.py; the PyTorch side is train/hf_files/ (copied into each export
 
 safetensors (the format: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
 shape and byte range, then the raw little-endian bytes) is written here tensor by tensor into files whose
-header is laid out before any data, and read back through a memory map, so neither direction needs the
+header is laid out before any data, and read back one tensor at a time, so neither direction needs the
 `safetensors` package nor holds a whole file in memory. The bytes are the host's (little-endian hosts only:
 x86-64 and Arm, as the format).
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import shutil
 import struct
@@ -320,8 +319,9 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype, tensors: Itera
 
 
 class SafetensorsFile:
-  """A safetensors file read through a memory map: `header` {name: {dtype, shape, data_offsets}} and
-  `tensor(name)`, a read-only array view of the file (nothing is read before it is used)."""
+  """A safetensors file: `header` {name: {dtype, shape, data_offsets}} read when opened, and `tensor(name)`, one
+  tensor read from the file into a new array (no memory map: the pages of a mapped file would count in the
+  reader's memory until the kernel drops them)."""
 
   def __init__(self, path: Path):
     self.path = path
@@ -333,9 +333,8 @@ class SafetensorsFile:
         header = json.loads(f.read(n))
       except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise HFDirectoryError(f"{path}: not a safetensors file ({e}).") from e
-      self._start = 8 + n
-      size = path.stat().st_size
-      self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    self._start = 8 + n
+    size = path.stat().st_size
     header.pop("__metadata__", None)
     self.header: dict[str, dict] = header
     for name, h in header.items():
@@ -347,12 +346,12 @@ class SafetensorsFile:
 
   def tensor(self, name: str) -> np.ndarray:
     h = self.header[name]
-    begin, _ = h["data_offsets"]
-    count = int(np.prod(h["shape"]))
-    dt = DTYPES[h["dtype"]]
-    if count == 0 or self._map is None:
-      return np.zeros(h["shape"], dt)
-    return np.frombuffer(self._map, dt, count, self._start + begin).reshape(h["shape"])
+    out = np.empty(h["shape"], DTYPES[h["dtype"]])
+    with open(self.path, "rb") as f:
+      f.seek(self._start + h["data_offsets"][0])
+      if f.readinto(out.reshape(-1).view(np.uint8).data) != out.nbytes:
+        raise HFDirectoryError(f"{self.path}: tensor {name} is cut short.")
+    return out
 
 
 def open_tensors(directory: Path) -> dict[str, SafetensorsFile]:

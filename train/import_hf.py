@@ -8,7 +8,7 @@ DIR: one written by `python -m train.export_hf`, or saved by transformers from i
 `laplace_jax.checkpoint.load_export` take; export then import gives the same bits and config. config.json must
 describe the architecture (every field docs/HUGGING_FACE.md lists) and the tensors must be exactly those it
 implies, of one float dtype (the params' dtype); anything else is refused with the field or tensor named.
-Host memory: the model once (each tensor read through a memory map into its stacked leaf).
+Host memory: the model once (each tensor read from its file, then placed into its stacked leaf).
 """
 
 from __future__ import annotations
