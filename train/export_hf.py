@@ -130,10 +130,7 @@ def export(
       weight_map = {s.name: name for name, specs in zip(names, shards) for s in specs}
       hf.write_json(tmp / hf.INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     hf.write_json(tmp / "config.json", hf.config_json(cfg))
-    gen = hf.generation_config_json()
-    if hf.suppressed_ids(cfg):
-      gen["suppress_tokens"] = hf.suppressed_ids(cfg)
-    hf.write_json(tmp / "generation_config.json", gen)
+    hf.write_json(tmp / "generation_config.json", hf.generation_config_json(cfg))
     hf.write_tokenizer(tmp, cfg.max_seq_len)
     for code in sorted(hf.HF_FILES.glob("*.py")):
       shutil.copyfile(code, tmp / code.name)

@@ -207,18 +207,16 @@ def config_from_json(d: dict, where: str) -> LaplaceConfig:
   return cfg
 
 
-def generation_config_json() -> dict:
+def generation_config_json(cfg: LaplaceConfig) -> dict:
   """Greedy by default; the vocabulary's padded rows (GPT-2's 50,257 ids padded to 50,304) never drawn."""
+  padded = list(range(tokenizer.VOCAB_SIZE, cfg.vocab_size))
   return {
     "bos_token_id": tokenizer.EOS_ID,
     "eos_token_id": tokenizer.EOS_ID,
     "pad_token_id": tokenizer.EOS_ID,
     "do_sample": False,
+    **({"suppress_tokens": padded} if padded else {}),
   }
-
-
-def suppressed_ids(cfg: LaplaceConfig) -> list[int]:
-  return list(range(tokenizer.VOCAB_SIZE, cfg.vocab_size))
 
 
 def write_tokenizer(out: Path, max_len: int) -> None:
