@@ -64,6 +64,7 @@ _ALL = [
   Workload("speculative_serve", "speculative_serve", "speculative decoding through the engine"),
   Workload("serve_bench", "serve_bench", "serving throughput, context, memory, FLOP/s, engine, state cache"),
   Workload("grammar_masks", "grammar_masks", "grammar libraries' mask cost per token and compile per schema"),
+  Workload("hf_export_memory", "hf_export_memory", "peak memory of the Hugging Face export and import"),
   Workload("occupancy", "occupancy", "time and bytes per step by live requests against the slot table"),
   Workload("sampling_cost", "sampling_cost", "time per token of each sampling setting against greedy"),
   # clients and robustness (the openai ones run from a venv that has `openai`)

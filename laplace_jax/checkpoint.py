@@ -347,8 +347,10 @@ class Checkpointer:
 # -- params-only export --------------------------------------------------------------------------
 
 
-def export_params(params, path, *, config=None) -> None:
-  """Writes params (and the config, if given) to a new directory `path` for serving; synchronous."""
+def export_params(params, path, *, config=None, save_concurrent_gb: int | None = None) -> None:
+  """Writes params (and the config, if given) to a new directory `path` for serving; synchronous.
+  `save_concurrent_gb` (at least the largest leaf's GB): Orbax writes at most that many GB of leaves at once, so
+  the compressed copies it makes on the host stay that small (None: Orbax's default, 96)."""
   path = epath.Path(path).absolute()
   if path.exists():
     raise FileExistsError(
@@ -358,7 +360,12 @@ def export_params(params, path, *, config=None) -> None:
   items = {"params": ocp.args.StandardSave(params)}
   if config is not None:
     items["config"] = ocp.args.JsonSave(_config_dict(config))
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+  handlers = {}
+  if save_concurrent_gb is not None:  # named handlers: every item's, or Orbax finds none for the others
+    handlers = {"params": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)}
+    if config is not None:
+      handlers["config"] = ocp.JsonCheckpointHandler()
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as ckptr:
     ckptr.save(path, args=ocp.args.Composite(**items))
 
 

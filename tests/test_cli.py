@@ -11,6 +11,7 @@ from laplace_jax.optimizer import OptimizerConfig
 from serve import __main__ as serve_main
 from train import config as train_config
 from train import eval as train_eval
+from train import export_hf, import_hf
 from train import prepare as train_prepare
 from train import recall as train_recall
 
@@ -21,6 +22,8 @@ PARSERS = {
   "train.recall": (train_recall.build_parser, []),
   "serve": (serve_main.build_parser, []),
   "train.prepare": (train_prepare.build_parser, []),
+  "train.export_hf": (export_hf.build_parser, ["--checkpoint", "c", "-o", "d"]),
+  "train.import_hf": (import_hf.build_parser, ["d", "-o", "o"]),
 }
 
 
@@ -66,7 +69,15 @@ def test_dashed_spelling_parses_to_the_same_value(name):
       checked += 1
       if value:  # --flag=value too
         assert vars(parser.parse_args(required + [f"{dashed}={value[0]}"])) == vars(want), (name, flag)
-  assert checked >= {"train": 60, "train.eval": 8, "train.recall": 1, "serve": 20, "train.prepare": 6}[name]
+  least = {
+    "train": 60,
+    "train.eval": 8,
+    "train.recall": 1,
+    "serve": 20,
+    "train.prepare": 6,
+    "train.export_hf": 1,
+  }
+  assert checked >= least.get(name, 0)
 
 
 def test_train_flags_help_is_the_field_docstring():
