@@ -72,6 +72,7 @@ def main(argv=None):
   ap.add_argument("--live", type=int, nargs="+", default=[1, 8, 64], help="live requests L (<= S)")
   ap.add_argument("--max-tokens", type=int, default=32)
   ap.add_argument("--bytes-only", action="store_true", help="only the compiled decode calls' bytes")
+  ap.add_argument("--skip-whole", action="store_true", help="no whole-table runs (slow at large tables)")
   args = ap.parse_args(argv)
   cfg = get_config(args.preset)
   print(
@@ -105,9 +106,11 @@ def main(argv=None):
     for L in [n for n in args.live if n <= S]:
       engine_ms(eng, L, 4)  # the first batch's allocations, untimed
       ms = engine_ms(eng, L, args.max_tokens)
-      buckets, eng.fns.buckets = eng.fns.buckets, (S,)  # the whole table each step: the engine before buckets
-      whole = engine_ms(eng, L, args.max_tokens)
-      eng.fns.buckets = buckets
+      buckets, whole = eng.fns.buckets, float("nan")
+      if not args.skip_whole:
+        eng.fns.buckets = (S,)  # the whole table each step: the engine before buckets
+        whole = engine_ms(eng, L, args.max_tokens)
+        eng.fns.buckets = buckets
       bare = bare_step_ms(params, cfg, L)
       B = len(step_rows(range(L), S, buckets))
       print(
