@@ -255,6 +255,7 @@ class Engine:
     self.on_deliver = on_deliver or (lambda deliveries: None)
     self.table = self.fns.empty_table()
     self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
+    self._live: set[int] = set()  # the slots whose slot_req is not None (kept as they change: a step reads it)
     self.reserved: set[int] = set()  # held by the prefill in progress
     self.queue: collections.deque[Request] = collections.deque()
     self._waiting: collections.Counter[str] = collections.Counter()  # tenant -> choices in self.queue
@@ -440,7 +441,7 @@ class Engine:
 
   @property
   def active_slots(self) -> int:
-    return sum(r is not None for r in self.slot_req)
+    return len(self._live)
 
   @property
   def queue_depth(self) -> int:
@@ -569,6 +570,7 @@ class Engine:
     r.progress.finish_reason = reason
     if r.progress.slot is not None and self.slot_req[r.progress.slot] is r:
       self.slot_req[r.progress.slot] = None
+      self._live.discard(r.progress.slot)
     if not r.cache_only:
       self.stats["finished"] += 1
     r.progress.done.set()
@@ -722,6 +724,7 @@ class Engine:
           slot is not None and m.progress.finish_reason is None
         ):  # cancelled during prefill: leave the slot free
           self.slot_req[slot], m.progress.slot = m, slot
+          self._live.add(slot)
           owners.append(m)
         else:
           owners.append(None)
@@ -906,6 +909,7 @@ class Engine:
     stay queued)."""
     live = self._in_flight()
     self.slot_req = [None] * self.n_slots
+    self._live.clear()
     self.reserved.clear()
     self.prefill = None
     self.pending.clear()
@@ -925,10 +929,9 @@ class Engine:
   def _rows(self) -> np.ndarray:
     """The slots the next generate or verify runs (serve.slots.step_rows): the live ones, in the smallest
     compiled bucket that holds them; none when no slot is live."""
-    live = [s for s, r in enumerate(self.slot_req) if r is not None]
-    if not live:
+    if not self._live:
       return np.zeros((0,), np.int32)
-    return step_rows(live, self.n_slots, self.fns.buckets, self.fns.n_devices)
+    return step_rows(self._live, self.n_slots, self.fns.buckets, self.fns.n_devices)
 
   def _drafts(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """(rows, drafts): the slots the next call runs and, for a verify, (drafts [B, K], n_drafts [B]) of those
