@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -261,7 +261,7 @@ def bucket_sizes(n_slots: int, n_devices: int = 1) -> tuple[int, ...]:
   return tuple(n_devices * b for b in sorted({min(1 << i, per) for i in range(per.bit_length() + 1)}))
 
 
-def step_rows(live: Sequence[int], n_slots: int, buckets: Sequence[int], n_devices: int = 1) -> np.ndarray:
+def step_rows(live: Iterable[int], n_slots: int, buckets: Sequence[int], n_devices: int = 1) -> np.ndarray:
   """The slots a generate or verify call runs, int32 [B] with B the smallest bucket that holds each
   device's live slots: device d's B / n_devices rows (device-major) are its live slots, then as many of
   its other slots as the bucket has room for. Rows are distinct, so every write back is a slot's own; an
