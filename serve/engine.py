@@ -255,7 +255,9 @@ class Engine:
     self.on_deliver = on_deliver or (lambda deliveries: None)
     self.table = self.fns.empty_table()
     self.slot_req: list[Request | None] = [None] * n_slots  # live in the device table
-    self._live: set[int] = set()  # the slots whose slot_req is not None (kept as they change: a step reads it)
+    self._live: set[int] = (
+      set()
+    )  # the slots whose slot_req is not None (kept as they change: a step reads it)
     self.reserved: set[int] = set()  # held by the prefill in progress
     self.queue: collections.deque[Request] = collections.deque()
     self._waiting: collections.Counter[str] = collections.Counter()  # tenant -> choices in self.queue
