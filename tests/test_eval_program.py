@@ -119,3 +119,27 @@ def test_eval_refuses_missing_split_and_other_config(trained, capsys):
     train_eval.evaluate(summary["export"], data_dir, preset="tiny")
   assert train_eval.main(["--checkpoint", str(data_dir), "--data_dir", str(data_dir)]) == 2
   assert "no exported params" in capsys.readouterr().err
+
+
+def test_init_from_an_export_fine_tunes_its_params(trained, tmp_path):
+  """`--init_from EXPORT`: a fresh run (the step compiled by the fixture's run is reused) starts from the
+  export's params, so its first loss is the trained model's, not a random init's; an export of another model
+  config is refused before anything compiles, naming the field."""
+  data_dir, summary = trained
+  flags = COMMON + ["--data_dir", str(data_dir), "--eval_batches", "0", "--model.mixers", "GA"]
+  fine = run(load_config(flags + ["--out_dir", str(tmp_path / "fine"), "--init_from", summary["export"]]))
+  assert fine["first_loss"] < summary["first_loss"] - 0.1, (fine["first_loss"], summary)
+  with pytest.raises(ValueError, match="mixers"):
+    run(
+      load_config(
+        COMMON
+        + [
+          "--data_dir",
+          str(data_dir),
+          "--out_dir",
+          str(tmp_path / "other"),
+          "--init_from",
+          summary["export"],
+        ]
+      )
+    )

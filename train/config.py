@@ -79,6 +79,10 @@ class TrainConfig:
   resume: bool = True
   """resume from the newest checkpoint in out_dir when one exists (--no_resume starts afresh, which needs an
   empty checkpoint directory)"""
+  init_from: str = ""
+  """start from the params of an export (RUN/export/step_N, or a directory `python -m train.import_hf`
+  wrote) instead of a random init, with a fresh optimizer: fine-tuning. Its model config must equal this
+  run's (checked before the compile); a run that resumes takes its checkpoint's params instead"""
   max_bad_steps: int = 10
   """stop after this many consecutive non-finite steps"""
   compile_only: bool = False

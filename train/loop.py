@@ -5,6 +5,7 @@ and the sample."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import TypedDict
@@ -23,6 +24,7 @@ from laplace_jax import (
 )
 from laplace_jax import optimizer as optim
 from laplace_jax import train_step as ts
+from laplace_jax.config import LAYOUT_NEUTRAL
 from laplace_jax.counts import flops_per_token, param_counts
 from train import hooks, prepare, resume
 from train.config import RunConfig, TrainConfig
@@ -252,6 +254,8 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     )
     if not (tc.compile_only or tc.target):  # everything checkable, before the compile
       check_data(tc, seq_len, cfg.vocab_size, mesh.devices.size // sharding.context_size(mesh))
+      if tc.init_from and latest is None:
+        _check_init_from(tc.init_from, cfg)
     flops = flops_per_token(cfg, seq_len=seq_len)
     key = _step_key(rc, mesh, seq_len, weighted, carry_batch, prng_impl)
     t0 = time.perf_counter()
@@ -283,6 +287,8 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     state = ts.init_train_state_on_mesh(
       cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch, segmented=segmented(tc)
     )
+    if tc.init_from:
+      state = _init_from(state, tc.init_from)
     start = 0
   summary = RunSummary(start_step=start, first_loss=None, last_loss=None, eval_loss=None, compile_s=compile_s)
   batch_sh = jax.tree.map(
@@ -431,6 +437,28 @@ def _memory_bytes(compiled) -> dict | None:
     "alias_bytes": m.alias_size_in_bytes,
     "temp_bytes": m.temp_size_in_bytes,
   }
+
+
+def _check_init_from(path: str, cfg) -> None:
+  """Refuses an export whose model is not this run's (fields that leave the params' layout alone excepted)."""
+  saved = checkpoint.export_config(path)
+  diffs = [
+    f"{f.name}: the export's {getattr(saved, f.name)!r}, this run's {getattr(cfg, f.name)!r}"
+    for f in dataclasses.fields(cfg)
+    if f.name not in LAYOUT_NEUTRAL and getattr(saved, f.name) != getattr(cfg, f.name)
+  ]
+  if diffs:
+    raise ValueError(
+      f"--init_from {path}: its model is not this run's ({'; '.join(diffs)}). Pass the export's model "
+      "(--preset and --model.* flags as it was trained), or another export."
+    )
+
+
+def _init_from(state, path: str):
+  """The fresh state with the export's params in place of the random ones (placed and typed as they are)."""
+  params, _ = checkpoint.load_export(path, shardings=jax.tree.map(lambda x: x.sharding, state.params))
+  log0(f"params from {path} (a fresh optimizer state)")
+  return state.replace(params=jax.tree.map(lambda old, new: new.astype(old.dtype), state.params, params))
 
 
 def _resume(ckpt, abstract, it, out: Path):
