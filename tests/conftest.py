@@ -107,7 +107,8 @@ FILE_SECONDS = {
   "test_window_attention.py": 8,
   "test_serve_logprobs.py": 8,
   "test_sampling_branch_free.py": 8,
-  "test_slot_writes.py": 7,
+  "test_slot_writes.py": 30,
+  "test_hf_export.py": 12,
   "test_loss_by_position.py": 7,
   "test_sampling_prng.py": 5,
 }
