@@ -174,6 +174,10 @@ class Engine:
   schedules, and meets the model only through the `SlotBackend` interface `make_slots` builds (by default
   `SlotFunctions`; tests pass a fake that needs no compile)."""
 
+  # A request's constraint (Request.constraint) masks every token it samples: the server's hook
+  # (Server.run_completion) serves constrained requests only from an engine that says so.
+  applies_constraints = True
+
   def __init__(
     self,
     params,
@@ -429,6 +433,11 @@ class Engine:
         f"stop ids {list(req.stop_ids)[:10]}: at most {self.fns.n_stop} per request, each in "
         f"[0, {self.valid_vocab})."
       )
+    if req.constraint is not None and req.constraint.stop_id not in req.stop_ids:
+      raise ValueError(
+        f"a constrained request must have its grammar's stop id {req.constraint.stop_id} among its stop "
+        f"ids (got {list(req.stop_ids)[:10]}): a reply its grammar ended samples it and ends there."
+      )
     if req.seed is not None and not 0 <= req.seed < 2**64:
       raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**64).")
     if not isinstance(req.tenant, str) or not (req.cache_salt is None or isinstance(req.cache_salt, str)):
@@ -467,14 +476,21 @@ class Engine:
     self._advance_prefill()
     timed = self.stats["prefill_tokens"] == prefilled  # no prefill shares this step's time on the device
     dispatched = False
-    rows, drafts = self._drafts() if self.speculative_tokens and self.active_slots else (self._rows(), None)
+    # While a live slot is constrained, single generate steps only (its mask for a token depends on the
+    # tokens before it, read back from the call before): no verify, no call of several steps.
+    constrained = any(r is not None and r.constraint is not None for r in self.slot_req)
+    speculate = self.speculative_tokens and self.active_slots and not constrained
+    rows, drafts = self._drafts() if speculate else (self._rows(), None)
     if len(rows):
       owners = tuple(self.slot_req[s] for s in rows)  # the call's row i runs slot rows[i]
       if drafts is None:
         # Several tokens a call only while no prompt waits for a slot: admission goes on between calls.
-        steps = 1 if self.queue or self.prefill is not None else self.decode_steps
+        steps = 1 if self.queue or self.prefill is not None or constrained else self.decode_steps
         greedy = steps > 1 and all(r is None or (r.temperature == 0 and r.logprobs is None) for r in owners)
-        self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
+        if constrained:
+          self.table, out = self._masked_step(rows)
+        else:
+          self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
         self.pending.append(Pending("gen", out, owners, steps, step=self._gens, timed=timed))
       else:
         K = self.speculative_tokens
@@ -489,6 +505,20 @@ class Engine:
     while self.pending and (len(self.pending) > 1 or not dispatched):
       self._read_back(self.pending.popleft())
     return not self.idle()
+
+  def _masked_step(self, rows: np.ndarray):
+    """One generate step whose sampling is masked: its decode is dispatched first, and while the device runs
+    it the host reads back the calls before (advancing each constrained slot's matcher by the tokens it
+    emitted, `_read_back`) and fills those slots' rows of the mask; then the sampling call. Free rows (and
+    slots that just finished) allow every token."""
+    self.table, logits = self.fns.decode_rows(self.params, self.table, rows)
+    self.read_back_all()
+    allowed_BxW = np.full((len(rows), self.fns.words), -1, np.int32)
+    for i, s in enumerate(rows):
+      r = self.slot_req[s]
+      if r is not None and r.constraint is not None:
+        r.constraint.fill(allowed_BxW[i])
+    return self.fns.sample_rows(logits, self.table, rows, allowed_BxW)
 
   def read_back_all(self):
     """Read back every call in flight: the host then holds every token dispatched so far (the engine's
@@ -710,6 +740,12 @@ class Engine:
         for _, _, m in part
       ]
       settings = host_settings(rows, E, self.fns.n_stop)
+      allowed_ExW = None  # each entry's first token: its matcher's first mask
+      if any(m.constraint is not None and slot is not None for _, slot, m in part):
+        allowed_ExW = np.full((E, self.fns.words), -1, np.int32)
+        for j, (_, slot, m) in enumerate(part):
+          if m.constraint is not None and slot is not None:
+            m.constraint.fill(allowed_ExW[j])
       row_idx = np.zeros((E,), np.int32)
       slot_idx = np.full((E,), self.n_slots, np.int32)  # >= n_slots: dropped
       owners = []
@@ -728,7 +764,9 @@ class Engine:
           if m.progress.finish_reason is None:
             self._finish(m, "length")
             done.append(Delivery(m, [], "length"))
-      self.table, out = self.fns.insert(self.params, self.table, pf.state, row_idx, slot_idx, settings)
+      self.table, out = self.fns.insert(
+        self.params, self.table, pf.state, row_idx, slot_idx, settings, allowed_ExW
+      )
       self.pending.append(Pending("insert", out, tuple(owners)))
     self.prefill = None
     if done:
@@ -784,6 +822,8 @@ class Engine:
         if r.logprobs is not None:
           p.token_logprobs.extend(steps.logprobs_of((i, j)) for j in range(n))
       p.output_ids.extend(toks)
+      if r.constraint is not None:
+        self._advance_grammar(r, toks)
       if p.first_token_at is None:
         p.first_token_at = now
       if r.prediction_ids:
@@ -815,6 +855,15 @@ class Engine:
       self._rate.popleft()
     if deliveries:
       self.on_deliver(deliveries)
+
+  @staticmethod
+  def _advance_grammar(r: Request, toks: list[int]):
+    """Advance r's matcher by the tokens it emitted (each sampled under its mask; a grammar that has ended
+    takes no more, not even the stop id it allowed)."""
+    assert r.constraint is not None
+    taken = r.constraint.advance(toks)
+    if any(t != r.constraint.stop_id for t in toks[taken:]):
+      log.warning("request %d: its grammar refused tokens %s it was masked for", r.id, toks[taken:])
 
   def _count_drafts(self, p: Progress, item: Pending, i: int, n: int):
     """A verify call fed slot i's state n tokens at once (as n - 1 more steps would have) and took n - 1 of

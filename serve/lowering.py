@@ -3,7 +3,8 @@ shapes with the choices made on the target, and checked by laplace_jax.neuron_ch
 
 The programs are the jitted functions of `serve.slots.SlotFunctions` as the engine calls them: the slot table
 and prefill batch made at start, a prefill chunk (plain and scored for echo/logprobs), insert (first token
-sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows),
+sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows;
+insert and sampling take each row's allowed-token bitmask),
 the generate of several steps and the verify where the engine runs them (each once per bucket of rows), and the state cache's gathers (from
 the slot table and from a prefill batch) and restore. No weights or states are materialised: laplace-3b with
 1,280 slots on 64 simulated devices lowers on a laptop-class CPU.
@@ -60,7 +61,7 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
       )
       at = f"_b{B}"  # B rows
       optional[f"decode{at}"] = fns._decode.lower(params, table, i32(B))
-      optional[f"sample{at}"] = fns._sample.lower(logits, table, i32(B))
+      optional[f"sample{at}"] = fns._sample.lower(logits, table, i32(B), fns.mask_shape(B))
       if speculative_tokens:
         optional[f"verify{at}"] = fns._verify.lower(params, table, i32(B), i32(B, speculative_tokens), i32(B))
       if decode_steps > 1:
@@ -71,7 +72,7 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
     "empty_prefill": fns.empty_prefill.lower(),
     "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
     "prefill_chunk_scored": fns.prefill_chunk_scored.lower(params, pf, i32(P, C), i32(P)),
-    "insert": fns.insert.lower(params, table, pf, i32(P), i32(P), settings),
+    "insert": fns._insert.lower(params, table, pf, i32(P), i32(P), settings, fns.mask_shape(P, split=False)),
     "gather_slots": fns.gather.lower(table.model, i32(P)),
     "gather_prefill": fns.gather.lower(pf.model, i32(P)),
     "load_prefill": fns.load_prefill.lower(_sds(rows)),

@@ -186,6 +186,7 @@ class SlotBackend(Protocol):
   n_devices: int  # the slot axis is split over this many devices, in equal runs of slots
   prefill_batch: int
   n_stop: int  # stop ids per slot (SlotSettings.stop_ids' width)
+  words: int  # W: int32 words of a row of an allowed-token bitmask (ceil of the padded vocabulary / 32)
   hold_ended: bool  # a single generate step leaves a slot whose next input ends it as it is
   state_shape: Any  # one sequence's decode state (abstract): its layout is the state cache's
   axes: Any  # each state leaf's sequence axis, a DecodeState of ints
@@ -206,9 +207,12 @@ class SlotBackend(Protocol):
     """`prefill_chunk` that also scores every token of the chunk given all before it (echo)."""
     ...
 
-  def insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
-    """Sample each entry's first token from prefill row row_E[i] and move that row into slot slot_E[i]
-    (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
+  def insert(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
+  ):
+    """Sample each entry's first token from prefill row row_E[i], among the tokens allowed_ExW allows (host
+    int32 [E, W] bitmask, `sampling.masked`; None: all), and move that row into slot slot_E[i] (>= n_slots:
+    padding). Returns (table, packed StepOutput of the entries)."""
     ...
 
   def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False, rows_B=None):
@@ -216,6 +220,16 @@ class SlotBackend(Protocol):
     tokens; the others are not touched. Returns (table, packed StepOutput of the B rows), for steps > 1 a packed StepsOutput
     over `steps` positions in which a slot whose next input ends it is left as it is; greedy: every slot
     in use is greedy and wants no logprobs. See SlotFunctions.generate."""
+    ...
+
+  def decode_rows(self, params, table: SlotTable, rows_B):
+    """A single generate step's first call: the decode of slots rows_B. Returns (table, logits): pass both
+    to `sample_rows` (generate(steps=1) is the two)."""
+    ...
+
+  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
+    """Its second call: each row's next token among those allowed_BxW allows (host int32 [B, W]; None: all,
+    a cached device array). Returns (table, packed StepOutput of the B rows)."""
     ...
 
   def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
@@ -308,6 +322,8 @@ class SlotFunctions:
     self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab, branch_free=branch_free)
     self.valid_vocab = valid_vocab
     self.mesh = mesh
+    self.words = -(-cfg.vocab_size // 32)  # W: a row of an allowed-token bitmask (the padded vocabulary's)
+    self._all_ones: dict[tuple[int, bool], jax.Array] = {}  # per (rows, split): every token allowed
     table_shape = jax.eval_shape(self._empty_table)
     pf_shape = jax.eval_shape(self._empty_prefill)
     # Measured from the real layout (not a formula): one slot's decode state, and the whole slot table.
@@ -337,7 +353,7 @@ class SlotFunctions:
     self.prefill_chunk_scored = _jit(
       self._prefill_chunk_scored, donate=(1,), out=None if mesh is None else (pf_sh, rep)
     )
-    self.insert = _jit(self._insert, donate=(1,), out=both)  # donated: the slot table
+    self._insert = _jit(self._insert_entries, donate=(1,), out=both)  # donated: the slot table
     logits_sh = (
       None
       if mesh is None
@@ -435,10 +451,19 @@ class SlotFunctions:
     )
     return StepOutput(token=tok_S, done=done_S, logprob=chosen, top_ids=ids, top_logprobs=vals)
 
-  def _insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
-    """Sample a first token for each entry from prefill row row_E[i] and write that row into slot
-    slot_E[i] (slot_E >= S: padding, not written). Several entries may share a row (n choices of one prompt).
-    Returns (table, packed StepOutput of the E entries)."""
+  def insert(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
+  ):
+    """See `SlotBackend.insert` and `_insert_entries`."""
+    mask = self.mask(allowed_ExW, len(row_E), split=False)
+    return self._insert(params, table, pf, row_E, slot_E, settings, mask)
+
+  def _insert_entries(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW
+  ):
+    """Sample a first token for each entry from prefill row row_E[i] among the tokens allowed_ExW allows,
+    and write that row into slot slot_E[i] (slot_E >= S: padding, not written). Several entries may share a
+    row (n choices of one prompt). Returns (table, packed StepOutput of the E entries)."""
     del params
     zero = jnp.zeros_like(slot_E)
     logits = pf.logits[row_E]
@@ -450,6 +475,7 @@ class SlotFunctions:
       settings.seed,
       zero,
       seed_hi_S=settings.seed_hi,
+      allowed_SxW=allowed_ExW,
     )
     done = _done(tok, zero, settings.max_tokens, settings.stop_ids)
     src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
@@ -498,11 +524,44 @@ class SlotFunctions:
     # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
     # kernel (one device's program) knows to leave a multi-device table to XLA.
     rows_B = self.every_row if rows_B is None else rows_B
-    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-      if steps > 1:
+    if steps > 1:
+      with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
         return self._generate_steps(params, table, rows_B, steps, greedy)
-      table, logits = self._decode(params, table, rows_B)
-    return self._sample(logits, table, rows_B)
+    table, logits = self.decode_rows(params, table, rows_B)
+    return self.sample_rows(logits, table, rows_B)
+
+  def decode_rows(self, params, table: SlotTable, rows_B):
+    """See `SlotBackend.decode_rows`."""
+    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      return self._decode(params, table, rows_B)
+
+  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
+    """See `SlotBackend.sample_rows`: one compiled program per bucket, masked or not."""
+    return self._sample(logits, table, rows_B, self.mask(allowed_BxW, len(rows_B)))
+
+  def mask(self, allowed_NxW, n: int, split: bool = True) -> jax.Array:
+    """A call's mask input over n rows (int32 [n, W]), placed as the call takes it (split: over the slot
+    axis, as the bucket's logits; else replicated): the host's allowed_NxW, or for None a cached device
+    array of all ones, so a step without constrained rows copies nothing to the device. Both are committed
+    alike, so they share one compiled program."""
+    where = self.mask_shape(n, split).sharding
+    if allowed_NxW is None:
+      if (n, split) not in self._all_ones:
+        self._all_ones[(n, split)] = jax.device_put(np.full((n, self.words), -1, np.int32), where)
+      return self._all_ones[(n, split)]
+    if np.shape(allowed_NxW) != (n, self.words):
+      raise ValueError(f"a mask of shape {np.shape(allowed_NxW)} for {n} rows: expected ({n}, {self.words}).")
+    return jax.device_put(np.asarray(allowed_NxW, np.int32), where)
+
+  def mask_shape(self, n: int, split: bool = True) -> jax.ShapeDtypeStruct:
+    """The mask input's shape, dtype and placement (see `mask`)."""
+    if self.mesh is None:
+      where: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    elif split:
+      where = sharding.batch_shardings(jax.ShapeDtypeStruct((n, self.words), jnp.int32), self.mesh)
+    else:
+      where = sharding.replicated(self.mesh)
+    return jax.ShapeDtypeStruct((n, self.words), jnp.int32, sharding=where)
 
   # ---- a bucket of rows: gathered from the table by index, written back in place ----
 
@@ -581,27 +640,33 @@ class SlotFunctions:
     logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=live_S)
     return dataclasses.replace(table, model=state), logits
 
-  def _sample_next(self, logits, table: SlotTable, rows_B):
-    """Sample the bucket's next tokens from the decode call's logits [B, V]."""
+  def _sample_next(self, logits, table: SlotTable, rows_B, allowed_BxW):
+    """Sample the bucket's next tokens from the decode call's logits [B, V], among the tokens allowed_BxW
+    allows (int32 [B, W]; all ones for a free row)."""
     ax = self._table_axes()
     few = dataclasses.replace(ax, model=None)  # type: ignore[arg-type]  # every field but the state
     sub = self._take_rows(dataclasses.replace(table, model=None), few, rows_B)  # type: ignore[arg-type]
-    sub, out = self._sample_step(logits, sub)
+    sub, out = self._sample_step(logits, sub, allowed_SxW=allowed_BxW)
     return self._write_back(table, rows_B, sub, model=False), out.pack()
 
-  def _sample_step(self, logits, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
-    """Each slot's next token. A slot whose input ended it (finished, freed, never used) keeps its token and
-    index, so it stays ended until an insert, and samples nothing: greedy, without logprobs (a freed slot's
-    last settings would otherwise keep the sampler's costly paths running for nobody)."""
+  def _sample_step(
+    self, logits, table: SlotTable, greedy: bool = False, allowed_SxW=None
+  ) -> tuple[SlotTable, StepOutput]:
+    """Each slot's next token (among those allowed_SxW allows; None: all). A slot whose input ended it
+    (finished, freed, never used) keeps its token and index, so it stays ended until an insert, and samples
+    nothing: greedy, without logprobs (a freed slot's last settings would otherwise keep the sampler's
+    costly paths running for nobody)."""
     s = table.settings
     ended_S = _input_ends(table)
     index = table.last_output_index + 1  # also the draw's position in the slot's random stream
     if greedy:  # the sampler's own greedy path (its rows at temperature 0), without its branches
-      tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab)
+      tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab, allowed_SxW)
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), None)
     else:
       temperature = jnp.where(ended_S, 0.0, s.temperature)
-      tok = self.sample(logits, temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
+      tok = self.sample(
+        logits, temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi, allowed_SxW=allowed_SxW
+      )
       want = jnp.where(ended_S, -1, s.logprobs)
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), want)
     return dataclasses.replace(
