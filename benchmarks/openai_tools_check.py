@@ -184,11 +184,15 @@ def main():
   print(f"chat free: {r.choices[0].message.content!r}")
 
   text_fmt = {"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}}
-  r = client.responses.create(model=model, input="Describe a thing.", max_output_tokens=n, text=text_fmt)
+  r = client.responses.create(
+    model=model, input="Describe a thing.", max_output_tokens=n, text=text_fmt, temperature=0
+  )
   assert r.status == "completed", r
   check_json(r.output_text, SCHEMA)
   print(f"responses json_schema: {r.output_text}")
-  kw = dict(model=model, input="Describe a thing.", max_output_tokens=n, text=text_fmt, stream=True)
+  kw = dict(
+    model=model, input="Describe a thing.", max_output_tokens=n, text=text_fmt, stream=True, temperature=0
+  )
   text, _, status = streamed_response(client.responses.create(**kw))
   assert (text, status) == (r.output_text, "completed"), (text, status)
   for choice, names in (
@@ -196,11 +200,18 @@ def main():
     ({"type": "function", "name": "get_weather"}, {"get_weather"}),
   ):
     kw = dict(
-      model=model, input="Weather in Paris?", max_output_tokens=n, tools=flat_tools(), tool_choice=choice
+      model=model,
+      input="Weather in Paris?",
+      max_output_tokens=n,
+      tools=flat_tools(),
+      tool_choice=choice,
+      temperature=0,
+      parallel_tool_calls=False,  # (greedy, a random model repeats its call until max_output_tokens)
     )
     r = client.responses.create(**kw)
     calls = [(i.name, i.arguments) for i in r.output if i.type == "function_call"]
-    check_calls(calls, names)
+    assert r.status == "completed", r
+    check_calls(calls, names, 1)
     _, streamed, status = streamed_response(client.responses.create(**kw, stream=True))
     assert (streamed, status) == (calls, "completed"), (streamed, status)
     print(f"responses tools {choice}: {calls}; streamed the same")
