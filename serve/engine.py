@@ -476,11 +476,10 @@ class Engine:
     self._advance_prefill()
     timed = self.stats["prefill_tokens"] == prefilled  # no prefill shares this step's time on the device
     dispatched = False
-    # While a live slot is constrained, single generate steps only (its mask for a token depends on the
-    # tokens before it, read back from the call before): no verify, no call of several steps.
+    # While a live slot is constrained, no call of several steps (a token's mask depends on the tokens
+    # before it, read back from the call before).
     constrained = any(r is not None and r.constraint is not None for r in self.slot_req)
-    speculate = self.speculative_tokens and self.active_slots and not constrained
-    rows, drafts = self._drafts() if speculate else (self._rows(), None)
+    rows, drafts = self._drafts() if self.speculative_tokens and self.active_slots else (self._rows(), None)
     if len(rows):
       owners = tuple(self.slot_req[s] for s in rows)  # the call's row i runs slot rows[i]
       if drafts is None:
@@ -494,7 +493,10 @@ class Engine:
         self.pending.append(Pending("gen", out, owners, steps, step=self._gens, timed=timed))
       else:
         K = self.speculative_tokens
-        self.table, out = self.fns.verify(self.params, self.table, *drafts, rows_B=rows)
+        allowed = self._draft_masks(rows, *drafts)  # (may cut drafts: before the Pending records them)
+        self.table, out = self.fns.verify(
+          self.params, self.table, *drafts, rows_B=rows, allowed_BxTxW=allowed
+        )
         self.pending.append(Pending("verify", out, owners, K + 1, drafts[1], step=self._gens, timed=timed))
       self.stats["steps"] += 1
       self._gens += 1
@@ -508,17 +510,57 @@ class Engine:
 
   def _masked_step(self, rows: np.ndarray):
     """One generate step whose sampling is masked: its decode is dispatched first, and while the device runs
-    it the host reads back the calls before (advancing each constrained slot's matcher by the tokens it
-    emitted, `_read_back`) and fills those slots' rows of the mask; then the sampling call. Free rows (and
-    slots that just finished) allow every token."""
+    it the host copies the calls before back, advances each constrained slot's matcher by the tokens it
+    emitted and fills its row of the mask; then the sampling call, and while it runs the host delivers
+    the calls before. Free rows allow every token."""
     self.table, logits = self.fns.decode_rows(self.params, self.table, rows)
-    self.read_back_all()
+    read = [(item, np.asarray(item.out)) for item in self.pending]  # each call's one host copy
+    self.pending.clear()
+    for item, packed in read:
+      self._advance_grammars(item, packed)
     allowed_BxW = np.full((len(rows), self.fns.words), -1, np.int32)
     for i, s in enumerate(rows):
       r = self.slot_req[s]
       if r is not None and r.constraint is not None:
         r.constraint.fill(allowed_BxW[i])
-    return self.fns.sample_rows(logits, self.table, rows, allowed_BxW)
+    self.table, out = self.fns.sample_rows(logits, self.table, rows, allowed_BxW)
+    for item, packed in read:
+      self._read_back(item, packed, advanced=True)
+    return self.table, out
+
+  def _advance_grammars(self, item: Pending, packed: np.ndarray):
+    """Advance the matcher of each constrained request in a call by the tokens it emitted there."""
+    emitted: list | None = None  # each entry's tokens
+    for i, r in enumerate(item.owners):
+      if r is not None and r.constraint is not None and r.progress.finish_reason is None:
+        if emitted is None:
+          if item.width == 1:
+            emitted = [[t] for t in StepOutput.unpack(packed).token.tolist()]
+          else:
+            multi = StepsOutput.unpack(packed, item.width)
+            emitted = [multi.tokens_of(s) for s in range(len(item.owners))]
+        self._advance_grammar(r, emitted[i])
+
+  def _draft_masks(self, rows: np.ndarray, drafts_BxK: np.ndarray, n_B: np.ndarray) -> np.ndarray | None:
+    """A verify's masks, int32 [B, K + 1, W] (None: no row is constrained): position j of a constrained
+    slot allows what its grammar allows after its first j drafts (its matcher advanced through them, then
+    rolled back). Its drafts are cut (n_B, in place) before the first its grammar forbids, which could
+    never be accepted. The calls before are read back (drafting did)."""
+    reqs = [self.slot_req[s] for s in rows]
+    if not any(r is not None and r.constraint is not None for r in reqs):
+      return None
+    allowed = np.full((len(rows), drafts_BxK.shape[1] + 1, self.fns.words), -1, np.int32)
+    for i, r in enumerate(reqs):
+      if r is None or r.constraint is None:
+        continue
+      m, n = r.constraint, 0
+      m.fill(allowed[i, 0])
+      while n < n_B[i] and m.advance([int(drafts_BxK[i, n])]) == 1:
+        n += 1
+        m.fill(allowed[i, n])
+      m.rollback(n)
+      n_B[i] = n
+    return allowed
 
   def read_back_all(self):
     """Read back every call in flight: the host then holds every token dispatched so far (the engine's
@@ -794,8 +836,11 @@ class Engine:
       for m in self._members(r):
         m.progress.prompt_logprobs = out
 
-  def _read_back(self, item: Pending):
-    packed = np.asarray(item.out)  # the one device-to-host copy of this call
+  def _read_back(self, item: Pending, packed: np.ndarray | None = None, advanced: bool = False):
+    """Deliver a call's tokens (packed: its host copy, else made here; advanced: its constrained requests'
+    matchers have taken them already)."""
+    if packed is None:
+      packed = np.asarray(item.out)  # the one device-to-host copy of this call
     now = time.perf_counter()
     if self.speculative_tokens and item.kind != "insert":
       per_call = item.width if item.kind == "gen" else 1
@@ -822,7 +867,7 @@ class Engine:
         if r.logprobs is not None:
           p.token_logprobs.extend(steps.logprobs_of((i, j)) for j in range(n))
       p.output_ids.extend(toks)
-      if r.constraint is not None:
+      if r.constraint is not None and not advanced:
         self._advance_grammar(r, toks)
       if p.first_token_at is None:
         p.first_token_at = now

@@ -61,9 +61,11 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
       )
       at = f"_b{B}"  # B rows
       optional[f"decode{at}"] = fns._decode.lower(params, table, i32(B))
-      optional[f"sample{at}"] = fns._sample.lower(logits, table, i32(B), fns.mask_shape(B))
+      optional[f"sample{at}"] = fns._sample.lower(logits, table, i32(B), fns.mask_shape((B,)))
       if speculative_tokens:
-        optional[f"verify{at}"] = fns._verify.lower(params, table, i32(B), i32(B, speculative_tokens), i32(B))
+        K = speculative_tokens
+        mask = fns.mask_shape((B, K + 1))
+        optional[f"verify{at}"] = fns._verify.lower(params, table, i32(B), i32(B, K), i32(B), mask)
       if decode_steps > 1:
         for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
           optional[f"{name}{at}"] = fns._generate_steps.lower(params, table, i32(B), decode_steps, greedy)
@@ -72,7 +74,9 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
     "empty_prefill": fns.empty_prefill.lower(),
     "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
     "prefill_chunk_scored": fns.prefill_chunk_scored.lower(params, pf, i32(P, C), i32(P)),
-    "insert": fns._insert.lower(params, table, pf, i32(P), i32(P), settings, fns.mask_shape(P, split=False)),
+    "insert": fns._insert.lower(
+      params, table, pf, i32(P), i32(P), settings, fns.mask_shape((P,), split=False)
+    ),
     "gather_slots": fns.gather.lower(table.model, i32(P)),
     "gather_prefill": fns.gather.lower(pf.model, i32(P)),
     "load_prefill": fns.load_prefill.lower(_sds(rows)),

@@ -232,10 +232,10 @@ class SlotBackend(Protocol):
     a cached device array). Returns (table, packed StepOutput of the B rows)."""
     ...
 
-  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
     """Advance slots rows_B (None: every slot) by their next input and their first n_drafts_B[b] drafts in one pass, emitting
-    what as many generate calls would. Returns (table, packed StepsOutput of the B rows); see
-    SlotFunctions.verify."""
+    what as many generate calls would, position j among the tokens allowed_BxTxW[b, j] allows (None: all).
+    Returns (table, packed StepsOutput of the B rows); see SlotFunctions.verify."""
     ...
 
   def gather(self, state, rows_E):
@@ -323,7 +323,9 @@ class SlotFunctions:
     self.valid_vocab = valid_vocab
     self.mesh = mesh
     self.words = -(-cfg.vocab_size // 32)  # W: a row of an allowed-token bitmask (the padded vocabulary's)
-    self._all_ones: dict[tuple[int, bool], jax.Array] = {}  # per (rows, split): every token allowed
+    self._all_ones: dict[
+      tuple[tuple[int, ...], bool], jax.Array
+    ] = {}  # per (rows, split): every token allowed
     table_shape = jax.eval_shape(self._empty_table)
     pf_shape = jax.eval_shape(self._empty_prefill)
     # Measured from the real layout (not a formula): one slot's decode state, and the whole slot table.
@@ -455,7 +457,7 @@ class SlotFunctions:
     self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
   ):
     """See `SlotBackend.insert` and `_insert_entries`."""
-    mask = self.mask(allowed_ExW, len(row_E), split=False)
+    mask = self.mask(allowed_ExW, (len(row_E),), split=False)
     return self._insert(params, table, pf, row_E, slot_E, settings, mask)
 
   def _insert_entries(
@@ -537,31 +539,32 @@ class SlotFunctions:
 
   def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
     """See `SlotBackend.sample_rows`: one compiled program per bucket, masked or not."""
-    return self._sample(logits, table, rows_B, self.mask(allowed_BxW, len(rows_B)))
+    return self._sample(logits, table, rows_B, self.mask(allowed_BxW, (len(rows_B),)))
 
-  def mask(self, allowed_NxW, n: int, split: bool = True) -> jax.Array:
-    """A call's mask input over n rows (int32 [n, W]), placed as the call takes it (split: over the slot
-    axis, as the bucket's logits; else replicated): the host's allowed_NxW, or for None a cached device
-    array of all ones, so a step without constrained rows copies nothing to the device. Both are committed
-    alike, so they share one compiled program."""
-    where = self.mask_shape(n, split).sharding
-    if allowed_NxW is None:
-      if (n, split) not in self._all_ones:
-        self._all_ones[(n, split)] = jax.device_put(np.full((n, self.words), -1, np.int32), where)
-      return self._all_ones[(n, split)]
-    if np.shape(allowed_NxW) != (n, self.words):
-      raise ValueError(f"a mask of shape {np.shape(allowed_NxW)} for {n} rows: expected ({n}, {self.words}).")
-    return jax.device_put(np.asarray(allowed_NxW, np.int32), where)
+  def mask(self, allowed, rows: tuple[int, ...], split: bool = True) -> jax.Array:
+    """A call's mask input, int32 [*rows, W] (a row per entry or slot, [B, K + 1] per verified position),
+    placed as the call takes it (split: over the slot axis, as the bucket's logits; else replicated): the
+    host's `allowed`, or for None a cached device array of all ones, so a call without constrained rows
+    copies nothing to the device. Both are committed alike, so they share one compiled program."""
+    want = self.mask_shape(rows, split)
+    if allowed is None:
+      if (rows, split) not in self._all_ones:
+        self._all_ones[(rows, split)] = jax.device_put(np.full(want.shape, -1, np.int32), want.sharding)
+      return self._all_ones[(rows, split)]
+    if np.shape(allowed) != want.shape:
+      raise ValueError(f"a mask of shape {np.shape(allowed)}: expected {want.shape} (rows, then W words).")
+    return jax.device_put(np.asarray(allowed, np.int32), want.sharding)
 
-  def mask_shape(self, n: int, split: bool = True) -> jax.ShapeDtypeStruct:
+  def mask_shape(self, rows: tuple[int, ...], split: bool = True) -> jax.ShapeDtypeStruct:
     """The mask input's shape, dtype and placement (see `mask`)."""
+    shape = (*rows, self.words)
     if self.mesh is None:
       where: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     elif split:
-      where = sharding.batch_shardings(jax.ShapeDtypeStruct((n, self.words), jnp.int32), self.mesh)
+      where = sharding.batch_shardings(jax.ShapeDtypeStruct(shape, jnp.int32), self.mesh)
     else:
       where = sharding.replicated(self.mesh)
-    return jax.ShapeDtypeStruct((n, self.words), jnp.int32, sharding=where)
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=where)
 
   # ---- a bucket of rows: gathered from the table by index, written back in place ----
 
@@ -687,7 +690,7 @@ class SlotFunctions:
     emitted = jnp.minimum(first_end + 1, steps)
     return self._write_back(table, rows_B, sub), StepsOutput(emitted=emitted, steps=out).pack()
 
-  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
     """Advance slots rows_B (`step_rows`; None: every slot) by 1 … K + 1 tokens in one pass: each one's next input and its
     first n_drafts_B[b] drafted tokens (drafts_BxK[b, :n]; the rest of the row is ignored, n = 0 makes the
     call one generate step for that slot) go through the model together, each position samples the token
@@ -695,16 +698,19 @@ class SlotFunctions:
     that token does not end the slot). Each slot emits its accepted drafts + 1 tokens, those that as many
     `generate` calls would have produced (the same draws; the logits equal up to fp32 rounding, the chunk
     form's against the recurrence's, so a near-tie may be chosen otherwise), and its state is committed at
-    that length (laplace_jax.speculative). Returns (table, packed StepsOutput over the B rows;
+    that length (laplace_jax.speculative). Position j samples among the tokens allowed_BxTxW[b, j] allows
+    (host int32 [B, K + 1, W]: what the slot's grammar allows after its first j drafts; None: all), so a
+    draft its grammar forbids is never accepted. Returns (table, packed StepsOutput over the B rows;
     StepsOutput.unpack(out, K + 1)).
 
     Slots of models with attention layers need K + 1 free rows in their KV cache (the engine verifies
     only then): a row that would outgrow it gets NaN logits, as in decode."""
     rows_B = self.every_row if rows_B is None else rows_B
+    mask = self.mask(allowed_BxTxW, (len(rows_B), np.shape(drafts_BxK)[1] + 1))
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-      return self._verify(params, table, rows_B, drafts_BxK, n_drafts_B)
+      return self._verify(params, table, rows_B, drafts_BxK, n_drafts_B, mask)
 
-  def _verify_drafts(self, params, table: SlotTable, rows_B, drafts_SxK, n_drafts_S):
+  def _verify_drafts(self, params, table: SlotTable, rows_B, drafts_SxK, n_drafts_S, allowed_SxTxW):
     sub = self._rows(table, rows_B)  # S below: the bucket's B slots
     S, K = drafts_SxK.shape
     T = K + 1
@@ -717,7 +723,10 @@ class SlotFunctions:
     index_SxT = sub.last_output_index[:, None] + 1 + jnp.arange(T)[None, :]
     st = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), sub.settings)  # each slot's settings, T times
     index = index_SxT.reshape(-1)
-    tok = self.sample(flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi)
+    allowed = allowed_SxTxW.reshape(S * T, -1)
+    tok = self.sample(
+      flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi, allowed_SxW=allowed
+    )
     done = _done(tok, index, st.max_tokens, st.stop_ids)
     tok_SxT, done_SxT = tok.reshape(S, T), done.reshape(S, T)
     agree = (tok_SxT[:, :K] == drafts_SxK) & real_SxK & ~done_SxT[:, :K]

@@ -317,6 +317,31 @@ class FakeSlots:
     self._put(table, rows, dataclasses.replace(sub, tokens=tok, last_output_index=index))
     return table, self._output(logits, tok, index, sub.settings).pack()
 
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
+    """As SlotFunctions.verify: each row runs its next input and its drafts while each position's token
+    (sampled as the next single step would, under allowed_BxTxW[:, j]) equals the draft there and does not
+    end it; its state is left after the tokens it emits."""
+    del params
+    self.calls["verify"] = self.calls.get("verify", 0) + 1
+    rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
+    self._count_masked(None if allowed_BxTxW is None else np.asarray(allowed_BxTxW).reshape(-1, self.words))
+    drafts, n_drafts = np.asarray(drafts_BxK), np.asarray(n_drafts_B)
+    table = jax.tree.map(np.array, table)
+    sub = self._take(table, rows)
+    (S, K), outs = drafts.shape, []
+    live, emitted = np.ones(S, bool), np.zeros(S, np.int32)
+    for j in range(K + 1):
+      step, out = self._step(
+        sub, allowed_SxW=None if allowed_BxTxW is None else np.asarray(allowed_BxTxW)[:, j]
+      )
+      sub = jax.tree.map(lambda new, old, axis: _keep(~live, new, old, axis), step, sub, self._axes())
+      outs.append(out)
+      emitted += live
+      live = live & (j < n_drafts) & (out.token == drafts[:, min(j, K - 1)]) & ~out.done
+    self._put(table, rows, sub)
+    steps = jax.tree.map(lambda *x: np.stack(x, 1), *outs)
+    return table, StepsOutput(emitted=emitted, steps=steps).pack()
+
   def _axes(self) -> SlotTable:
     return SlotTable(
       model=self.axes,
@@ -344,13 +369,13 @@ class FakeSlots:
     first_end = np.where(out.done, np.arange(steps)[None], steps).min(1)
     return table, StepsOutput(emitted=np.minimum(first_end + 1, steps), steps=out).pack()
 
-  def _step(self, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
+  def _step(self, table: SlotTable, greedy: bool = False, allowed_SxW=None) -> tuple[SlotTable, StepOutput]:
     h = consume(table.model.conv[0, :, 0, 0], table.tokens)
     index = table.last_output_index + 1
     s = table.settings
     if greedy:  # as SlotFunctions: argmax for every slot (a sampled request would get other tokens)
       s = dataclasses.replace(s, temperature=np.zeros_like(s.temperature))
-    tok = sample(h, s, index, self.valid_vocab)
+    tok = sample(h, s, index, self.valid_vocab, allowed_SxW)
     new = SlotTable(
       model=DecodeState(pos=table.model.pos + 1, conv=h.reshape(1, -1, 1, 1)),
       tokens=tok,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import serve_fixtures as sf
-from fake_slots import FakeSlots, reference
+from fake_slots import reference
 from serve_fixtures import GPT2_VOCAB, KEY, call
 
 from benchmarks.openai_tools_check import ADD, FUNCTIONS, SCHEMA, WEATHER, check_calls, check_json, validate
@@ -110,38 +110,38 @@ def test_constrained_slots_take_single_steps_and_free_ones_go_on_with_several():
   assert free.progress.output_ids == reference([6, 77, 301], 40, GPT2_VOCAB, temperature=0.9, top_k=1, seed=1)
 
 
-def test_constrained_slots_are_never_verified(monkeypatch):
-  eng = Engine(  # not warmed up: the fake has no verify
-    None,
-    sf.get_config("tiny"),
-    valid_vocab=GPT2_VOCAB,
-    make_slots=FakeSlots,
-    n_slots=4,
-    prefill_batch=2,
-    max_queue=8,
-    speculative_tokens=2,
-    speculative_rule="always",
-  )
-  verified = []
+def test_verified_drafts_follow_the_grammar():
+  """Speculative decoding with per-position masks gives a constrained reply the tokens it gets without it: a
+  prediction of that reply with a token its grammar forbids is taken up to that token, never past it."""
 
-  def verify(*args, **kw):
-    verified.append(args)
-    raise RuntimeError("verify")  # the fake has no verify: a free request with drafts gets here
+  def run(speculative: bool, prediction=()):
+    eng = sf.fake_engine(
+      n_slots=4,
+      prefill_batch=2,
+      max_queue=8,
+      speculative_tokens=3 if speculative else 0,
+      speculative_rule="always",
+    )
+    r = Request(
+      prompt_ids=[2],
+      max_tokens=200,
+      temperature=1.0,
+      seed=3,
+      stop_ids=[EOS_ID],
+      prediction_ids=prediction,
+      constraint=matcher("json_schema", schema=SCHEMA),
+    )
+    free = Request(prompt_ids=[8], max_tokens=8, prediction_ids=reference([8], 8, GPT2_VOCAB))
+    eng.generate([r, free])
+    assert free.progress.output_ids == reference([8], 8, GPT2_VOCAB)
+    return eng, r.progress.output_ids
 
-  monkeypatch.setattr(eng.fns, "verify", verify, raising=False)
-  r = Request(
-    prompt_ids=[2],
-    max_tokens=200,
-    stop_ids=[EOS_ID],
-    prediction_ids=get_tokenizer().encode('{"a": 1, "b": 2}'),
-    constraint=matcher("json_schema", schema=ADD),
-  )
-  eng.generate([r])
-  assert not verified and r.progress.finish_reason == "stop"
-  check_json(text_of(r), ADD)
-  with pytest.raises(RuntimeError, match="verify"):
-    eng.generate([Request(prompt_ids=[2], max_tokens=8, prediction_ids=reference([2], 8, GPT2_VOCAB))])
-  assert verified
+  _, plain = run(False)
+  check_json(get_tokenizer().decode(plain[:-1]), SCHEMA)
+  newline = get_tokenizer().encode("\n")[0]  # never allowed in strict JSON without flexible whitespace
+  eng, got = run(True, plain[:6] + [newline] + plain[7:])
+  assert got == plain
+  assert eng.stats["accepted_tokens"] >= 7 + 5  # the free request's at most 7, the constrained one's too
 
 
 def test_a_constrained_request_needs_its_stop_id():

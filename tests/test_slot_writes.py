@@ -39,7 +39,7 @@ def test_insert_moves_the_slot_rows_not_the_table():
       np.array([0, 1], np.int32),
       np.array([3, slots], np.int32),
       host_settings([], prefill_batch, 4),
-      fns.mask_shape(prefill_batch, split=False),
+      fns.mask_shape((prefill_batch,), split=False),
     )
   )
   layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(table.model)) // cfg.n_layers
