@@ -34,6 +34,8 @@ docs/BENCHMARKS.md, "What sampling costs".
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -145,11 +147,23 @@ def masked(x_SxV, allowed_SxW):
   return jnp.where(bits.reshape(S, W * 32)[:, :V] != 0, x_SxV, -jnp.inf)
 
 
-def argmax_rows(x_SxV, valid: int, allowed_SxW=None):
+def all_allowed(allowed_SxW):
+  """Whether every row of a bitmask allows every token (no row is constrained): a pass over its words."""
+  return (allowed_SxW == -1).all()
+
+
+def argmax_rows(x_SxV, valid: int, allowed_SxW=None, branch_free: bool | None = None):
   """argmax over the first `valid` columns (first maximum), among the tokens `allowed_SxW` allows (int32
-  [S, W] bitmask, see `masked`; None: all). A plain max over contiguous blocks of the raw
-  logits, then the first maximum inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a
-  fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms; elsewhere it is no slower."""
+  [S, W] bitmask, see `masked`; None: all; all ones: the unmasked path, as in `sample`). A plain max over
+  contiguous blocks of the raw logits, then the first maximum inside the winning block: on a CPU, XLA's
+  argmax (or any reduce fed by a fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms;
+  elsewhere it is no slower."""
+  if allowed_SxW is not None and not (branch_free_default() if branch_free is None else branch_free):
+    return jax.lax.cond(
+      all_allowed(allowed_SxW),
+      lambda: argmax_rows(x_SxV, valid, None, True),
+      lambda: argmax_rows(x_SxV, valid, allowed_SxW, True),
+    )
   xb, block_max = _blocked(masked(x_SxV, allowed_SxW), valid)
   return _argmax_blocked(xb, block_max, valid)
 
@@ -409,9 +423,23 @@ def sample(
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only).
   allowed_SxW: int32 [S, W] per-row bitmask of the tokens a row may produce (`masked`; all ones: free,
   None: no mask): every path samples the settings' distribution renormalised over the allowed tokens (a row
-  must allow at least one)."""
+  must allow at least one). A batch whose rows all allow every token takes the unmasked sampler (a cond,
+  unless branch_free): where the logits come in as an argument, as in the engine's sampling call, the mask
+  costs a pass of its own over them (docs/BENCHMARKS.md, "Constrained decoding")."""
   if branch_free is None:
     branch_free = branch_free_default()
+  rows = functools.partial(
+    _sample, logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, valid_vocab, seed_hi_S, branch_free
+  )
+  if allowed_SxW is None or branch_free:
+    return rows(allowed_SxW)
+  return jax.lax.cond(all_allowed(allowed_SxW), lambda: rows(None), lambda: rows(allowed_SxW))
+
+
+def _sample(
+  logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, valid_vocab, seed_hi_S, branch_free, allowed_SxW
+):
+  """`sample`'s body (branch_free decided)."""
   S = logits_SxV.shape[0]
   x = masked(logits_SxV.astype(F32), allowed_SxW)
   xb, block_max = _blocked(x, valid_vocab)
