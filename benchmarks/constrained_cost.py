@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.openai_tools_check import SCHEMA
-from benchmarks.serve_bench_common import laplace_params
+from benchmarks.serve_bench_common import laplace_params, timed_steps
 from laplace_jax.config import get_config
 from laplace_jax.tokenizer import EOS_ID, VOCAB_SIZE
 from serve import grammar
@@ -52,27 +52,11 @@ def time_per_token(engine: Engine, n_free: int, n_constrained: int, steps: int, 
 
   kinds = [False] * n_free + [True] * n_constrained
   reqs = [request(k) for k in rng.permutation(kinds)]
-  for r in reqs:
-    engine.submit(r)
-  while engine.queue or engine.prefill is not None:  # admission: every prompt prefilled and inserted
-    engine.step()
-  engine.step()
-  engine.read_back_all()  # the timed window starts and ends with nothing in flight
-  before = [len(r.progress.output_ids) for r in reqs]
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    engine.step()
-  engine.read_back_all()
-  elapsed = time.perf_counter() - t0
-  made = [len(r.progress.output_ids) - b for r, b in zip(reqs, before)]
-  assert all(r.progress.finish_reason is None for r in reqs), "a request ended inside the timed window"
+  elapsed, made = timed_steps(engine, reqs, steps)
   out = []
   for k in (False, True):
     n = [m for m, r in zip(made, reqs) if (r.constraint is not None) == k]
     out.append(elapsed / (sum(n) / len(n)) if n else None)
-  for r in reqs:
-    engine.cancel(r)
-  engine.run_until_idle()
   return out
 
 

@@ -25,6 +25,11 @@ def matcher(kind: str, **kw) -> grammar.Matcher:
   return COMPILER.compile_now(grammar.Constraint(kind=kind, strict=True, **kw)).matcher()
 
 
+def constrained(prompt_ids, m: grammar.Matcher, **kw) -> Request:
+  """A request whose output m constrains (its stop id among its stop ids, room for its grammar to end)."""
+  return Request(prompt_ids=prompt_ids, **{"max_tokens": 200, "stop_ids": [EOS_ID], "constraint": m, **kw})
+
+
 def text_of(r: Request) -> str:
   ids = r.progress.output_ids
   return get_tokenizer().decode(ids[:-1] if ids and ids[-1] == EOS_ID else ids)
@@ -56,25 +61,12 @@ def test_constrained_and_free_requests_share_the_steps():
   eng = sf.fake_engine(n_slots=8, prefill_batch=2, max_queue=64)
   free = [Request(**_free(i)) for i in range(5)]
   schema = [
-    Request(
-      prompt_ids=[9, i],
-      max_tokens=200,
-      temperature=t,
-      seed=i,
-      stop_ids=[EOS_ID],
-      constraint=matcher("json_schema", schema=SCHEMA),
-    )
+    constrained([9, i], matcher("json_schema", schema=SCHEMA), temperature=t, seed=i)
     for i, t in enumerate((0.0, 1.0))
   ]
-  calls = Request(
-    prompt_ids=[4],
-    max_tokens=200,
-    temperature=1.0,
-    seed=7,
-    stop_ids=[EOS_ID],
-    constraint=matcher("tools", tools=TOOLS, choice="required", parallel=False, lead=" "),
-  )
-  cut = Request(prompt_ids=[3], max_tokens=4, stop_ids=[EOS_ID], constraint=matcher("json_object"))
+  tools = matcher("tools", tools=TOOLS, choice="required", parallel=False, lead=" ")
+  calls = constrained([4], tools, temperature=1.0, seed=7)
+  cut = constrained([3], matcher("json_object"), max_tokens=4)
   eng.generate([free[0], schema[0], free[1], calls, free[2], schema[1], free[3], cut, free[4]])
   for i, r in enumerate(free):  # the tokens each gets alone, unchanged by its constrained neighbours
     f = _free(i)
@@ -98,9 +90,7 @@ def test_constrained_slots_take_single_steps_and_free_ones_go_on_with_several():
   eng.generate([Request(prompt_ids=[1], max_tokens=9)])
   assert 4 in eng.fns.steps_run
   eng.fns.steps_run.clear()
-  r = Request(
-    prompt_ids=[2], max_tokens=200, stop_ids=[EOS_ID], constraint=matcher("json_schema", schema=WEATHER)
-  )
+  r = constrained([2], matcher("json_schema", schema=WEATHER))
   free = Request(**_free(1, 40))
   eng.generate([r, free])
   check_json(text_of(r), WEATHER)
@@ -122,14 +112,8 @@ def test_verified_drafts_follow_the_grammar():
       speculative_tokens=3 if speculative else 0,
       speculative_rule="always",
     )
-    r = Request(
-      prompt_ids=[2],
-      max_tokens=200,
-      temperature=1.0,
-      seed=3,
-      stop_ids=[EOS_ID],
-      prediction_ids=prediction,
-      constraint=matcher("json_schema", schema=SCHEMA),
+    r = constrained(
+      [2], matcher("json_schema", schema=SCHEMA), temperature=1.0, seed=3, prediction_ids=prediction
     )
     free = Request(prompt_ids=[8], max_tokens=8, prediction_ids=reference([8], 8, GPT2_VOCAB))
     eng.generate([r, free])
@@ -206,15 +190,7 @@ def test_a_real_engine_constrained_reply_validates_with_random_weights():
   cfg, params = sf.tiny(0)
   eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, n_slots=2, prefill_batch=2, max_queue=4, state_cache=None)
   reqs = [
-    Request(
-      prompt_ids=[11, 12],
-      max_tokens=120,
-      temperature=t,
-      seed=1,
-      stop_ids=[EOS_ID],
-      constraint=matcher("json_schema", schema=SCHEMA),
-    )
-    for t in (0.0, 1.0)
+    constrained([11, 12], matcher("json_schema", schema=SCHEMA), temperature=t, seed=1) for t in (0.0, 1.0)
   ]
   eng.generate(reqs)
   for r in reqs:
