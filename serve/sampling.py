@@ -34,8 +34,6 @@ docs/BENCHMARKS.md, "What sampling costs".
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -147,11 +145,6 @@ def masked(x_SxV, allowed_SxW):
   return jnp.where(bits.reshape(S, W * 32)[:, :V] != 0, x_SxV, -jnp.inf)
 
 
-def all_allowed(allowed_SxW):
-  """Whether every row of a bitmask allows every token (no row is constrained): a pass over its words."""
-  return (allowed_SxW == -1).all()
-
-
 def argmax_rows(x_SxV, valid: int, allowed_SxW=None, branch_free: bool | None = None):
   """argmax over the first `valid` columns (first maximum), among the tokens `allowed_SxW` allows (int32
   [S, W] bitmask, see `masked`; None: all; all ones: the unmasked path, as in `sample`). A plain max over
@@ -160,7 +153,7 @@ def argmax_rows(x_SxV, valid: int, allowed_SxW=None, branch_free: bool | None = 
   elsewhere it is no slower."""
   if allowed_SxW is not None and not (branch_free_default() if branch_free is None else branch_free):
     return jax.lax.cond(
-      all_allowed(allowed_SxW),
+      (allowed_SxW == -1).all(),
       lambda: argmax_rows(x_SxV, valid, None, True),
       lambda: argmax_rows(x_SxV, valid, allowed_SxW, True),
     )
@@ -423,17 +416,34 @@ def sample(
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only).
   allowed_SxW: int32 [S, W] per-row bitmask of the tokens a row may produce (`masked`; all ones: free,
   None: no mask): every path samples the settings' distribution renormalised over the allowed tokens (a row
-  must allow at least one). A batch whose rows all allow every token takes the unmasked sampler (a cond,
-  unless branch_free): where the logits come in as an argument, as in the engine's sampling call, the mask
-  costs a pass of its own over them (docs/BENCHMARKS.md, "Constrained decoding")."""
+  must allow at least one). Where the logits come in as an argument, as in the engine's sampling call,
+  masking costs a pass of its own over them (docs/BENCHMARKS.md, "Constrained decoding"), so unless
+  branch_free a batch whose rows all allow every token takes the unmasked sampler, and one with at most
+  ROW_BUCKETS[-1] constrained rows samples every row unmasked and those rows again, masked and gathered (a
+  row's token depends on its own row alone: the same tokens)."""
   if branch_free is None:
     branch_free = branch_free_default()
-  rows = functools.partial(
-    _sample, logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, valid_vocab, seed_hi_S, branch_free
-  )
+  args = (logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, seed_hi_S)
+  rows = lambda args, allowed: _sample(*args[:6], valid_vocab, args[6], branch_free, allowed)
   if allowed_SxW is None or branch_free:
-    return rows(allowed_SxW)
-  return jax.lax.cond(all_allowed(allowed_SxW), lambda: rows(None), lambda: rows(allowed_SxW))
+    return rows(args, allowed_SxW)
+  S = logits_SxV.shape[0]
+  constrained_S = (allowed_SxW != -1).any(-1)
+
+  def few(H):
+    _, idx = jax.lax.top_k(jnp.where(constrained_S, S - jnp.arange(S), 0), H)  # constrained rows first
+    tok = rows(jax.tree.map(lambda a: None if a is None else a[idx], args), allowed_SxW[idx])
+    return rows(args, None).at[idx].set(tok, mode="promise_in_bounds")
+
+  def bucketed(buckets):
+    if not buckets:
+      return rows(args, allowed_SxW)
+    return jax.lax.cond(
+      constrained_S.sum() <= buckets[0], lambda: few(buckets[0]), lambda: bucketed(buckets[1:])
+    )
+
+  none = lambda: rows(args, None)
+  return jax.lax.cond(constrained_S.any(), lambda: bucketed([H for H in ROW_BUCKETS if H < S]), none)
 
 
 def _sample(
