@@ -429,11 +429,12 @@ def sample(
     return rows(args, allowed_SxW)
   S = logits_SxV.shape[0]
   constrained_S = (allowed_SxW != -1).any(-1)
+  free = rows(args, None)  # outside any cond: inside one, XLA:CPU runs the sampler measurably slower
 
   def few(H):
     _, idx = jax.lax.top_k(jnp.where(constrained_S, S - jnp.arange(S), 0), H)  # constrained rows first
     tok = rows(jax.tree.map(lambda a: None if a is None else a[idx], args), allowed_SxW[idx])
-    return rows(args, None).at[idx].set(tok, mode="promise_in_bounds")
+    return free.at[idx].set(tok, mode="promise_in_bounds")
 
   def bucketed(buckets):
     if not buckets:
@@ -442,8 +443,7 @@ def sample(
       constrained_S.sum() <= buckets[0], lambda: few(buckets[0]), lambda: bucketed(buckets[1:])
     )
 
-  none = lambda: rows(args, None)
-  return jax.lax.cond(constrained_S.any(), lambda: bucketed([H for H in ROW_BUCKETS if H < S]), none)
+  return jax.lax.cond(constrained_S.any(), lambda: bucketed([H for H in ROW_BUCKETS if H < S]), lambda: free)
 
 
 def _sample(
