@@ -429,12 +429,11 @@ def sample(
     return rows(args, allowed_SxW)
   S = logits_SxV.shape[0]
   constrained_S = (allowed_SxW != -1).any(-1)
-  free = rows(args, None)  # outside any cond: inside one, XLA:CPU runs the sampler measurably slower
 
   def few(H):
     _, idx = jax.lax.top_k(jnp.where(constrained_S, S - jnp.arange(S), 0), H)  # constrained rows first
     tok = rows(jax.tree.map(lambda a: None if a is None else a[idx], args), allowed_SxW[idx])
-    return free.at[idx].set(tok, mode="promise_in_bounds")
+    return rows(args, None).at[idx].set(tok, mode="promise_in_bounds")
 
   def bucketed(buckets):
     if not buckets:
@@ -443,7 +442,8 @@ def sample(
       constrained_S.sum() <= buckets[0], lambda: few(buckets[0]), lambda: bucketed(buckets[1:])
     )
 
-  return jax.lax.cond(constrained_S.any(), lambda: bucketed([H for H in ROW_BUCKETS if H < S]), lambda: free)
+  none = lambda: rows(args, None)
+  return jax.lax.cond(constrained_S.any(), lambda: bucketed([H for H in ROW_BUCKETS if H < S]), none)
 
 
 def _sample(
