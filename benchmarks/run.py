@@ -67,10 +67,16 @@ _ALL = [
   Workload("hf_export_memory", "hf_export_memory", "peak memory of the Hugging Face export and import"),
   Workload("occupancy", "occupancy", "time and bytes per step by live requests against the slot table"),
   Workload("sampling_cost", "sampling_cost", "time per token of each sampling setting against greedy"),
+  Workload(
+    "constrained_cost", "constrained_cost", "time per token of constrained requests against free ones"
+  ),
   # clients and robustness (the openai ones run from a venv that has `openai`)
   Workload("conversations", "conversations", "20-turn conversations through the openai client"),
   Workload("openai_chat_check", "openai_chat_check", "the openai client's chat calls against a server"),
   Workload("openai_responses_check", "openai_responses_check", "the openai client's Responses API"),
+  Workload(
+    "openai_tools_check", "openai_tools_check", "structured outputs and tool calls through the openai client"
+  ),
   Workload(
     "serve_robust_check", "serve_robust_check", "requests that could stop, freeze or flood the server"
   ),

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.serve_bench_common import laplace_params
+from benchmarks.serve_bench_common import laplace_params, timed_steps
 from laplace_jax.config import get_config
 from laplace_jax.tokenizer import VOCAB_SIZE
 from serve.engine import Engine, Request
@@ -59,22 +59,8 @@ def time_per_token(engine: Engine, c: int, setting, steps: int, rng) -> float:
     )
     for _ in range(c)
   ]
-  for r in reqs:
-    engine.submit(r)
-  while engine.queue or engine.prefill is not None:  # admission: every prompt prefilled and inserted
-    engine.step()
-  engine.step()
-  engine.read_back_all()  # the timed window starts and ends with nothing in flight
-  tok0, t0 = engine.stats["tokens"], time.perf_counter()
-  for _ in range(steps):
-    engine.step()
-  engine.read_back_all()
-  per_request = (engine.stats["tokens"] - tok0) / c
-  elapsed = time.perf_counter() - t0
-  for r in reqs:
-    engine.cancel(r)
-  engine.run_until_idle()
-  return elapsed / per_request
+  elapsed, made = timed_steps(engine, reqs, steps)
+  return elapsed / (sum(made) / c)
 
 
 def main():

@@ -174,6 +174,10 @@ class Engine:
   schedules, and meets the model only through the `SlotBackend` interface `make_slots` builds (by default
   `SlotFunctions`; tests pass a fake that needs no compile)."""
 
+  # A request's constraint (Request.constraint) masks every token it samples: the server's hook
+  # (Server.run_completion) serves constrained requests only from an engine that says so.
+  applies_constraints = True
+
   def __init__(
     self,
     params,
@@ -432,6 +436,11 @@ class Engine:
         f"stop ids {list(req.stop_ids)[:10]}: at most {self.fns.n_stop} per request, each in "
         f"[0, {self.valid_vocab})."
       )
+    if req.constraint is not None and req.constraint.stop_id not in req.stop_ids:
+      raise ValueError(
+        f"a constrained request must have its grammar's stop id {req.constraint.stop_id} among its stop "
+        f"ids (got {list(req.stop_ids)[:10]}): a reply its grammar ended samples it and ends there."
+      )
     if req.seed is not None and not 0 <= req.seed < 2**64:
       raise ValueError(f"seed={req.seed}: expected an integer in [0, 2**64).")
     if not isinstance(req.tenant, str) or not (req.cache_salt is None or isinstance(req.cache_salt, str)):
@@ -470,18 +479,27 @@ class Engine:
     self._advance_prefill()
     timed = self.stats["prefill_tokens"] == prefilled  # no prefill shares this step's time on the device
     dispatched = False
+    # While a live slot is constrained, no call of several steps (a token's mask depends on the tokens
+    # before it, read back from the call before).
+    constrained = any(r is not None and r.constraint is not None for r in self.slot_req)
     rows, drafts = self._drafts() if self.speculative_tokens and self.active_slots else (self._rows(), None)
     if len(rows):
       owners = tuple(self.slot_req[s] for s in rows)  # the call's row i runs slot rows[i]
       if drafts is None:
         # Several tokens a call only while no prompt waits for a slot: admission goes on between calls.
-        steps = 1 if self.queue or self.prefill is not None else self.decode_steps
+        steps = 1 if self.queue or self.prefill is not None or constrained else self.decode_steps
         greedy = steps > 1 and all(r is None or (r.temperature == 0 and r.logprobs is None) for r in owners)
-        self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
+        if constrained:
+          self.table, out = self._masked_step(rows)
+        else:
+          self.table, out = self.fns.generate(self.params, self.table, steps, greedy, rows_B=rows)
         self.pending.append(Pending("gen", out, owners, steps, step=self._gens, timed=timed))
       else:
         K = self.speculative_tokens
-        self.table, out = self.fns.verify(self.params, self.table, *drafts, rows_B=rows)
+        allowed = self._draft_masks(rows, *drafts)  # (may cut drafts: before the Pending records them)
+        self.table, out = self.fns.verify(
+          self.params, self.table, *drafts, rows_B=rows, allowed_BxTxW=allowed
+        )
         self.pending.append(Pending("verify", out, owners, K + 1, drafts[1], step=self._gens, timed=timed))
       self.stats["steps"] += 1
       self._gens += 1
@@ -492,6 +510,60 @@ class Engine:
     while self.pending and (len(self.pending) > 1 or not dispatched):
       self._read_back(self.pending.popleft())
     return not self.idle()
+
+  def _masked_step(self, rows: np.ndarray):
+    """One generate step whose sampling is masked: its decode is dispatched first, and while the device runs
+    it the host copies the calls before back, advances each constrained slot's matcher by the tokens it
+    emitted and fills its row of the mask; then the sampling call, and while it runs the host delivers
+    the calls before. Free rows allow every token."""
+    self.table, logits = self.fns.decode_rows(self.params, self.table, rows)
+    read = [(item, np.asarray(item.out)) for item in self.pending]  # each call's one host copy
+    self.pending.clear()
+    for item, packed in read:
+      self._advance_grammars(item, packed)
+    allowed_BxW = np.full((len(rows), self.fns.words), -1, np.int32)
+    for i, s in enumerate(rows):
+      r = self.slot_req[s]
+      if r is not None and r.constraint is not None:
+        r.constraint.fill(allowed_BxW[i])
+    self.table, out = self.fns.sample_rows(logits, self.table, rows, allowed_BxW)
+    for item, packed in read:
+      self._read_back(item, packed, advanced=True)
+    return self.table, out
+
+  def _advance_grammars(self, item: Pending, packed: np.ndarray):
+    """Advance the matcher of each constrained request in a call by the tokens it emitted there."""
+    emitted: list | None = None  # each entry's tokens
+    for i, r in enumerate(item.owners):
+      if r is not None and r.constraint is not None and r.progress.finish_reason is None:
+        if emitted is None:
+          if item.width == 1:
+            emitted = [[t] for t in StepOutput.unpack(packed).token.tolist()]
+          else:
+            multi = StepsOutput.unpack(packed, item.width)
+            emitted = [multi.tokens_of(s) for s in range(len(item.owners))]
+        self._advance_grammar(r, emitted[i])
+
+  def _draft_masks(self, rows: np.ndarray, drafts_BxK: np.ndarray, n_B: np.ndarray) -> np.ndarray | None:
+    """A verify's masks, int32 [B, K + 1, W] (None: no row is constrained): position j of a constrained
+    slot allows what its grammar allows after its first j drafts (its matcher advanced through them, then
+    rolled back). Its drafts are cut (n_B, in place) before the first its grammar forbids, which could
+    never be accepted. The calls before are read back (drafting did)."""
+    reqs = [self.slot_req[s] for s in rows]
+    if not any(r is not None and r.constraint is not None for r in reqs):
+      return None
+    allowed = np.full((len(rows), drafts_BxK.shape[1] + 1, self.fns.words), -1, np.int32)
+    for i, r in enumerate(reqs):
+      if r is None or r.constraint is None:
+        continue
+      m, n = r.constraint, 0
+      m.fill(allowed[i, 0])
+      while n < n_B[i] and m.advance([int(drafts_BxK[i, n])]) == 1:
+        n += 1
+        m.fill(allowed[i, n])
+      m.rollback(n)
+      n_B[i] = n
+    return allowed
 
   def read_back_all(self):
     """Read back every call in flight: the host then holds every token dispatched so far (the engine's
@@ -714,6 +786,12 @@ class Engine:
         for _, _, m in part
       ]
       settings = host_settings(rows, E, self.fns.n_stop)
+      allowed_ExW = None  # each entry's first token: its matcher's first mask
+      if any(m.constraint is not None and slot is not None for _, slot, m in part):
+        allowed_ExW = np.full((E, self.fns.words), -1, np.int32)
+        for j, (_, slot, m) in enumerate(part):
+          if m.constraint is not None and slot is not None:
+            m.constraint.fill(allowed_ExW[j])
       row_idx = np.zeros((E,), np.int32)
       slot_idx = np.full((E,), self.n_slots, np.int32)  # >= n_slots: dropped
       owners = []
@@ -733,7 +811,9 @@ class Engine:
           if m.progress.finish_reason is None:
             self._finish(m, "length")
             done.append(Delivery(m, [], "length"))
-      self.table, out = self.fns.insert(self.params, self.table, pf.state, row_idx, slot_idx, settings)
+      self.table, out = self.fns.insert(
+        self.params, self.table, pf.state, row_idx, slot_idx, settings, allowed_ExW
+      )
       self.pending.append(Pending("insert", out, tuple(owners)))
     self.prefill = None
     if done:
@@ -761,8 +841,11 @@ class Engine:
       for m in self._members(r):
         m.progress.prompt_logprobs = out
 
-  def _read_back(self, item: Pending):
-    packed = np.asarray(item.out)  # the one device-to-host copy of this call
+  def _read_back(self, item: Pending, packed: np.ndarray | None = None, advanced: bool = False):
+    """Deliver a call's tokens (packed: its host copy, else made here; advanced: its constrained requests'
+    matchers have taken them already)."""
+    if packed is None:
+      packed = np.asarray(item.out)  # the one device-to-host copy of this call
     now = time.perf_counter()
     if self.speculative_tokens and item.kind != "insert":
       per_call = item.width if item.kind == "gen" else 1
@@ -789,6 +872,8 @@ class Engine:
         if r.logprobs is not None:
           p.token_logprobs.extend(steps.logprobs_of((i, j)) for j in range(n))
       p.output_ids.extend(toks)
+      if r.constraint is not None and not advanced:
+        self._advance_grammar(r, toks)
       if p.first_token_at is None:
         p.first_token_at = now
       if r.prediction_ids:
@@ -820,6 +905,15 @@ class Engine:
       self._rate.popleft()
     if deliveries:
       self.on_deliver(deliveries)
+
+  @staticmethod
+  def _advance_grammar(r: Request, toks: list[int]):
+    """Advance r's matcher by the tokens it emitted (each sampled under its mask; a grammar that has ended
+    takes no more, not even the stop id it allowed)."""
+    assert r.constraint is not None
+    taken = r.constraint.advance(toks)
+    if any(t != r.constraint.stop_id for t in toks[taken:]):
+      log.warning("request %d: its grammar refused tokens %s it was masked for", r.id, toks[taken:])
 
   def _count_drafts(self, p: Progress, item: Pending, i: int, n: int):
     """A verify call fed slot i's state n tokens at once (as n - 1 more steps would have) and took n - 1 of

@@ -3,15 +3,14 @@ shapes with the choices made on the target, and checked by laplace_jax.neuron_ch
 
 The programs are the jitted functions of `serve.slots.SlotFunctions` as the engine calls them: the slot table
 and prefill batch made at start, a prefill chunk (plain and scored for echo/logprobs), insert (first token
-sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows),
+sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows;
+insert and sampling take each row's allowed-token bitmask),
 the generate of several steps and the verify where the engine runs them (each once per bucket of rows), and the state cache's gathers (from
 the slot table and from a prefill batch) and restore. No weights or states are materialised: laplace-3b with
 1,280 slots on 64 simulated devices lowers on a laptop-class CPU.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ def abstract_params(cfg, mesh, dtype: str = PARAMS_DTYPES[0]):
 def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode_steps: int = 1) -> dict:
   """{program name: jax Lowered} for every function the engine compiles, from abstract arguments (verify:
   with speculative_tokens K > 0, for K drafts per slot; the generate of several steps with decode_steps > 1)."""
-  cfg, P, C = fns.cfg, fns.prefill_batch, fns.cfg.chunk_size
+  P, C = fns.prefill_batch, fns.cfg.chunk_size
   mesh = fns.mesh
   rep = None if mesh is None else sharding.replicated(mesh)
   table = _sds(jax.eval_shape(fns._empty_table), fns.table_shardings)
@@ -47,31 +46,18 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
   settings = _sds(jax.tree.map(np.asarray, host_settings([], P, fns.n_stop)), rep)
   rows = jax.eval_shape(fns._gather, pf.model, i32(P))
-  under_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)  # as SlotFunctions.generate
-  optional = {}
-  with under_mesh:
-    for B in fns.buckets:  # each bucket of rows its own programs (the whole table is the last)
-      logits = jax.ShapeDtypeStruct(
-        (B, cfg.vocab_size),
-        jnp.float32,
-        sharding=None
-        if mesh is None
-        else sharding.batch_shardings(jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32), mesh),
-      )
-      at = f"_b{B}"  # B rows
-      optional[f"decode{at}"] = fns._decode.lower(params, table, i32(B))
-      optional[f"sample{at}"] = fns._sample.lower(logits, table, i32(B))
-      if speculative_tokens:
-        optional[f"verify{at}"] = fns._verify.lower(params, table, i32(B), i32(B, speculative_tokens), i32(B))
-      if decode_steps > 1:
-        for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
-          optional[f"{name}{at}"] = fns._generate_steps.lower(params, table, i32(B), decode_steps, greedy)
+  programs = fns.bucket_programs(
+    params, table, decode_steps=decode_steps, speculative_tokens=speculative_tokens, rows_sharding=rep
+  )
+  optional = {f"{name}_b{B}": lowered for (name, B), lowered in programs.items()}  # B rows
   return optional | {
     "empty_table": fns.empty_table.lower(),
     "empty_prefill": fns.empty_prefill.lower(),
     "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
     "prefill_chunk_scored": fns.prefill_chunk_scored.lower(params, pf, i32(P, C), i32(P)),
-    "insert": fns.insert.lower(params, table, pf, i32(P), i32(P), settings),
+    "insert": fns._insert.lower(
+      params, table, pf, i32(P), i32(P), settings, fns.mask_shape((P,), split=False)
+    ),
     "gather_slots": fns.gather.lower(table.model, i32(P)),
     "gather_prefill": fns.gather.lower(pf.model, i32(P)),
     "load_prefill": fns.load_prefill.lower(_sds(rows)),

@@ -145,11 +145,18 @@ def masked(x_SxV, allowed_SxW):
   return jnp.where(bits.reshape(S, W * 32)[:, :V] != 0, x_SxV, -jnp.inf)
 
 
-def argmax_rows(x_SxV, valid: int, allowed_SxW=None):
+def argmax_rows(x_SxV, valid: int, allowed_SxW=None, branch_free: bool | None = None):
   """argmax over the first `valid` columns (first maximum), among the tokens `allowed_SxW` allows (int32
-  [S, W] bitmask, see `masked`; None: all). A plain max over contiguous blocks of the raw
-  logits, then the first maximum inside the winning block: on a CPU, XLA's argmax (or any reduce fed by a
-  fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms; elsewhere it is no slower."""
+  [S, W] bitmask, see `masked`; None: all; all ones: the unmasked path, as in `sample`). A plain max over
+  contiguous blocks of the raw logits, then the first maximum inside the winning block: on a CPU, XLA's
+  argmax (or any reduce fed by a fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms;
+  elsewhere it is no slower."""
+  if allowed_SxW is not None and not (branch_free_default() if branch_free is None else branch_free):
+    return jax.lax.cond(
+      (allowed_SxW == -1).all(),
+      lambda: argmax_rows(x_SxV, valid, None, True),
+      lambda: argmax_rows(x_SxV, valid, allowed_SxW, True),
+    )
   xb, block_max = _blocked(masked(x_SxV, allowed_SxW), valid)
   return _argmax_blocked(xb, block_max, valid)
 
@@ -409,9 +416,25 @@ def sample(
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only).
   allowed_SxW: int32 [S, W] per-row bitmask of the tokens a row may produce (`masked`; all ones: free,
   None: no mask): every path samples the settings' distribution renormalised over the allowed tokens (a row
-  must allow at least one)."""
+  must allow at least one). Where the logits come in as an argument, as in the engine's sampling call,
+  masking costs a pass of its own over them (docs/BENCHMARKS.md, "Constrained decoding"), so unless
+  branch_free a batch whose rows all allow every token takes the unmasked sampler (a row's token depends on
+  its own row alone: the same tokens either way). The engine's steps run only the live rows, so a few
+  constrained requests are a small batch."""
   if branch_free is None:
     branch_free = branch_free_default()
+  args = (logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, seed_hi_S)
+  rows = lambda allowed: _sample(*args[:6], valid_vocab, args[6], branch_free, allowed)
+  if allowed_SxW is None or branch_free:
+    return rows(allowed_SxW)
+  constrained = (allowed_SxW != -1).any()
+  return jax.lax.cond(constrained, lambda: rows(allowed_SxW), lambda: rows(None))
+
+
+def _sample(
+  logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, valid_vocab, seed_hi_S, branch_free, allowed_SxW
+):
+  """`sample`'s body (branch_free decided)."""
   x = masked(logits_SxV.astype(F32), allowed_SxW)
   xb, block_max = _blocked(x, valid_vocab)
   greedy = _argmax_blocked(xb, block_max, valid_vocab)

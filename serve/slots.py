@@ -189,6 +189,7 @@ class SlotBackend(Protocol):
   n_devices: int  # the slot axis is split over this many devices, in equal runs of slots
   prefill_batch: int
   n_stop: int  # stop ids per slot (SlotSettings.stop_ids' width)
+  words: int  # W: int32 words of a row of an allowed-token bitmask (ceil of the padded vocabulary / 32)
   hold_ended: bool  # a single generate step leaves a slot whose next input ends it as it is
   state_shape: Any  # one sequence's decode state (abstract): its layout is the state cache's
   axes: Any  # each state leaf's sequence axis, a DecodeState of ints
@@ -209,9 +210,12 @@ class SlotBackend(Protocol):
     """`prefill_chunk` that also scores every token of the chunk given all before it (echo)."""
     ...
 
-  def insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
-    """Sample each entry's first token from prefill row row_E[i] and move that row into slot slot_E[i]
-    (>= n_slots: padding). Returns (table, packed StepOutput of the entries)."""
+  def insert(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
+  ):
+    """Sample each entry's first token from prefill row row_E[i], among the tokens allowed_ExW allows (host
+    int32 [E, W] bitmask, `sampling.masked`; None: all), and move that row into slot slot_E[i] (>= n_slots:
+    padding). Returns (table, packed StepOutput of the entries)."""
     ...
 
   def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False, rows_B=None):
@@ -221,10 +225,20 @@ class SlotBackend(Protocol):
     in use is greedy and wants no logprobs. See SlotFunctions.generate."""
     ...
 
-  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
+  def decode_rows(self, params, table: SlotTable, rows_B):
+    """A single generate step's first call: the decode of slots rows_B. Returns (table, logits): pass both
+    to `sample_rows` (generate(steps=1) is the two)."""
+    ...
+
+  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
+    """Its second call: each row's next token among those allowed_BxW allows (host int32 [B, W]; None: all,
+    a cached device array). Returns (table, packed StepOutput of the B rows)."""
+    ...
+
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
     """Advance slots rows_B (None: every slot) by their next input and their first n_drafts_B[b] drafts in one pass, emitting
-    what as many generate calls would. Returns (table, packed StepsOutput of the B rows); see
-    SlotFunctions.verify."""
+    what as many generate calls would, position j among the tokens allowed_BxTxW[b, j] allows (None: all).
+    Returns (table, packed StepsOutput of the B rows); see SlotFunctions.verify."""
     ...
 
   def gather(self, state, rows_E):
@@ -319,6 +333,10 @@ class SlotFunctions:
     self.sample = functools.partial(sampling.sample, valid_vocab=valid_vocab, branch_free=branch_free)
     self.valid_vocab = valid_vocab
     self.mesh = mesh
+    self.words = -(-cfg.vocab_size // 32)  # W: a row of an allowed-token bitmask (the padded vocabulary's)
+    self._all_ones: dict[
+      tuple[tuple[int, ...], bool], jax.Array
+    ] = {}  # per (rows, split): every token allowed
     table_shape = jax.eval_shape(self._empty_table)
     pf_shape = jax.eval_shape(self._empty_prefill)
     # Measured from the real layout (not a formula): one slot's decode state, and the whole slot table.
@@ -348,7 +366,7 @@ class SlotFunctions:
     self.prefill_chunk_scored = _jit(
       self._prefill_chunk_scored, donate=(1,), out=None if mesh is None else (pf_sh, rep)
     )
-    self.insert = _jit(self._insert, donate=(1,), out=both)  # donated: the slot table
+    self._insert = _jit(self._insert_entries, donate=(1,), out=both)  # donated: the slot table
     logits_sh = (
       None
       if mesh is None
@@ -385,20 +403,10 @@ class SlotFunctions:
     like = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed(x)), tree
     )
-    params, table = like(params), like(table)
-    jobs = []  # (bucket, lowered)
-    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-      for B in self.buckets:
-        rows = jax.ShapeDtypeStruct((B,), jnp.int32)  # the engine's rows: a host array
-        logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
-        jobs += [(B, self._decode.lower(params, table, rows)), (B, self._sample.lower(logits, table, rows))]
-        if decode_steps > 1:
-          jobs += [
-            (B, self._generate_steps.lower(params, table, rows, decode_steps, g)) for g in (False, True)
-          ]
-        if speculative_tokens:
-          drafts, n = jax.ShapeDtypeStruct((B, speculative_tokens), jnp.int32), rows
-          jobs.append((B, self._verify.lower(params, table, rows, drafts, n)))
+    programs = self.bucket_programs(
+      like(params), like(table), decode_steps=decode_steps, speculative_tokens=speculative_tokens
+    )
+    jobs = [(B, lowered) for (_, B), lowered in programs.items()]
 
     def compile_one(lowered) -> float:
       t = time.perf_counter()
@@ -410,6 +418,28 @@ class SlotFunctions:
       for (B, _), spent in zip(jobs, pool.map(compile_one, [lowered for _, lowered in jobs])):
         seconds[B] += spent
     return seconds
+
+  def bucket_programs(
+    self, params, table, *, decode_steps: int = 1, speculative_tokens: int = 0, rows_sharding=None
+  ) -> dict[tuple[str, int], Any]:
+    """{(name, bucket): jax Lowered} of every bucket's programs, from abstract params and table as the calls
+    see them: decode and sample, with decode_steps > 1 the generate of several steps (greedy or not), with
+    speculative_tokens K the verify. The engine's start-up compiles them (`precompile`); `python -m serve
+    --target` checks them (serve.lowering). rows_sharding: where the rows and drafts arrive (None: the host)."""
+    out: dict[tuple[str, int], Any] = {}
+    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      for B in self.buckets:
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sharding)
+        logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
+        out["decode", B] = self._decode.lower(params, table, i32(B))
+        out["sample", B] = self._sample.lower(logits, table, i32(B), self.mask_shape((B,)))
+        if decode_steps > 1:
+          for greedy, name in ((False, "generate_steps"), (True, "generate_steps_greedy")):
+            out[name, B] = self._generate_steps.lower(params, table, i32(B), decode_steps, greedy)
+        if speculative_tokens:
+          K, mask = speculative_tokens, self.mask_shape((B, speculative_tokens + 1))
+          out["verify", B] = self._verify.lower(params, table, i32(B), i32(B, K), i32(B), mask)
+    return out
 
   # ---- the traced functions ----
 
@@ -489,10 +519,19 @@ class SlotFunctions:
     )
     return StepOutput(token=tok_S, done=done_S, logprob=chosen, top_ids=ids, top_logprobs=vals)
 
-  def _insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
-    """Sample a first token for each entry from prefill row row_E[i] and write that row into slot
-    slot_E[i] (slot_E >= S: padding, not written). Several entries may share a row (n choices of one prompt).
-    Returns (table, packed StepOutput of the E entries)."""
+  def insert(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
+  ):
+    """See `SlotBackend.insert` and `_insert_entries`."""
+    mask = self.mask(allowed_ExW, (len(row_E),), split=False)
+    return self._insert(params, table, pf, row_E, slot_E, settings, mask)
+
+  def _insert_entries(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW
+  ):
+    """Sample a first token for each entry from prefill row row_E[i] among the tokens allowed_ExW allows,
+    and write that row into slot slot_E[i] (slot_E >= S: padding, not written). Several entries may share a
+    row (n choices of one prompt). Returns (table, packed StepOutput of the E entries)."""
     del params
     zero = jnp.zeros_like(slot_E)
     logits = pf.logits[row_E]
@@ -504,6 +543,7 @@ class SlotFunctions:
       settings.seed,
       zero,
       seed_hi_S=settings.seed_hi,
+      allowed_SxW=allowed_ExW,
     )
     done = _done(tok, zero, settings.max_tokens, settings.stop_ids)
     src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
@@ -552,11 +592,45 @@ class SlotFunctions:
     # Traced under the serving mesh: the model pins activations to the slot split, and the GPU decode
     # kernel (one device's program) knows to leave a multi-device table to XLA.
     rows_B = self.every_row if rows_B is None else rows_B
-    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-      if steps > 1:
+    if steps > 1:
+      with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
         return self._generate_steps(params, table, rows_B, steps, greedy)
-      table, logits = self._decode(params, table, rows_B)
-    return self._sample(logits, table, rows_B)
+    table, logits = self.decode_rows(params, table, rows_B)
+    return self.sample_rows(logits, table, rows_B)
+
+  def decode_rows(self, params, table: SlotTable, rows_B):
+    """See `SlotBackend.decode_rows`."""
+    with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+      return self._decode(params, table, rows_B)
+
+  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
+    """See `SlotBackend.sample_rows`: one compiled program per bucket, masked or not."""
+    return self._sample(logits, table, rows_B, self.mask(allowed_BxW, (len(rows_B),)))
+
+  def mask(self, allowed, rows: tuple[int, ...], split: bool = True) -> jax.Array:
+    """A call's mask input, int32 [*rows, W] (a row per entry or slot, [B, K + 1] per verified position),
+    placed as the call takes it (split: over the slot axis, as the bucket's logits; else replicated): the
+    host's `allowed`, or for None a cached device array of all ones, so a call without constrained rows
+    copies nothing to the device. Both are committed alike, so they share one compiled program."""
+    want = self.mask_shape(rows, split)
+    if allowed is None:
+      if (rows, split) not in self._all_ones:
+        self._all_ones[(rows, split)] = jax.device_put(np.full(want.shape, -1, np.int32), want.sharding)
+      return self._all_ones[(rows, split)]
+    if np.shape(allowed) != want.shape:
+      raise ValueError(f"a mask of shape {np.shape(allowed)}: expected {want.shape} (rows, then W words).")
+    return jax.device_put(np.asarray(allowed, np.int32), want.sharding)
+
+  def mask_shape(self, rows: tuple[int, ...], split: bool = True) -> jax.ShapeDtypeStruct:
+    """The mask input's shape, dtype and placement (see `mask`)."""
+    shape = (*rows, self.words)
+    if self.mesh is None:
+      where: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    elif split:
+      where = sharding.batch_shardings(jax.ShapeDtypeStruct(shape, jnp.int32), self.mesh)
+    else:
+      where = sharding.replicated(self.mesh)
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=where)
 
   # ---- a bucket of rows: gathered from the table by index, written back in place ----
 
@@ -641,27 +715,33 @@ class SlotFunctions:
     logits, state = self.model.decode_step(params, table.model, table.tokens, cfg=self.cfg, live_B=live_S)
     return dataclasses.replace(table, model=state), logits
 
-  def _sample_next(self, logits, table: SlotTable, rows_B):
-    """Sample the bucket's next tokens from the decode call's logits [B, V]."""
+  def _sample_next(self, logits, table: SlotTable, rows_B, allowed_BxW):
+    """Sample the bucket's next tokens from the decode call's logits [B, V], among the tokens allowed_BxW
+    allows (int32 [B, W]; all ones for a free row)."""
     ax = self._table_axes()
     few = dataclasses.replace(ax, model=None)  # type: ignore[arg-type]  # every field but the state
     sub = self._take_rows(dataclasses.replace(table, model=None), few, rows_B)  # type: ignore[arg-type]
-    sub, out = self._sample_step(logits, sub)
+    sub, out = self._sample_step(logits, sub, allowed_SxW=allowed_BxW)
     return self._write_back(table, rows_B, sub, model=False), out.pack()
 
-  def _sample_step(self, logits, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
-    """Each slot's next token. A slot whose input ended it (finished, freed, never used) keeps its token and
-    index, so it stays ended until an insert, and samples nothing: greedy, without logprobs (a freed slot's
-    last settings would otherwise keep the sampler's costly paths running for nobody)."""
+  def _sample_step(
+    self, logits, table: SlotTable, greedy: bool = False, allowed_SxW=None
+  ) -> tuple[SlotTable, StepOutput]:
+    """Each slot's next token (among those allowed_SxW allows; None: all). A slot whose input ended it
+    (finished, freed, never used) keeps its token and index, so it stays ended until an insert, and samples
+    nothing: greedy, without logprobs (a freed slot's last settings would otherwise keep the sampler's
+    costly paths running for nobody)."""
     s = table.settings
     ended_S = _input_ends(table)
     index = table.last_output_index + 1  # also the draw's position in the slot's random stream
     if greedy:  # the sampler's own greedy path (its rows at temperature 0), without its branches
-      tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab)
+      tok = sampling.argmax_rows(logits.astype(jnp.float32), self.valid_vocab, allowed_SxW)
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), None)
     else:
       temperature = jnp.where(ended_S, 0.0, s.temperature)
-      tok = self.sample(logits, temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi)
+      tok = self.sample(
+        logits, temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi, allowed_SxW=allowed_SxW
+      )
       want = jnp.where(ended_S, -1, s.logprobs)
       out = self._step_output(logits, tok, _done(tok, index, s.max_tokens, s.stop_ids), want)
     return dataclasses.replace(
@@ -682,7 +762,7 @@ class SlotFunctions:
     emitted = jnp.minimum(first_end + 1, steps)
     return self._write_back(table, rows_B, sub), StepsOutput(emitted=emitted, steps=out).pack()
 
-  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None):
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
     """Advance slots rows_B (`step_rows`; None: every slot) by 1 … K + 1 tokens in one pass: each one's next input and its
     first n_drafts_B[b] drafted tokens (drafts_BxK[b, :n]; the rest of the row is ignored, n = 0 makes the
     call one generate step for that slot) go through the model together, each position samples the token
@@ -690,16 +770,19 @@ class SlotFunctions:
     that token does not end the slot). Each slot emits its accepted drafts + 1 tokens, those that as many
     `generate` calls would have produced (the same draws; the logits equal up to fp32 rounding, the chunk
     form's against the recurrence's, so a near-tie may be chosen otherwise), and its state is committed at
-    that length (laplace_jax.speculative). Returns (table, packed StepsOutput over the B rows;
+    that length (laplace_jax.speculative). Position j samples among the tokens allowed_BxTxW[b, j] allows
+    (host int32 [B, K + 1, W]: what the slot's grammar allows after its first j drafts; None: all), so a
+    draft its grammar forbids is never accepted. Returns (table, packed StepsOutput over the B rows;
     StepsOutput.unpack(out, K + 1)).
 
     Slots of models with attention layers need K + 1 free rows in their KV cache (the engine verifies
     only then): a row that would outgrow it gets NaN logits, as in decode."""
     rows_B = self.every_row if rows_B is None else rows_B
+    mask = self.mask(allowed_BxTxW, (len(rows_B), np.shape(drafts_BxK)[1] + 1))
     with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-      return self._verify(params, table, rows_B, drafts_BxK, n_drafts_B)
+      return self._verify(params, table, rows_B, drafts_BxK, n_drafts_B, mask)
 
-  def _verify_drafts(self, params, table: SlotTable, rows_B, drafts_SxK, n_drafts_S):
+  def _verify_drafts(self, params, table: SlotTable, rows_B, drafts_SxK, n_drafts_S, allowed_SxTxW):
     sub = self._rows(table, rows_B)  # S below: the bucket's B slots
     S, K = drafts_SxK.shape
     T = K + 1
@@ -712,7 +795,10 @@ class SlotFunctions:
     index_SxT = sub.last_output_index[:, None] + 1 + jnp.arange(T)[None, :]
     st = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), sub.settings)  # each slot's settings, T times
     index = index_SxT.reshape(-1)
-    tok = self.sample(flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi)
+    allowed = allowed_SxTxW.reshape(S * T, -1)
+    tok = self.sample(
+      flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi, allowed_SxW=allowed
+    )
     done = _done(tok, index, st.max_tokens, st.stop_ids)
     tok_SxT, done_SxT = tok.reshape(S, T), done.reshape(S, T)
     agree = (tok_SxT[:, :K] == drafts_SxK) & real_SxK & ~done_SxT[:, :K]

@@ -91,6 +91,7 @@ FILE_SECONDS = {
   "test_muon.py": 20,
   "test_sampling_mask.py": 20,
   "test_serve_restart.py": 20,
+  "test_serve_constrained.py": 20,
   "test_serve_export.py": 19,
   "test_speculative.py": 18,
   "test_neuron_target.py": 18,

@@ -73,22 +73,39 @@ def uniforms(seed, seed_hi, index):
   return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def sample(h, settings: SlotSettings, index, valid_vocab: int):
-  """Each row's token after a state of hash h[i] under its settings, its index-th draw."""
+def allowed_bits(allowed_SxW, n: int) -> np.ndarray:
+  """bool [S, n]: the tokens < n each row of an int32 bitmask allows (serve.sampling.masked's layout)."""
+  return np.unpackbits(np.ascontiguousarray(allowed_SxW, np.int32).view(np.uint8), -1, bitorder="little")[
+    :, :n
+  ].astype(bool)
+
+
+def sample(h, settings: SlotSettings, index, valid_vocab: int, allowed_SxW=None):
+  """Each row's token after a state of hash h[i] under its settings, its index-th draw, among the tokens
+  allowed_SxW allows (None: all), as the real sampler renormalises over them: the allowed candidates
+  (top-k counts those); a row that allows none of its candidates gets its lowest allowed id."""
   cand = candidates(h, valid_vocab)
+  ok = np.ones(cand.shape, bool)
+  if allowed_SxW is not None:
+    bits = allowed_bits(allowed_SxW, valid_vocab)
+    ok = np.take_along_axis(bits, cand, 1)
   t = np.asarray(settings.temperature, np.float64)[:, None]
   greedy = t[:, 0] == 0
-  w = np.exp(LOGITS[None] / np.where(greedy[:, None], 1.0, t))
+  w = np.where(ok, np.exp(LOGITS[None] / np.where(greedy[:, None], 1.0, t)), 0.0)
   k = np.asarray(settings.top_k)[:, None]
-  w = np.where((k == 0) | (np.arange(CANDIDATES)[None] < k), w, 0.0)
-  p = w / w.sum(1, keepdims=True)
+  w = np.where((k == 0) | (np.cumsum(ok, 1) <= k), w, 0.0)
+  some = ok.any(1)
+  p = w / np.where(some, w.sum(1), 1.0)[:, None]
   before = np.cumsum(p, 1) - p  # mass of the more likely candidates: top-p keeps those with less than top_p
   w = np.where(before < np.asarray(settings.top_p, np.float64)[:, None], w, 0.0)
-  cdf = np.cumsum(w, 1) / w.sum(1, keepdims=True)
+  cdf = np.cumsum(w, 1) / np.where(some, w.sum(1), 1.0)[:, None]
   u = uniforms(settings.seed, settings.seed_hi, index)
   pick = np.minimum((cdf <= u[:, None]).sum(1), CANDIDATES - 1)
-  pick = np.where(greedy, 0, pick)
-  return cand[np.arange(len(pick)), pick]
+  pick = np.where(greedy, ok.argmax(1), pick)
+  tok = cand[np.arange(len(pick)), pick]
+  if not some.all():
+    tok = np.where(some, tok, bits.argmax(1)).astype(np.int32)
+  return tok
 
 
 def logprobs(h, tok, valid_vocab: int):
@@ -160,6 +177,9 @@ class FakeSlots:
     self.hold_ended = hold_ended
     self.step_s = step_s  # seconds each generate step sleeps, as a model's step takes time
     self.cfg, self.n_slots, self.prefill_batch, self.n_stop = cfg, n_slots, prefill_batch, n_stop
+    self.words = -(-cfg.vocab_size // 32)
+    self.steps_run: list[int] = []  # each generate call's steps (a masked step's decode counts as one)
+    self.masked_rows = 0  # rows sampled under a mask that is not all ones (inserts and steps)
     self.n_devices, self.buckets = 1, bucket_sizes(n_slots)
     self.rows_run: list[int] = []  # each generate call's row count (its bucket)
     self.valid_vocab = valid_vocab
@@ -218,13 +238,21 @@ class FakeSlots:
     chosen, top, ids = logprobs(h, tok, self.valid_vocab)
     return StepOutput(token=tok, done=done, logprob=chosen, top_ids=ids, top_logprobs=top)
 
-  def insert(self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings):
+  def _count_masked(self, allowed):
+    if allowed is not None:
+      assert np.shape(allowed)[1] == self.words, np.shape(allowed)
+      self.masked_rows += int((np.asarray(allowed) != -1).any(1).sum())
+
+  def insert(
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
+  ):
     del params
     self.calls["insert"] += 1
+    self._count_masked(allowed_ExW)
     row_E, slot_E = np.asarray(row_E), np.asarray(slot_E)
     h = pf.model.conv[0, row_E, 0, 0]
     zero = np.zeros_like(slot_E)
-    tok = sample(h, settings, zero, self.valid_vocab)
+    tok = sample(h, settings, zero, self.valid_vocab, allowed_ExW)
     table = jax.tree.map(np.array, table)  # a new table: the caller's is "donated"
     for e in np.flatnonzero(slot_E < self.n_slots):
       s, r = slot_E[e], row_E[e]
@@ -236,20 +264,83 @@ class FakeSlots:
 
   def generate(self, params, table: SlotTable, steps: int = 1, greedy: bool = False, rows_B=None):
     """As SlotFunctions.generate: rows rows_B of the table (None: all) advance, the others are untouched."""
-    del params
+    if steps == 1:
+      table, logits = self.decode_rows(params, table, rows_B)
+      return self.sample_rows(logits, table, rows_B)
+    rows = self._run(rows_B, steps)
+    table = jax.tree.map(np.array, table)  # a new table: the caller's is "donated"
+    sub, out = self._generate(self._take(table, rows), steps, greedy)
+    self._put(table, rows, sub)
+    return table, out
+
+  def _run(self, rows_B, steps: int) -> np.ndarray:
+    """A generate call over rows_B (None: every slot) starts: counted, and as slow as a model's."""
     self.calls["generate"] += 1
     rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
     assert len(rows) in self.buckets and len(set(rows.tolist())) == len(rows), rows
     self.rows_run.append(len(rows))
+    self.steps_run.append(steps)
     if self.step_s:
       time.sleep(self.step_s * steps)
-    table = jax.tree.map(np.array, table)  # a new table: the caller's is "donated"
-    sub, out = self._generate(
-      jax.tree.map(lambda x, a: np.take(x, rows, axis=a), table, self._axes()), steps, greedy
-    )
+    return rows
+
+  def _take(self, table: SlotTable, rows) -> SlotTable:
+    return jax.tree.map(lambda x, a: np.take(x, rows, axis=a), table, self._axes())
+
+  def _put(self, table: SlotTable, rows, sub: SlotTable):
     for x, v, a in zip(jax.tree.leaves(table), jax.tree.leaves(sub), jax.tree.leaves(self._axes())):
       np.moveaxis(x, a, 0)[rows] = np.moveaxis(v, a, 0)
-    return table, out
+
+  def decode_rows(self, params, table: SlotTable, rows_B):
+    """As SlotFunctions': the rows' states consume their next inputs (a slot whose input ended it stands
+    still with hold_ended); the "logits" are the rows' hashes after them."""
+    del params
+    rows = self._run(rows_B, 1)
+    table = jax.tree.map(np.array, table)
+    sub = self._take(table, rows)
+    h = consume(sub.model.conv[0, :, 0, 0], sub.tokens)
+    model = DecodeState(pos=sub.model.pos + 1, conv=h.reshape(1, -1, 1, 1))
+    if self.hold_ended:
+      ended = _ends(sub.tokens, sub.last_output_index, sub.settings)
+      model = jax.tree.map(lambda new, old, axis: _keep(ended, new, old, axis), model, sub.model, self.axes)
+    self._put(table, rows, dataclasses.replace(sub, model=model))
+    return table, h
+
+  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
+    """As SlotFunctions': each row's next token after hash logits[i], among those allowed_BxW allows."""
+    self._count_masked(allowed_BxW)
+    rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
+    table = jax.tree.map(np.array, table)
+    sub = self._take(table, rows)
+    index = sub.last_output_index + 1
+    tok = sample(logits, sub.settings, index, self.valid_vocab, allowed_BxW)
+    self._put(table, rows, dataclasses.replace(sub, tokens=tok, last_output_index=index))
+    return table, self._output(logits, tok, index, sub.settings).pack()
+
+  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
+    """As SlotFunctions.verify: each row runs its next input and its drafts while each position's token
+    (sampled as the next single step would, under allowed_BxTxW[:, j]) equals the draft there and does not
+    end it; its state is left after the tokens it emits."""
+    del params
+    self.calls["verify"] = self.calls.get("verify", 0) + 1
+    rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
+    self._count_masked(None if allowed_BxTxW is None else np.asarray(allowed_BxTxW).reshape(-1, self.words))
+    drafts, n_drafts = np.asarray(drafts_BxK), np.asarray(n_drafts_B)
+    table = jax.tree.map(np.array, table)
+    sub = self._take(table, rows)
+    (S, K), outs = drafts.shape, []
+    live, emitted = np.ones(S, bool), np.zeros(S, np.int32)
+    for j in range(K + 1):
+      step, out = self._step(
+        sub, allowed_SxW=None if allowed_BxTxW is None else np.asarray(allowed_BxTxW)[:, j]
+      )
+      sub = jax.tree.map(lambda new, old, axis: _keep(~live, new, old, axis), step, sub, self._axes())
+      outs.append(out)
+      emitted += live
+      live = live & (j < n_drafts) & (out.token == drafts[:, min(j, K - 1)]) & ~out.done
+    self._put(table, rows, sub)
+    steps = jax.tree.map(lambda *x: np.stack(x, 1), *outs)
+    return table, StepsOutput(emitted=emitted, steps=steps).pack()
 
   def precompile(self, params, table, *, decode_steps=1, speculative_tokens=0, workers=0):
     del params, table, decode_steps, speculative_tokens, workers
@@ -264,19 +355,11 @@ class FakeSlots:
     )
 
   def _generate(self, table: SlotTable, steps: int, greedy: bool):
-    if steps == 1 and not self.hold_ended:
-      table, out = self._step(table)
-      return table, out.pack()
     outs = []
     for _ in range(steps):  # as SlotFunctions: a slot whose next input ends it is left as it is
       s = table.settings
       ended = _ends(table.tokens, table.last_output_index, s)  # its next input ends it
       moved, out = self._step(table, greedy)
-      if steps == 1:  # (hold_ended): SlotFunctions' single step holds the state, not the token and index
-        model = jax.tree.map(
-          lambda new, old, axis: _keep(ended, new, old, axis), moved.model, table.model, self.axes
-        )
-        return dataclasses.replace(moved, model=model), out.pack()
       table = SlotTable(
         model=jax.tree.map(
           lambda new, old, axis: _keep(ended, new, old, axis), moved.model, table.model, self.axes
@@ -290,13 +373,13 @@ class FakeSlots:
     first_end = np.where(out.done, np.arange(steps)[None], steps).min(1)
     return table, StepsOutput(emitted=np.minimum(first_end + 1, steps), steps=out).pack()
 
-  def _step(self, table: SlotTable, greedy: bool = False) -> tuple[SlotTable, StepOutput]:
+  def _step(self, table: SlotTable, greedy: bool = False, allowed_SxW=None) -> tuple[SlotTable, StepOutput]:
     h = consume(table.model.conv[0, :, 0, 0], table.tokens)
     index = table.last_output_index + 1
     s = table.settings
     if greedy:  # as SlotFunctions: argmax for every slot (a sampled request would get other tokens)
       s = dataclasses.replace(s, temperature=np.zeros_like(s.temperature))
-    tok = sample(h, s, index, self.valid_vocab)
+    tok = sample(h, s, index, self.valid_vocab, allowed_SxW)
     new = SlotTable(
       model=DecodeState(pos=table.model.pos + 1, conv=h.reshape(1, -1, 1, 1)),
       tokens=tok,

@@ -92,12 +92,19 @@ def _table(batch, want_logprobs):
 
 @pytest.mark.parametrize("want", [[-1] * S, [-1, 2, -1, 5, 0, -1, -1, -1]], ids=["no_logprobs", "logprobs"])
 def test_the_sample_program_packs_the_same_output(want):
-  """The engine's sampling call (tokens, finished flags, logprobs) is the same output in both forms."""
+  """The engine's sampling call (tokens, finished flags, logprobs) is the same output in both forms, with a
+  mask that allows every token (the cond form's unmasked sampler) and with rows it constrains."""
   progs = {bf: jax.jit(_slot_fns(bf)._sample_next) for bf in (False, True)}
-  for batch in ("greedy", "mixed"):
-    outs = {bf: progs[bf](_logits(3), _table(batch, want), jnp.arange(S, dtype=jnp.int32)) for bf in progs}
+  free = np.full((S, -(-V // 32)), -1, np.int32)
+  some = free.copy()
+  some[1:4] = 0x0F0F0F0F  # rows 1-3 (sampled, top-k, top-p) may take half of each word's tokens
+  for batch, mask in (("greedy", free), ("mixed", free), ("mixed", some)):
+    every = jnp.arange(S, dtype=jnp.int32)
+    outs = {bf: progs[bf](_logits(3), _table(batch, want), every, mask) for bf in progs}
     np.testing.assert_array_equal(np.asarray(outs[True][1]), np.asarray(outs[False][1]))
     jax.tree.map(np.testing.assert_array_equal, outs[True][0], outs[False][0])
+    tok = StepOutput.unpack(np.asarray(outs[True][1])).token
+    assert all(mask[i, t // 32] >> (t % 32) & 1 for i, t in enumerate(tok)), tok
     if want[1] < 0:  # no row asked: the logprob fields are zeros
       step = StepOutput.unpack(np.asarray(outs[True][1]))
       assert not (step.logprob.any() or step.top_ids.any() or step.top_logprobs.any())
@@ -108,7 +115,10 @@ def test_branch_free_lowers_without_case():
   count = {}
   for bf in (False, True):
     every = jnp.arange(S, dtype=jnp.int32)
-    text = jax.jit(_slot_fns(bf)._sample_next).lower(_logits(0), _table("mixed", [-1] * S), every).as_text()
+    mask = jnp.full((S, -(-V // 32)), -1, jnp.int32)
+    text = (
+      jax.jit(_slot_fns(bf)._sample_next).lower(_logits(0), _table("mixed", [-1] * S), every, mask).as_text()
+    )
     count[bf] = sum(v.rule == "cond" for v in neuron_check.violations(text))
   assert count[False] > 0 and count[True] == 0
 

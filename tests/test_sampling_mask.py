@@ -95,3 +95,19 @@ def test_an_all_ones_mask_changes_no_token():
   ones = np.full((S, W), -1, np.int32)
   for setting in SETTINGS.values():
     np.testing.assert_array_equal(sample(logits, *setting, ones), sample(logits, *setting, None))
+
+
+def test_a_few_constrained_rows_get_the_tokens_of_a_wholly_masked_batch():
+  """A batch with a few constrained rows (the rest free): every row's token is the one the masked sampler over
+  the whole batch gives it, and a free row's is the unmasked sampler's."""
+  rng = np.random.default_rng(4)
+  logits = rng.normal(0, 3, (N, V)).astype(np.float32)
+  allowed = np.ones((N, V), bool)
+  some = rng.choice(N, 3, replace=False)
+  allowed[some] = rng.random((3, V)) < 0.05
+  whole = jax.jit(lambda *a: sampling._sample(*a, VALID, None, False, jnp.asarray(pack(allowed))))
+  for setting in SETTINGS.values():
+    full = lambda v, dt: jnp.full((N,), v, dt)
+    args = (full(setting[0], jnp.float32), full(setting[1], jnp.int32), full(setting[2], jnp.float32))
+    ref = whole(jnp.asarray(logits), *args, jnp.arange(N, dtype=jnp.uint32), full(3, jnp.int32))
+    np.testing.assert_array_equal(sample(logits, *setting, pack(allowed)), np.asarray(ref))

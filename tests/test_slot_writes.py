@@ -32,13 +32,14 @@ def test_insert_moves_the_slot_rows_not_the_table():
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
   table, pf = jax.eval_shape(fns._empty_table), jax.eval_shape(fns._empty_prefill)
   compiled = compile_as_benchmarks(
-    fns.insert.lower(
+    fns._insert.lower(
       params,
       table,
       pf,
       np.array([0, 1], np.int32),
       np.array([3, slots], np.int32),
       host_settings([], prefill_batch, 4),
+      fns.mask_shape((prefill_batch,), split=False),
     )
   )
   layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(table.model)) // cfg.n_layers
