@@ -16,7 +16,14 @@ import time
 
 from laplace_jax import cli, platform
 from laplace_jax.config import PRESETS, get_config
-from serve.engine_config import DEFAULTS, PARAMS_DTYPES, SPECULATIVE_RULES, EngineConfig, slots_for
+from serve.engine_config import (
+  DEFAULTS,
+  PARAMS_DTYPES,
+  SLOT_BUCKETS,
+  SPECULATIVE_RULES,
+  EngineConfig,
+  slots_for,
+)
 from serve.protocol import Limits
 
 _FLAGS = (
@@ -91,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
   ):
     _engine_flag(e, name)
   e.add_argument("--prompt_lookup", action="store_true", help=cli.field_help(EngineConfig, "prompt_lookup"))
+  e.add_argument(
+    "--slot_buckets",
+    choices=SLOT_BUCKETS,
+    default=DEFAULTS.slot_buckets,
+    help=cli.field_help(EngineConfig, "slot_buckets"),
+  )
   e.add_argument(
     "--speculative_rule",
     choices=SPECULATIVE_RULES,
@@ -348,6 +361,7 @@ def build(args):
     speculative_tokens=args.speculative_tokens,
     prompt_lookup=args.prompt_lookup,
     speculative_rule=args.speculative_rule,
+    slot_buckets=args.slot_buckets,
     decode_steps=args.decode_steps,
     max_queue=args.max_queue,
     max_queue_per_tenant=share,

@@ -26,7 +26,7 @@ import numpy as np
 from laplace_jax import model as laplace_model
 from serve.drafting import Drafter, DraftRecord, LookupIndex, PredictionIndex, follow_prediction
 from serve.engine_cache import StateCacheIO
-from serve.engine_config import DEFAULTS, slots_for
+from serve.engine_config import DEFAULTS, SLOT_BUCKETS, slots_for
 from serve.grammar import Matcher
 from serve.slots import (
   PrefillRows,
@@ -200,6 +200,7 @@ class Engine:
     prompt_lookup: bool = DEFAULTS.prompt_lookup,
     speculative_rule: str = DEFAULTS.speculative_rule,
     decode_steps: int = DEFAULTS.decode_steps,
+    slot_buckets: str = DEFAULTS.slot_buckets,
     max_context: int | None = None,
     make_slots: Callable[..., SlotBackend] = SlotFunctions,
   ):
@@ -227,6 +228,8 @@ class Engine:
     ):
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r}: expected a positive integer.")
+    if slot_buckets not in SLOT_BUCKETS:
+      raise ValueError(f"slot_buckets={slot_buckets!r}: expected one of {SLOT_BUCKETS}.")
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue}: expected >= 0 (0: refuse when all slots are busy).")
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
@@ -255,6 +258,7 @@ class Engine:
       mesh=mesh,
       max_context=max_context,
       hold_ended=state_cache is not None,
+      buckets=slot_buckets,
     )
     self.on_deliver = on_deliver or (lambda deliveries: None)
     self.table = self.fns.empty_table()

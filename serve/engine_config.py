@@ -38,6 +38,10 @@ class EngineConfig:
   """tokens each slot generates per compiled call while no prompt waits for a slot: the host reads back and
   delivers once per call (more than 1 pays where the host's work per call bounds the engine, short steps on
   a CPU; one compiled generate per value)"""
+  slot_buckets: str = "doubling"
+  """the row counts generate and verify are compiled for: 'doubling' (each device's share 1, 2, 4, ... up to
+  all its slots; a step runs the smallest that holds its live slots), or 'table' (one program over the whole
+  slot table: the fastest start-up, every step pays for every slot)"""
   speculative_rule: str = "cost"
   """when a step verifies drafts: 'cost', when the tokens they are expected to give pay for a verify's
   measured cost over a generate step's (serve.drafting.VerifyCost); 'always', whenever a slot has one"""
@@ -46,6 +50,8 @@ class EngineConfig:
 DEFAULTS = EngineConfig()
 
 SPECULATIVE_RULES = ("cost", "always")
+SLOT_BUCKETS = ("doubling", "table")
+"""EngineConfig.slot_buckets' values"""
 """EngineConfig.speculative_rule's values"""
 
 PARAMS_DTYPES = ("compute", "param")

@@ -315,6 +315,7 @@ class SlotFunctions:
     branch_free: bool | None = None,
     max_context: int | None = None,
     hold_ended: bool = False,
+    buckets: str = "doubling",
   ):
     self.model, self.cfg = model, cfg
     # A single generate step leaves a slot whose next input ends it as it is, as a call of several steps
@@ -326,7 +327,8 @@ class SlotFunctions:
     self.axes = self.state_shape.batch_axes()  # each leaf's sequence axis, a DecodeState of ints
     self.n_slots, self.prefill_batch, self.n_stop = n_slots, prefill_batch, n_stop
     self.n_devices = 1 if mesh is None else mesh.size
-    self.buckets = bucket_sizes(n_slots, self.n_devices)
+    # The row counts generate and verify are compiled for (EngineConfig.slot_buckets).
+    self.buckets = bucket_sizes(n_slots, self.n_devices) if buckets == "doubling" else (n_slots,)
     self.every_row = np.arange(n_slots, dtype=np.int32)  # the largest bucket: the whole table
     # branch_free: sampling and the logprob rows without `cond` (None: decided when traced, on Neuron only)
     self.branch_free = branch_free

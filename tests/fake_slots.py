@@ -171,6 +171,7 @@ class FakeSlots:
     mesh=None,
     max_context=None,
     hold_ended=False,
+    buckets="doubling",
     step_s=0.0,
   ):
     del model, mesh, max_context
@@ -180,7 +181,7 @@ class FakeSlots:
     self.words = -(-cfg.vocab_size // 32)
     self.steps_run: list[int] = []  # each generate call's steps (a masked step's decode counts as one)
     self.masked_rows = 0  # rows sampled under a mask that is not all ones (inserts and steps)
-    self.n_devices, self.buckets = 1, bucket_sizes(n_slots)
+    self.n_devices, self.buckets = 1, bucket_sizes(n_slots) if buckets == "doubling" else (n_slots,)
     self.rows_run: list[int] = []  # each generate call's row count (its bucket)
     self.valid_vocab = valid_vocab
     self.state_shape = jax.eval_shape(lambda: self._state(1))

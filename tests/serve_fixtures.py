@@ -29,7 +29,10 @@ def tiny(seed: int):
 
 
 def engine(params, cfg, **kw):
-  """A warmed-up engine (GPT-2 vocabulary) with the Engine's keyword arguments."""
+  """A warmed-up engine (GPT-2 vocabulary) with the Engine's keyword arguments; unless told otherwise, one
+  compiled program over the whole slot table (`slot_buckets="table"`: each bucket is a compile of its own,
+  and the buckets' own behaviour is tested over the fake and in tests/test_slot_writes.py)."""
+  kw.setdefault("slot_buckets", "table")
   eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, **kw)
   eng.warmup()
   return eng
@@ -55,7 +58,7 @@ def fake_engine(step_s: float = 0.0, **kw):
   and the server run for real, the model is a hash (tests/fake_slots.py); nothing compiles. Each generate
   step takes `step_s` seconds, as a model's would (tests that need requests to overlap)."""
   make = functools.partial(FakeSlots, step_s=step_s)
-  return engine(None, get_config("tiny"), make_slots=make, **kw)
+  return engine(None, get_config("tiny"), make_slots=make, **{"slot_buckets": "doubling", **kw})
 
 
 def limits(tok, eng, **kw):

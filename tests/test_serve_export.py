@@ -54,6 +54,8 @@ def test_a_non_preset_run_serves_from_its_export_alone(export):
         export,
         "--n-slots",
         "2",
+        "--slot-buckets",
+        "table",
         "--prefill-batch",
         "1",
         "--state-cache-gb",
