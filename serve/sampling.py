@@ -411,6 +411,7 @@ def sample(
   seed_hi_S=None,
   branch_free: bool | None = None,
   allowed_SxW=None,
+  free_path: bool = True,
 ):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only).
@@ -420,12 +421,13 @@ def sample(
   masking costs a pass of its own over them (docs/BENCHMARKS.md, "Constrained decoding"), so unless
   branch_free a batch whose rows all allow every token takes the unmasked sampler (a row's token depends on
   its own row alone: the same tokens either way). The engine's steps run only the live rows, so a few
-  constrained requests are a small batch."""
+  constrained requests are a small batch. free_path=False: always the masked sampler (one sampler to compile,
+  for calls that are rare or small: insert's entries, a verify's positions)."""
   if branch_free is None:
     branch_free = branch_free_default()
   args = (logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, seed_hi_S)
   rows = lambda allowed: _sample(*args[:6], valid_vocab, args[6], branch_free, allowed)
-  if allowed_SxW is None or branch_free:
+  if allowed_SxW is None or branch_free or not free_path:
     return rows(allowed_SxW)
   constrained = (allowed_SxW != -1).any()
   return jax.lax.cond(constrained, lambda: rows(allowed_SxW), lambda: rows(None))

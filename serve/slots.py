@@ -546,6 +546,7 @@ class SlotFunctions:
       zero,
       seed_hi_S=settings.seed_hi,
       allowed_SxW=allowed_ExW,
+      free_path=False,  # a few entries per prefill: one sampler to compile
     )
     done = _done(tok, zero, settings.max_tokens, settings.stop_ids)
     src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
@@ -799,7 +800,15 @@ class SlotFunctions:
     index = index_SxT.reshape(-1)
     allowed = allowed_SxTxW.reshape(S * T, -1)
     tok = self.sample(
-      flat, st.temperature, st.top_k, st.top_p, st.seed, index, seed_hi_S=st.seed_hi, allowed_SxW=allowed
+      flat,
+      st.temperature,
+      st.top_k,
+      st.top_p,
+      st.seed,
+      index,
+      seed_hi_S=st.seed_hi,
+      allowed_SxW=allowed,
+      free_path=False,  # a verify's positions: one sampler to compile (their mask is a pass over the logits)
     )
     done = _done(tok, index, st.max_tokens, st.stop_ids)
     tok_SxT, done_SxT = tok.reshape(S, T), done.reshape(S, T)
