@@ -267,6 +267,16 @@ def _input_ends(table: SlotTable):
   return _done(table.tokens, table.last_output_index, s.max_tokens, s.stop_ids)
 
 
+def table_axes(state_axes) -> SlotTable:
+  """Each slot-table leaf's slot axis: the model state's (`DecodeState.batch_axes`), 0 for the rest."""
+  return SlotTable(
+    model=state_axes,
+    tokens=0,
+    last_output_index=0,
+    settings=jax.tree.map(lambda _: 0, SlotSettings.inert(1, 1)),
+  )
+
+
 def bucket_sizes(n_slots: int, n_devices: int = 1) -> tuple[int, ...]:
   """The row counts a step is compiled for: each device's share of the rows doubles from 1 to all its slots
   (1, 2, 4, ... and n_slots / n_devices itself), times n_devices. A step runs the smallest that holds the
@@ -638,13 +648,7 @@ class SlotFunctions:
   # ---- a bucket of rows: gathered from the table by index, written back in place ----
 
   def _table_axes(self) -> SlotTable:
-    """Each slot-table leaf's slot axis."""
-    return SlotTable(
-      model=self.axes,
-      tokens=0,
-      last_output_index=0,
-      settings=jax.tree.map(lambda _: 0, SlotSettings.inert(1, 1)),
-    )
+    return table_axes(self.axes)
 
   def _local(self, rows_B):
     """rows_B as [D, B / D] indices into each device's own run of slots."""

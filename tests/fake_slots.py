@@ -29,6 +29,7 @@ from serve.slots import (
   StepsOutput,
   bucket_sizes,
   host_settings,
+  table_axes,
 )
 
 CANDIDATES = 16
@@ -348,12 +349,7 @@ class FakeSlots:
     return dict.fromkeys(self.buckets, 0.0)  # nothing to compile
 
   def _axes(self) -> SlotTable:
-    return SlotTable(
-      model=self.axes,
-      tokens=0,
-      last_output_index=0,
-      settings=jax.tree.map(lambda _: 0, SlotSettings.inert(1, 1)),
-    )
+    return table_axes(self.axes)
 
   def _generate(self, table: SlotTable, steps: int, greedy: bool):
     outs = []
