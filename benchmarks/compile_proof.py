@@ -1,7 +1,7 @@
 """Compile proofs: laplace-3b's whole train step (or its Muon update alone) lowered from abstract shapes on N
 simulated CPU devices and compiled; nothing is allocated or run. Per-device memory from `memory_analysis()`;
 bytes each device sends plus receives per step in the collectives of the compiled HLO
-(laplace_jax.hlo_traffic: loop bodies once per iteration). One mode per question:
+(laplace_jax.analysis.hlo_traffic: loop bodies once per iteration). One mode per question:
 
     python -m benchmarks fsdp_traffic [--micro-batches 1 2 4] [--no-remat]
     python -m benchmarks train_compile [--micro-batches 1] [--distributions all_to_all gather]
@@ -40,11 +40,14 @@ from collections import defaultdict  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from laplace_jax import config, context_parallel, counts, hlo_traffic, sharding  # noqa: E402
-from laplace_jax import train_step as ts  # noqa: E402
-from laplace_jax.muon import MuonState, make_plan, muon, ns_flops_per_device  # noqa: E402
-from laplace_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from laplace_jax import sharding
+from laplace_jax.analysis import hlo_traffic
+from laplace_jax.model import config, counts  # noqa: E402
+from laplace_jax.ops import context_parallel
 from laplace_jax.platform import simulate_cpu_devices  # noqa: E402
+from laplace_jax.training import train_step as ts  # noqa: E402
+from laplace_jax.training.muon import MuonState, make_plan, muon, ns_flops_per_device  # noqa: E402
+from laplace_jax.training.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 
 GiB, GB = 2**30, 1e9
 

@@ -24,11 +24,11 @@ import numpy as np
 
 from benchmarks.openai_tools_check import SCHEMA
 from benchmarks.serve_bench_common import laplace_params, timed_steps
-from laplace_jax.config import get_config
-from laplace_jax.tokenizer import EOS_ID, VOCAB_SIZE
-from serve import grammar
-from serve.engine import Engine, Request
-from serve.slots import SlotSettings
+from laplace_jax.data.tokenizer import EOS_ID, VOCAB_SIZE
+from laplace_jax.model.config import get_config
+from serve.api import grammar
+from serve.engine.engine import Engine, Request
+from serve.engine.slots import SlotSettings
 
 LONG = {"type": "array", "items": SCHEMA, "minItems": 16}
 

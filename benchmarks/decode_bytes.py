@@ -4,7 +4,7 @@
                                       [--mixers GGGGS --window 2048 [--n_layers N]] [--max_len 1024]
 
 Compiles `model.decode_step` (jitted, state donated, weights in the compute dtype as the server holds them)
-from abstract shapes, so nothing is allocated, and counts with `laplace_jax.hlo_bytes` (loop bodies once per
+from abstract shapes, so nothing is allocated, and counts with `laplace_jax.analysis.hlo_bytes` (loop bodies once per
 layer). The minimum: every state array read once and written once (a ring, the conv windows' or a sliding-window
 layer's; an attention layer's KV cache of --max_len positions: read once, one row written), every weight read
 once (the embedding: only the looked-up rows), the logits written once. Also prints the compiled memory:
@@ -22,8 +22,9 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 
-from laplace_jax import hlo_bytes, model
-from laplace_jax.config import PRESETS, get_config
+from laplace_jax import model
+from laplace_jax.analysis import hlo_bytes
+from laplace_jax.model.config import PRESETS, get_config
 
 
 def abstract_inputs(cfg, slots, max_len=None):

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import gla, gla_decode
-from laplace_jax.config import PRESETS, get_config, log_decays
-from laplace_jax.timing import median_seconds
+from laplace_jax.analysis.timing import median_seconds
+from laplace_jax.model.config import PRESETS, get_config, log_decays
+from laplace_jax.ops import gla, gla_decode
 
 
 def main(argv=None):

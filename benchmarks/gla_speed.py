@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import gla, timing
-from laplace_jax.config import LaplaceConfig, log_decays
+from laplace_jax.analysis import timing
+from laplace_jax.model.config import LaplaceConfig, log_decays
+from laplace_jax.ops import gla
 
 
 def bench(fn, *args, reps=3):

@@ -6,7 +6,7 @@ then what the mask costs the sampler (docs/BENCHMARKS.md, "Grammar masks").
 
 Each grammar is walked two ways: along the GPT-2 tokens of valid replies (what a model that follows the
 schema emits), and by random walks that pick a uniformly random allowed token at each position (cut at 256
-tokens). The library is timed where it is installed: llguidance (through serve/grammar.py, as the server
+tokens). The library is timed where it is installed: llguidance (through serve/api/grammar.py, as the server
 runs it) and outlines-core; xgrammar is reported as not importable without torch.
 
     python -m benchmarks grammar_masks [--walks 20] [--repeat 3] [--sampler_calls 30]
@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from laplace_jax.config import get_config
-from laplace_jax.tokenizer import EOS_ID, VOCAB_SIZE, get_tokenizer
-from serve import grammar, toolcalls
+from laplace_jax.data.tokenizer import EOS_ID, VOCAB_SIZE, get_tokenizer
+from laplace_jax.model.config import get_config
+from serve.api import grammar, toolcalls
 
 STRICT = {
   "type": "object",
@@ -48,7 +48,7 @@ STRICT = {
   "additionalProperties": False,
 }
 
-# serve/grammar.py's: json.dumps's separators, no other whitespace (a random model cannot pad forever)
+# serve/api/grammar.py's: json.dumps's separators, no other whitespace (a random model cannot pad forever)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 DOCS = {
@@ -104,14 +104,14 @@ TEXTS = {
 
 
 class LLGuidance:
-  """llguidance through serve/grammar.py, as the server runs it."""
+  """llguidance through serve/api/grammar.py, as the server runs it."""
 
   name = "llguidance"
 
   def __init__(self, enc, words: int):
     import llguidance
 
-    from serve import grammar
+    from serve.api import grammar
 
     self.grammar, self.words = grammar, words
     t = time.perf_counter()
@@ -242,13 +242,13 @@ def grammar_rows(args, enc, words):
 
 
 def sampler_rows(args, words):
-  """serve.sampling.sample over 64 rows of tiny's vocabulary, the logits made by a matmul as the LM head
+  """serve.engine.sampling.sample over 64 rows of tiny's vocabulary, the logits made by a matmul as the LM head
   makes them (logits that are a jitted call's argument cost the masked select a pass of its own): without
   a mask, with an all-ones mask (a free slot's), with 1 row in 8 masked; calls interleaved, medians."""
   import jax
   import jax.numpy as jnp
 
-  from serve import sampling
+  from serve.engine import sampling
 
   S, V, D = 64, get_config("tiny").vocab_size, 16
   rng = np.random.default_rng(0)

@@ -23,8 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from laplace_jax import checkpoint, model
-from laplace_jax.config import get_config
+from laplace_jax import model
+from laplace_jax.model.config import get_config
+from laplace_jax.training import checkpoint
 
 
 def random_export(path: Path, cfg, scratch: Path, seed: int = 0) -> dict:

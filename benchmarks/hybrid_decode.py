@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import attention, model, window_attention
-from laplace_jax.config import get_config
-from laplace_jax.state import DecodeState
+from laplace_jax import model
+from laplace_jax.model.config import get_config
+from laplace_jax.model.state import DecodeState
+from laplace_jax.ops import attention, window_attention
 
 
 def parse_case(text: str) -> tuple[str, int | None]:
@@ -91,8 +92,8 @@ def compiled_step(cfg, matmuls: bool):
   def step(params, state, tokens):
     saved = window_attention.ring_decode_attention, attention.cache_decode_attention
     if matmuls:  # read when the step is traced
-      window_attention.ring_decode_attention = window_attention._decode_matmuls
-      attention.cache_decode_attention = attention._cache_decode_matmuls
+      window_attention.ring_decode_attention = window_attention.decode_matmuls
+      attention.cache_decode_attention = attention.cache_decode_matmuls
     try:
       return model.decode_step(params, state, tokens, cfg=cfg)
     finally:

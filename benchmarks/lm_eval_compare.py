@@ -14,8 +14,8 @@ import sys
 import numpy as np
 
 from laplace_jax import model
-from laplace_jax import tokenizer as gpt2
-from serve import loading
+from laplace_jax.data import tokenizer as gpt2
+from serve.engine import loading
 
 
 def loglikelihood(params, cfg, encode, context, continuation):

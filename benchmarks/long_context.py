@@ -7,7 +7,7 @@ For each length T: global batch = tokens-per-step / T; the compiled step's tempo
 (`memory_analysis()`, no run needed) and, with --steps > 0, the median step time per token on one device
 (random tokens, Muon + AdamW). Ratios are against the first length, measured in the same run.
 --mesh-context C: on C simulated CPU devices, each row's T tokens split into C spans of T/C (context
-parallelism, laplace_jax/context_parallel.py); the temporaries are then one device's.
+parallelism, laplace_jax/ops/context_parallel.py); the temporaries are then one device's.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import jax
 import numpy as np
 
 from laplace_jax import platform as lj_platform
-from laplace_jax import sharding, timing
-from laplace_jax import train_step as ts
-from laplace_jax.config import get_config
-from laplace_jax.optimizer import OptimizerConfig, make_optimizer
-from laplace_jax.tokenizer import VOCAB_SIZE
+from laplace_jax import sharding
+from laplace_jax.analysis import timing
+from laplace_jax.data.tokenizer import VOCAB_SIZE
+from laplace_jax.model.config import get_config
+from laplace_jax.training import train_step as ts
+from laplace_jax.training.optimizer import OptimizerConfig, make_optimizer
 
 
 def main(argv=None):

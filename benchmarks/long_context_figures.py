@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     out["state_passing_cost"].append(
       {"plain_ms": float(m[1]), "state_passing_ms": float(m[2]), "ratio": float(m[3])}
     )
-  from laplace_jax.config import decay_half_lives, get_config
+  from laplace_jax.model.config import decay_half_lives, get_config
 
   out["head_reach"] = {
     "note": "share of a token d tokens back that a fixed-decay head keeps, 2^(-d/T); "

@@ -5,10 +5,10 @@
 Hardware (Neuron docs, Trainium2): 16 chips; per chip 667 dense BF16 TFLOP/s, 96 GiB HBM at 2.9 TB/s,
 NeuronLink-v3 1.28 TB/s; LNC=2 gives 4 logical cores per chip (64 devices), each assumed to get a quarter of
 its chip's HBM and link bandwidth. Counts (nothing runs):
-  training   FLOPs per token from laplace_jax.counts.flops_per_token (6·N-style, plus the chunked GLA; remat
+  training   FLOPs per token from laplace_jax.model.counts.flops_per_token (6·N-style, plus the chunked GLA; remat
              re-runs the forward, so the hardware does 4/3 of it); collective bytes per device per step: the
              FSDP floor 16·P·(N−1)/N (bf16 gathers in forward and remat, fp32 reduce-scatter) plus Muon's two
-             all_to_alls, or with --measure both counted in the compiled step (laplace_jax.hlo_traffic; ≈15 s).
+             all_to_alls, or with --measure both counted in the compiled step (laplace_jax.analysis.hlo_traffic; ≈15 s).
   decode     per step and device, in the serving layout (slots split over the 64 devices, weights
              replicated in bf16): every weight read once (embedding: its looked-up rows), the device's slot
              states read and written once, its logits written (benchmarks/decode_bytes.py's minimum);
@@ -41,7 +41,7 @@ def _args(argv):
 
 
 def training(cfg, n_dev: int, measured: dict | None) -> dict:
-  from laplace_jax.counts import flops_per_token, param_counts
+  from laplace_jax.model.counts import flops_per_token, param_counts
 
   counts = param_counts(cfg)
   P, M = counts["total"], counts["muon"]
@@ -71,7 +71,7 @@ def decode(cfg, slots: int, n_dev: int) -> dict:
   import jax
 
   from benchmarks import decode_bytes
-  from laplace_jax.counts import param_counts, state_bytes_per_sequence
+  from laplace_jax.model.counts import param_counts, state_bytes_per_sequence
 
   params, state, _ = decode_bytes.abstract_inputs(cfg, slots)
   least = decode_bytes.minimum_bytes(cfg, params, state, slots)
@@ -99,9 +99,10 @@ def decode(cfg, slots: int, n_dev: int) -> dict:
 
 
 def measure_collectives(cfg, n_dev: int) -> dict:
-  from laplace_jax import hlo_traffic, sharding
-  from laplace_jax import train_step as ts
-  from laplace_jax.optimizer import OptimizerConfig, make_optimizer
+  from laplace_jax import sharding
+  from laplace_jax.analysis import hlo_traffic
+  from laplace_jax.training import train_step as ts
+  from laplace_jax.training.optimizer import OptimizerConfig, make_optimizer
 
   mesh = sharding.make_mesh(data=1, fsdp=n_dev)
   opt = make_optimizer(OptimizerConfig(), mesh=mesh)
@@ -112,7 +113,7 @@ def measure_collectives(cfg, n_dev: int) -> dict:
 
 
 def main():
-  from laplace_jax.config import get_config
+  from laplace_jax.model.config import get_config
 
   cfg = get_config("laplace-3b")
   n_dev = CHIPS * CORES_PER_CHIP

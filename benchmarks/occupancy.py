@@ -1,5 +1,5 @@
 """What a step costs against its live sequences: the engine's generate calls run the smallest bucket of rows
-that holds the live slots (serve.slots.step_rows), not the whole slot table.
+that holds the live slots (serve.engine.slots.step_rows), not the whole slot table.
 
     python -m benchmarks occupancy [--preset small] [--tables 64] [--live 1 8 64] [--max-tokens 32]
     python -m benchmarks occupancy --bytes-only --preset laplace-3b --tables 1280 --live 64 1280
@@ -9,7 +9,7 @@ engine of S slots, random weights in the compute dtype, no HTTP):
 - engine: ms per output token of one sequence after its first (steady decoding), with the buckets;
 - whole table: the same engine made to step every slot (its only bucket S: the engine before buckets);
 - bare: `model.decode_step` at batch L, jitted with its state donated (median of repeated steps);
-- bytes: what the compiled decode call of the bucket for L moves (laplace_jax.hlo_bytes, compile only),
+- bytes: what the compiled decode call of the bucket for L moves (laplace_jax.analysis.hlo_bytes, compile only),
   and the whole table's; and the engine's start-up (warmup, every bucket compiled) and peak RSS.
 Times are ratios within one run (a shared CPU).
 """
@@ -24,13 +24,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-from laplace_jax import hlo_bytes, model
-from laplace_jax.config import PRESETS, get_config
-from laplace_jax.timing import median_seconds
-from laplace_jax.tokenizer import VOCAB_SIZE
-from serve import loading
-from serve.engine import Engine, Request
-from serve.slots import SlotFunctions, bucket_sizes, step_rows
+from laplace_jax import model
+from laplace_jax.analysis import hlo_bytes
+from laplace_jax.analysis.timing import median_seconds
+from laplace_jax.data.tokenizer import VOCAB_SIZE
+from laplace_jax.model.config import PRESETS, get_config
+from serve.engine import loading
+from serve.engine.engine import Engine, Request
+from serve.engine.slots import SlotFunctions, bucket_sizes, step_rows
 
 
 def decode_bytes(cfg, n_slots: int, rows: int) -> int:

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 from train import prepare
-from train.config import load_config
 from train.eval import evaluate
 from train.loop import run
+from train.run_config import load_config
 
 
 def main(argv=None):

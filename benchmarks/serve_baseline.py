@@ -3,7 +3,7 @@
 It is laplace_jax.model with `cfg.replace(mixers="A")`: the same D, L, conv, GLU FFN, vocabulary, norms and
 dtypes; each layer's mixer is causal multi-head attention (H heads, RoPE) whose W_qkv and W_o spend
 the parameters of Laplace's W_qkvg and W_out (one attention implementation in the project:
-laplace_jax/attention.py). Decoding writes each token's keys and values into a KV cache [B, T_max, H, hd]
+laplace_jax/ops/attention.py). Decoding writes each token's keys and values into a KV cache [B, T_max, H, hd]
 per layer inside the explicit state and attends over it, so its memory and time grow with the context;
 Laplace's state does not. Weights are random: only its cost is measured, never its text.
 """
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax import model
-from laplace_jax.counts import param_counts, state_bytes_per_sequence
-from laplace_jax.state import DecodeState, KVCache
+from laplace_jax.model.counts import param_counts, state_bytes_per_sequence
+from laplace_jax.model.state import DecodeState, KVCache
 
 
 def attention_config(cfg):

@@ -37,13 +37,13 @@ from benchmarks.serve_bench_common import gb as _gb
 from benchmarks.serve_bench_common import laplace_params
 from benchmarks.serve_bench_common import table as _table
 from laplace_jax import model
-from laplace_jax.config import PRESETS, get_config
-from laplace_jax.counts import param_counts, state_bytes_per_sequence
-from laplace_jax.timing import matmul_peak_flops, median_seconds
-from laplace_jax.tokenizer import VOCAB_SIZE
-from serve.engine import Engine, Request
-from serve.loading import cast_params
-from serve.sampling import argmax_rows
+from laplace_jax.analysis.timing import matmul_peak_flops, median_seconds
+from laplace_jax.data.tokenizer import VOCAB_SIZE
+from laplace_jax.model.config import PRESETS, get_config
+from laplace_jax.model.counts import param_counts, state_bytes_per_sequence
+from serve.engine.engine import Engine, Request
+from serve.engine.loading import cast_params
+from serve.engine.sampling import argmax_rows
 
 
 def parse_args(argv=None):
@@ -144,7 +144,7 @@ def baseline_params(cfg, how):
 
 class LaplaceStep:
   """Jitted Laplace decode_step over a donated state of `batch` rows; with `greedy`, the step also picks
-  each row's next token (the engine's argmax, serve.sampling.argmax_rows) and returns only the tokens."""
+  each row's next token (the engine's argmax, serve.engine.sampling.argmax_rows) and returns only the tokens."""
 
   def __init__(self, params, cfg, batch, greedy: bool = False):
     self.params, self.cfg = params, cfg

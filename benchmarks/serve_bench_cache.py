@@ -23,11 +23,11 @@ from benchmarks import serve_baseline as baseline
 from benchmarks.serve_bench_common import gb as _gb
 from benchmarks.serve_bench_common import laplace_params
 from benchmarks.serve_bench_common import table as _table
-from laplace_jax.config import get_config
-from laplace_jax.counts import state_bytes_per_sequence
-from laplace_jax.tokenizer import VOCAB_SIZE as GPT2
-from serve.engine import Engine, Request
-from serve.state_cache import StateCache, model_identity
+from laplace_jax.data.tokenizer import VOCAB_SIZE as GPT2
+from laplace_jax.model.config import get_config
+from laplace_jax.model.counts import state_bytes_per_sequence
+from serve.engine.engine import Engine, Request
+from serve.engine.state_cache import StateCache, model_identity
 
 
 def add_args(p):

@@ -6,7 +6,7 @@
 For each batch size: the compiled decode step (`model.decode_step`, state donated) and, per draft count k,
 the compiled speculative step (speculative.verify of k + 1 tokens, greedy acceptance of the drafts that
 equal the argmax before them, speculative.commit; state donated), both from the server's weights (compute
-dtype). Reported: bytes each moves (compiled HLO, laplace_jax.hlo_bytes, as benchmarks/decode_bytes.py
+dtype). Reported: bytes each moves (compiled HLO, laplace_jax.analysis.hlo_bytes, as benchmarks/decode_bytes.py
 counts the decode step), median ms per call over --calls calls after warm-up, and what a call is worth:
 with every draft right a call yields k + 1 tokens, so the speed-up bound is (k + 1)·t_step / t_verify;
 with a fraction p of drafts right in a row (each one right with probability p, independently) it yields
@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import hlo_bytes, model, speculative, timing
-from laplace_jax.config import PRESETS, get_config
+from laplace_jax import model
+from laplace_jax.analysis import hlo_bytes, timing
+from laplace_jax.inference import speculative
+from laplace_jax.model.config import PRESETS, get_config
 
 
 def greedy_step(params, state, tokens_BxT, *, cfg):

@@ -34,11 +34,11 @@ import time
 import jax
 import numpy as np
 
-from laplace_jax.config import PRESETS
-from laplace_jax.tokenizer import VOCAB_SIZE
-from serve import loading
-from serve.engine import Engine, Request
-from serve.engine_config import SPECULATIVE_RULES
+from laplace_jax.data.tokenizer import VOCAB_SIZE
+from laplace_jax.model.config import PRESETS
+from serve.engine import loading
+from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import SPECULATIVE_RULES
 
 
 def prompts(n: int, passage_tokens: int) -> list[list[int]]:

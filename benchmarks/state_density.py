@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from laplace_jax import model
-from laplace_jax.config import get_config
-from laplace_jax.counts import state_bytes_per_sequence
+from laplace_jax.model.config import get_config
+from laplace_jax.model.counts import state_bytes_per_sequence
 
 CHIPS = {"H200 (141 GB)": 141 * 10**9, "Trn2 chip (96 GiB)": 96 * 2**30}
 

@@ -18,11 +18,11 @@ import time
 import jax
 import numpy as np
 
-from laplace_jax import optimizer as optim
 from laplace_jax import sharding
-from laplace_jax import train_step as ts
-from laplace_jax.config import get_config
-from laplace_jax.tokenizer import VOCAB_SIZE
+from laplace_jax.data.tokenizer import VOCAB_SIZE
+from laplace_jax.model.config import get_config
+from laplace_jax.training import optimizer as optim
+from laplace_jax.training import train_step as ts
 
 ROUNDS = {"segments": 20, "state_passing": 10}
 

@@ -5,7 +5,7 @@
         [--compile-only]
 
 Runs the real compiled step (model + Muon/AdamW, one device) on random tokens. Model FLOPs per token are
-laplace_jax.counts.flops_per_token (6·matmul params + the chunked GLA); MFU is against a matmul peak of the
+laplace_jax.model.counts.flops_per_token (6·matmul params + the chunked GLA); MFU is against a matmul peak of the
 same dtype measured in the same run. Muon's time share is the compiled optimizer update timed alone over
 the step time; its FLOP share is the Newton–Schulz FLOPs over model + Newton–Schulz FLOPs.
 """
@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import sharding, timing
-from laplace_jax import train_step as ts
-from laplace_jax.config import MUON_PARAM_NAMES, get_config
-from laplace_jax.counts import flops_per_token, param_shapes
-from laplace_jax.muon import ns_flops
-from laplace_jax.optimizer import OptimizerConfig, make_optimizer
-from laplace_jax.tokenizer import VOCAB_SIZE
+from laplace_jax import sharding
+from laplace_jax.analysis import timing
+from laplace_jax.data.tokenizer import VOCAB_SIZE
+from laplace_jax.model.config import MUON_PARAM_NAMES, get_config
+from laplace_jax.model.counts import flops_per_token, param_shapes
+from laplace_jax.training import train_step as ts
+from laplace_jax.training.muon import ns_flops
+from laplace_jax.training.optimizer import OptimizerConfig, make_optimizer
 
 
 def main():

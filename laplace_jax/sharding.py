@@ -1,7 +1,7 @@
 """The one place that builds device meshes and partition specs.
 
 Mesh axes are ("data", "fsdp"), and "context" after them when a row's sequence is split over devices
-(make_mesh(context=N), N > 1: context parallelism, laplace_jax/context_parallel.py). Parameters and optimizer
+(make_mesh(context=N), N > 1: context parallelism, laplace_jax/ops/context_parallel.py). Parameters and optimizer
 state are FSDP-sharded over "fsdp" (replicated over "data" and "context"); batches and decode states are split
 over ("data", "fsdp") on their batch dim, and a batch's token arrays over "context" on their sequence dim.
 Which dimension of a leaf goes over "fsdp":
@@ -25,8 +25,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax.config import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
-
 DATA, FSDP, CONTEXT = "data", "fsdp", "context"
 BATCH_AXES = (DATA, FSDP)  # batch dims are split over these axes (every device but the context axis's)
 MIN_SHARD_ELEMENTS = 2**16  # 256 KiB of fp32: smaller non-Muon leaves are replicated
@@ -34,6 +32,10 @@ _SIMULATE_HINT = (
   "To simulate N CPU devices, call laplace_jax.platform.simulate_cpu_devices(N) (or set JAX_NUM_CPU_DEVICES=N "
   "in the environment) before JAX's first use of a device."
 )
+
+
+MUON_PARAM_NAMES = ("w_qkvg", "w_out", "w1", "w2", "w3")  # the 2-D hidden matrices of each GLA layer
+ATTENTION_MUON_NAMES = ("w_qkv", "w_o")  # an attention layer's instead of w_qkvg, w_out
 
 
 def _is_pos_int(v) -> bool:

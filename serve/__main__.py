@@ -15,8 +15,9 @@ import signal
 import time
 
 from laplace_jax import cli, platform
-from laplace_jax.config import PRESETS, get_config
-from serve.engine_config import (
+from laplace_jax.model.config import PRESETS, get_config
+from serve.api.protocol import Limits
+from serve.engine.engine_config import (
   DEFAULTS,
   PARAMS_DTYPES,
   SLOT_BUCKETS,
@@ -24,7 +25,6 @@ from serve.engine_config import (
   EngineConfig,
   slots_for,
 )
-from serve.protocol import Limits
 
 _FLAGS = (
   "\n\nFlags are spelled with underscores, as in python -m train; the dashed spelling (--n-slots) is "
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="FILE",
     help="Jinja chat template for /v1/chat/completions, as "
     "Hugging Face tokenizers write them (or a tokenizer_config.json holding one); default: plain "
-    "'User: ...' / 'Assistant:' text (serve/chat.py)",
+    "'User: ...' / 'Assistant:' text (serve/api/chat.py)",
   )
   e = p.add_argument_group("engine")
   for name in (
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     choices=platform.LOWERING_TARGETS,
     help="lower (never compile) every program the engine compiles "
     "from abstract shapes with the choices made on this platform (neuron: Trainium) on simulated "
-    "CPU devices, print the conformance report (laplace_jax.neuron_check), exit 1 on a violation",
+    "CPU devices, print the conformance report (laplace_jax.analysis.neuron_check), exit 1 on a violation",
   )
   t.add_argument("--hlo_dir", help="with --target: write each program's StableHLO to DIR/<program>.mlir")
   h = p.add_argument_group("http")
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     action=cli.Toggle,
     default=True,
     help="one log line per request: method, path, status, tenant, prompt / output / cached tokens, time "
-    "to first token, total time (serve/access_log.py; never the prompt or the key)",
+    "to first token, total time (serve/api/access_log.py; never the prompt or the key)",
   )
   h.add_argument(
     "--verbose",
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--api_keys_file",
     metavar="FILE",
     help="more keys, one 'tenant:key' a line; each tenant "
-    "has its own state-cache scope, cache counters and share of the slots (serve/tenants.py)",
+    "has its own state-cache scope, cache counters and share of the slots (serve/api/tenants.py)",
   )
   h.add_argument(
     "--allowed_host",
@@ -248,8 +248,8 @@ def parse_args(argv=None):
 
 
 def tenant_keys(args):
-  """serve.tenants.Tenants from --api-key and --api-keys-file (ValueError naming the problem)."""
-  from serve.tenants import Tenants, name_of_key, read_keys_file
+  """serve.api.tenants.Tenants from --api-key and --api-keys-file (ValueError naming the problem)."""
+  from serve.api.tenants import Tenants, name_of_key, read_keys_file
 
   keys = [(name_of_key(k), k) for k in args.api_key or []]
   if args.api_keys_file:
@@ -261,20 +261,21 @@ def lower_target(args) -> int:
   """--target: lower and check the engine's programs on simulated CPU devices; 1 on any violation."""
   import jax
 
-  from laplace_jax import neuron_check, tokenizer
+  from laplace_jax.analysis import neuron_check
+  from laplace_jax.data import tokenizer
 
   jax.config.update("jax_platforms", "cpu")
   platform.simulate_cpu_devices(args.mesh_devices)
 
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made
-  from serve import lowering
-  from serve.engine import check_max_context
+  from serve.engine import lowering
+  from serve.engine.engine import check_max_context
 
   cfg = get_config(args.preset)
   check_max_context(cfg, args.max_context)
   n_slots = args.n_slots or slots_for(cfg)
-  from serve import loading
+  from serve.engine import loading
 
   mesh = loading.make_serving_mesh(args.mesh_devices)
   t = time.perf_counter()
@@ -303,7 +304,7 @@ def lower_target(args) -> int:
 def model_config(args):
   """The config the server will build: the one saved with --checkpoint, else --preset's."""
   if args.checkpoint:
-    from laplace_jax import checkpoint
+    from laplace_jax.training import checkpoint
 
     return checkpoint.export_config(args.checkpoint, preset=args.preset)
   return get_config(args.preset)
@@ -315,11 +316,12 @@ def _size(n: int) -> str:
 
 def build(args):
   """Config, params, tokenizer, engine and server from the parsed flags (the engine is warmed up)."""
-  from serve import loading, protocol
-  from serve.chat import ChatTemplate
-  from serve.engine import Engine, check_max_context
-  from serve.response_store import SUBDIR, ResponseStore
-  from serve.server import Server
+  from serve.api import protocol
+  from serve.api.chat import ChatTemplate
+  from serve.api.response_store import SUBDIR, ResponseStore
+  from serve.api.server import Server
+  from serve.engine import loading
+  from serve.engine.engine import Engine, check_max_context
 
   tenants = tenant_keys(args)  # a bad keys file fails before the weights load
   logging.info("PRNG: %s", platform.use_prng(args.prng))  # before any key is made
@@ -344,7 +346,7 @@ def build(args):
       cfg.mixers,
     )
   elif args.state_cache_gb > 0:
-    from serve.state_cache import StateCache, layout_for, model_identity
+    from serve.engine.state_cache import StateCache, layout_for, model_identity
 
     t = time.perf_counter()
     ident = model_identity(cfg, params)

@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pinned init values of test_model pass under both). Level 0 compiles faster still, but runs sampling and
 # load tests several times slower and rounds the random normals' last bits otherwise. The HLO passes, which
 # the traffic and Neuron checks read, are unaffected; the emitters change the optimised HLO's fusions, so
-# the tests that read bytes moved from it compile with XLA's own (tests/hlo_compile.py). Processes the
+# the tests that read bytes moved from it compile with XLA's own (tests/helpers/hlo_compile.py). Processes the
 # tests start inherit the flags; benchmarks and the programs run outside the suite keep XLA's defaults.
 FAST_COMPILE = (
   "--xla_backend_optimization_level=1",
@@ -69,7 +69,8 @@ simulate_cpu_devices(8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Seconds per file (both workers busy, 2-core machine): the order files are handed out, slowest first.
-# Files not listed count as 0 and keep their collection order after these. Refresh the table from
+# Keyed by file name (names are unique across tests/ folders). Files not listed count as 0 and keep their
+# collection order after these. Refresh the table from
 # `bash tests/run.sh --durations=0` when a file's cost changes by much; the order matters, not the digits.
 FILE_SECONDS = {
   "test_train_program.py": 92,

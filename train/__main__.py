@@ -1,4 +1,4 @@
-"""`python -m train`: see `python -m train --help` (and train/config.py for the config system).
+"""`python -m train`: see `python -m train --help` (and train/run_config.py for the config system).
 
 The program's modules are imported inside the functions: the device settings (`_setup_jax`) must come before
 anything could start a JAX backend.
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
   argv = sys.argv[1:] if argv is None else list(argv)
   cli.set_verbosity("--verbose" in argv)  # before the imports below start grain, JAX and Orbax
-  from train.config import load_config
+  from train.run_config import load_config
 
   try:
     rc = load_config(argv)

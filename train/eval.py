@@ -90,11 +90,11 @@ def split_batches(
   data_dir, split: str, *, seq_len: int, global_batch: int, max_batches: int, segment_ids: bool = True
 ):
   """The loop's held-out packing; with max_batches 0 the tail too, as a padded batch with zero weights.
-  Each batch also holds its inputs' document ids (laplace_jax/data.py's convention; padding: −1); dropped
+  Each batch also holds its inputs' document ids (laplace_jax/data/pipeline.py's convention; padding: −1); dropped
   again without `segment_ids` once the split by document order is taken from them (key "first_document")."""
   import numpy as np
 
-  from laplace_jax import data
+  from laplace_jax.data import pipeline as data
 
   manifest = data.load_manifest(data_dir)
   if split not in manifest["splits"]:
@@ -153,8 +153,9 @@ def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=
   import jax.numpy as jnp
   import numpy as np
 
-  from laplace_jax import checkpoint as ckpt
-  from laplace_jax import data, model
+  from laplace_jax import model
+  from laplace_jax.data import pipeline as data
+  from laplace_jax.training import checkpoint as ckpt
 
   path = Path(checkpoint)
   cfg = ckpt.export_config(path, preset=preset)
@@ -263,9 +264,10 @@ def evaluate(
 ) -> dict:
   import jax
 
-  from laplace_jax import checkpoint as ckpt
-  from laplace_jax import data, sharding
-  from laplace_jax import train_step as ts
+  from laplace_jax import sharding
+  from laplace_jax.data import pipeline as data
+  from laplace_jax.training import checkpoint as ckpt
+  from laplace_jax.training import train_step as ts
   from train.hooks import flat_key
 
   path = Path(checkpoint)
@@ -332,7 +334,7 @@ def evaluate(
 def _split_sums(cfg, shards: tuple, shards_def, batch_sh: tuple, batch_def):
   import jax
 
-  from laplace_jax import train_step as ts
+  from laplace_jax.training import train_step as ts
 
   def split_sums(p, b, first):  # one forward (the two losses differ only in their weights), two sums
     return [ts.loss_sums(p, b.replace(weights=b.weights * (first == f)), cfg=cfg)[1] for f in (True, False)]
@@ -343,7 +345,7 @@ def _split_sums(cfg, shards: tuple, shards_def, batch_sh: tuple, batch_def):
 
 def _byte_counter(manifest):
   """ids -> UTF-8 bytes of their text (EOS excluded), for GPT-2 data; None for other tokenizers."""
-  from laplace_jax import tokenizer
+  from laplace_jax.data import tokenizer
 
   if manifest.get("tokenizer") != tokenizer.TOKENIZER_NAME:
     return None

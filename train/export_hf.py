@@ -92,8 +92,8 @@ def export(
   """Writes the Hugging Face directory `out` of the export `checkpoint`; returns its path."""
   import jax
 
-  from laplace_jax import checkpoint as ckpt
   from laplace_jax import model
+  from laplace_jax.training import checkpoint as ckpt
 
   src, out = Path(checkpoint).absolute(), Path(out).absolute()
   if out.exists():

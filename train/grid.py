@@ -14,8 +14,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from laplace_jax import generate, recall, train_step
-from laplace_jax.config import LaplaceConfig, get_config
+from laplace_jax.data import recall_tasks as recall
+from laplace_jax.inference import generate
+from laplace_jax.model.config import LaplaceConfig, get_config
+from laplace_jax.training import train_step
 
 DEFAULT_WINDOW = 2048  # tokens a sliding-window layer (S) sees when a grid does not say
 
@@ -43,7 +45,7 @@ def model_config(pattern: str, width: int, task: str, window: int = DEFAULT_WIND
 
 
 def jit_step(cfg: LaplaceConfig, opt):
-  """The library's train step (laplace_jax/train_step.py) for this model and optimizer, compiled once."""
+  """The library's train step (laplace_jax/training/train_step.py) for this model and optimizer, compiled once."""
   return jax.jit(functools.partial(train_step.train_step, cfg=cfg, optimizer=opt), donate_argnums=0)
 
 
@@ -56,7 +58,7 @@ def progress_bar(progress: bool, total: int, desc: str, unit: str = "step", leav
 
 def answers_right(params, cfg: LaplaceConfig, batches) -> np.ndarray:
   """[rows, K] bool over the batches' rows in order: whether each scored position's greedy next token
-  (laplace_jax.generate.greedy_next) is the answer."""
+  (laplace_jax.inference.generate.greedy_next) is the answer."""
   right = []
   for b in batches:
     pos = recall.scored_positions(b["weights"])

@@ -28,8 +28,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from laplace_jax import tokenizer
-from laplace_jax.config import LaplaceConfig
+from laplace_jax.data import tokenizer
+from laplace_jax.model.config import LaplaceConfig
 
 assert sys.byteorder == "little", "safetensors data is little-endian, as this host's arrays must be"
 

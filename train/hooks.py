@@ -12,9 +12,12 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from laplace_jax import checkpoint, generate, timing, tokenizer
-from laplace_jax import train_step as ts
-from train.config import TrainConfig
+from laplace_jax.analysis import timing
+from laplace_jax.data import tokenizer
+from laplace_jax.inference import generate
+from laplace_jax.training import checkpoint
+from laplace_jax.training import train_step as ts
+from train.run_config import TrainConfig
 
 
 class TrainingError(RuntimeError):

@@ -5,7 +5,7 @@
 DIR: one written by `python -m train.export_hf`, or saved by transformers from its LaplaceForCausalLM
 (`save_pretrained`). OUT is an export as `python -m train` writes RUN/export/step_N (`OUT/params`, Orbax, and
 `OUT/config/metadata`), which `python -m serve --checkpoint OUT`, `python -m train.eval --checkpoint OUT` and
-`laplace_jax.checkpoint.load_export` take; export then import gives the same bits and config. config.json must
+`laplace_jax.training.checkpoint.load_export` take; export then import gives the same bits and config. config.json must
 describe the architecture (every field docs/HUGGING_FACE.md lists) and the tensors must be exactly those it
 implies, of one float dtype (the params' dtype); anything else is refused with the field or tensor named.
 Host memory: the model once (each tensor read from its file, then placed into its stacked leaf).
@@ -91,7 +91,7 @@ def import_directory(directory: str | Path, out: str | Path, *, overwrite: bool 
   """Writes the export `out` of the Hugging Face directory `directory`; returns its path."""
   import jax
 
-  from laplace_jax import checkpoint as ckpt
+  from laplace_jax.training import checkpoint as ckpt
 
   out = Path(out).absolute()
   if out.exists():

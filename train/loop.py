@@ -14,21 +14,18 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from laplace_jax import (
-  checkpoint,
-  data,
-  neuron_check,
-  platform,
-  recall,
-  sharding,
-)
-from laplace_jax import optimizer as optim
-from laplace_jax import train_step as ts
-from laplace_jax.config import LAYOUT_NEUTRAL
-from laplace_jax.counts import flops_per_token, param_counts
+from laplace_jax import platform, sharding
+from laplace_jax.analysis import neuron_check
+from laplace_jax.data import pipeline as data
+from laplace_jax.data import recall_tasks as recall
+from laplace_jax.model.config import LAYOUT_NEUTRAL
+from laplace_jax.model.counts import flops_per_token, param_counts
+from laplace_jax.training import checkpoint
+from laplace_jax.training import optimizer as optim
+from laplace_jax.training import train_step as ts
 from train import hooks, prepare, resume
-from train.config import RunConfig, TrainConfig
 from train.hooks import log0
+from train.run_config import RunConfig, TrainConfig
 
 
 def describe_memory(compiled) -> str:

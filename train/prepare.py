@@ -1,4 +1,4 @@
-"""Tokenise text into the ArrayRecord shards that `laplace_jax.data` reads.
+"""Tokenise text into the ArrayRecord shards that `laplace_jax.data.pipeline` reads.
 
     python -m train.prepare                                # the built-in corpus (KJV) into data/kjv
     python -m train.prepare corpus/ extra.jsonl --output data/mine
@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from laplace_jax import cli
-from laplace_jax import data as data_lib
-from laplace_jax import tokenizer as tok
+from laplace_jax.data import pipeline as data_lib
+from laplace_jax.data import tokenizer as tok
 
 if TYPE_CHECKING:
   from array_record.python.array_record_module import ArrayRecordWriter
@@ -494,7 +494,7 @@ def prepare(
 def warnings_for(manifest: dict, output) -> list[str]:
   """What would stop `python -m train` on this data at its defaults (--preset tiny: --global_batch 16,
   --seq_len 256), each with the fix that works."""
-  from train.config import TrainConfig
+  from train.run_config import TrainConfig
 
   batch, seq = TrainConfig.global_batch, 256  # the tiny preset's max_seq_len, the default --seq_len
   tr, va = manifest["splits"]["train"], manifest["splits"]["val"]

@@ -15,8 +15,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from laplace_jax.train_state import TrainState
-from train.config import _SECTIONS, RunConfig
+from laplace_jax.training.train_state import TrainState
+from train.run_config import SECTIONS, RunConfig
 
 # How long, how often, where to and on what a run executes. tokens_per_step is only a way to set global_batch,
 # which is compared.
@@ -60,12 +60,12 @@ BEFORE_IT_EXISTED = {"train.segment_ids": False}
 
 def run_config_dict(rc: RunConfig) -> dict:
   """The run config as saved with each checkpoint: {"train": {...}, "model": {...}, "optimizer": {...}}."""
-  return json.loads(json.dumps({s: dataclasses.asdict(getattr(rc, s)) for s in _SECTIONS}))
+  return json.loads(json.dumps({s: dataclasses.asdict(getattr(rc, s)) for s in SECTIONS}))
 
 
 def checkpoint_metadata(rc: RunConfig, prng_impl: str) -> dict:
   """What each checkpoint saves beside the state: the model config once, under "config" (which
-  laplace_jax.checkpoint checks on restore), the run config's other sections under "run_config", the PRNG."""
+  laplace_jax.training.checkpoint checks on restore), the run config's other sections under "run_config", the PRNG."""
   run = run_config_dict(rc)
   return {"config": run.pop("model"), "run_config": run, "prng_impl": prng_impl}
 
@@ -75,7 +75,7 @@ def saved_run_config(meta: dict) -> dict:
   also held it under run_config["model"] read the same, and those without a run config give {"model": ...}."""
   run = meta.get("run_config") or {}
   merged = {**run, "model": meta.get("config") or run.get("model") or {}}
-  return {s: merged[s] for s in _SECTIONS if s in merged}
+  return {s: merged[s] for s in SECTIONS if s in merged}
 
 
 def _flag(key: str) -> str:
@@ -85,7 +85,7 @@ def _flag(key: str) -> str:
 
 def _allowed_changes(rc: RunConfig) -> frozenset:
   names = frozenset(n.strip() for n in rc.train.allow_changes.split(",") if n.strip())
-  valid = {f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+  valid = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
   unknown = sorted(names - valid)
   if unknown:
     raise ValueError(
@@ -134,7 +134,7 @@ def reconcile(rc: RunConfig, saved: dict, *, where: str) -> tuple[RunConfig, lis
       continue
     # A field newer than the checkpoint counts as saved with its default (what the run used), or with the
     # value runs had before it existed.
-    defaults = {f.name: f.default for f in dataclasses.fields(_SECTIONS[section])}
+    defaults = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])}
     defaults |= {k.split(".")[1]: v for k, v in BEFORE_IT_EXISTED.items() if k.split(".")[0] == section}
     for name in sorted(set(values) | set(now[section])):
       key = f"{section}.{name}"

@@ -16,8 +16,8 @@ would hold the peak throughout). A small fixed set seen many times is memorised,
 batch 64 and ~1,550 steps, 24 epochs over 4,096 sequences took attention's training loss to 0.07 at 0.10%
 test accuracy (chance), one epoch over 100,000 to 98.9% (docs/EVAL.md).
 
-Each cell trains through the library's train step (laplace_jax/train_step.py, scored at the query positions
-only) and is scored by laplace_jax.generate.greedy_next. Where this differs from Zoology's models (docs/EVAL.md,
+Each cell trains through the library's train step (laplace_jax/training/train_step.py, scored at the query positions
+only) and is scored by laplace_jax.inference.generate.greedy_next. Where this differs from Zoology's models (docs/EVAL.md,
 "Zoology's protocol"): our layers keep the 4-tap short conv before every mixer, attention uses RoPE instead of
 learned absolute positions, the LM head is untied, there is no dropout, and an epoch drops the last partial
 batch. `S` windows are a quarter of the sequence (window_div = 4).
@@ -38,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import recall, train_step
-from laplace_jax.adamw import adamw
-from laplace_jax.counts import param_counts, state_bytes_per_sequence
+from laplace_jax.data import recall_tasks as recall
+from laplace_jax.model.counts import param_counts, state_bytes_per_sequence
+from laplace_jax.training import train_step
+from laplace_jax.training.adamw import adamw
 from train.grid import answers_right, jit_step, load_results, progress_bar, run_pending
 from train.grid import model_config as grid_model
 

@@ -1,7 +1,7 @@
 """transformers config of the Laplace model (laplace-jax's LaplaceConfig, under the same field names).
 
 Shipped inside each directory `python -m train.export_hf` writes (loaded with trust_remote_code=True); the
-laplace-jax project never imports it. Field meanings: laplace_jax/config.py and docs/HUGGING_FACE.md.
+laplace-jax project never imports it. Field meanings: laplace_jax/model/config.py and docs/HUGGING_FACE.md.
 """
 
 from transformers import PretrainedConfig
