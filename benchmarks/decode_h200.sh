@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode benchmarks on one H200 (docs/BENCHMARKS.md, "Decode at the memory bound"): NOT RUN YET (no GPU was lent
+# The decode benchmarks on one H200 (docs/BENCHMARKS.md, "Prepared, not run"): NOT RUN YET (no GPU was lent
 # when it was written). Writes to ${OUT:-.}. About 8 minutes.
 set -o pipefail
 OUT=${OUT:-.}

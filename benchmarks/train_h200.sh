@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Training at scale on one H200 (docs/BENCHMARKS.md "Training at scale"): laplace-3b's full train
+# Training at scale on one H200 (docs/BENCHMARKS.md "Prepared, not run"): laplace-3b's full train
 # step (bf16 compute, fp32 master weights and optimizer state, remat per layer, 524,288 tokens per step as
 # 16 micro-batches of 16 × 2,048), `small` with fp32 and bf16 Newton–Schulz, the long-context step, and a
 # profile of a few steps. Prepared and not yet run: no GPU was lent when it was written. Logs go to ${OUT:-.}.

@@ -28,7 +28,7 @@ only its live slots' rows (serve.engine.slots.step_rows), so a few sampling requ
 `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both sides of each are
 computed over every row and the same predicate selects: the tokens are the conds' (tests/test_sampling_*.py),
 at the cost of every path on every step, the bisection's ~70 passes over the logits included
-(docs/BENCHMARKS.md, "Sampling without cond"). What sampling costs against greedy decoding on a CPU:
+(docs/BENCHMARKS.md, "Decisions"). What sampling costs against greedy decoding on a CPU:
 docs/BENCHMARKS.md, "What sampling costs".
 """
 
