@@ -19,7 +19,7 @@ import aiohttp
 from benchmarks.serve_bench_common import table
 
 sys.path.insert(0, "tests")
-import serve_fixtures as sf  # noqa: E402
+from helpers import serve_fixtures as sf  # noqa: E402  (tests/helpers: the numpy fake engine)
 
 
 async def _probe(session, url, body, label):
