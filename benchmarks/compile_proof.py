@@ -180,7 +180,7 @@ def abstract_muon_params(cfg, mesh):
   shapes = counts.param_shapes(cfg)["layer"]
   tree = {
     "layers": {
-      n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32) for n in config.MUON_PARAM_NAMES
+      n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32) for n in sharding.MUON_PARAM_NAMES
     }
   }
   shardings = sharding.param_shardings(tree, mesh)
