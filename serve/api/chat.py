@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: OpenAI's chat format over the completion path of serve.api.server.
+"""POST /v1/chat/completions: OpenAI's chat format over the completion path of serve.api.completions.
 
 The messages are rendered to one prompt by a chat template, then the request runs as a completion of that
 prompt (same engine path, same field checks, same stop strings and usage); only the reply's shape differs
@@ -29,7 +29,7 @@ import jinja2
 from aiohttp import web
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from serve.api import constraints, grammar, protocol, toolcalls
+from serve.api import completions, constraints, grammar, protocol, toolcalls
 from serve.api.protocol import ApiError
 
 # A reply is rendered after "Assistant:" as it was generated (it begins with its own space), so a re-sent
@@ -382,12 +382,12 @@ class Chat:
   async def completions(self, request):
     s = self.server
     tenant = s.check_key(request)
-    obj = await s.read_json(request)
-    s.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
+    obj = await completions.read_json(request)
+    s.completion.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
     c = await asyncio.get_running_loop().run_in_executor(
       None, lambda: parse_chat(obj, s.limits, self.template)
     )
-    return await s.run_completion(request, c, self._whole, self._stream, "chatcmpl-")
+    return await s.completion.run(request, c, self._whole, self._stream, "chatcmpl-")
 
   def _logprobs(self, ch, c, first: int):
     """OpenAI chat logprobs ({"content": [...]}) of output tokens [first:]."""
@@ -402,7 +402,7 @@ class Chat:
 
   async def _whole(self, choices, c, meta):
     parts = {ch.index: [] for ch in choices}
-    async for ch, piece, _, _ in self.server.pieces(choices, c):
+    async for ch, piece, _, _ in self.server.completion.pieces(choices, c):
       parts[ch.index].append(piece)
 
     def build():
@@ -417,9 +417,14 @@ class Chat:
             "finish_reason": finish,
           }
         )
-      return {**meta, "object": "chat.completion", "choices": out, "usage": self.server.usage(c, choices)}
+      return {
+        **meta,
+        "object": "chat.completion",
+        "choices": out,
+        "usage": self.server.completion.usage(c, choices),
+      }
 
-    return await self.server.json_reply(build)
+    return await completions.json_reply(build)
 
   async def _stream(self, request, choices, c, meta):
     resp = web.StreamResponse(
@@ -444,7 +449,7 @@ class Chat:
             )
           )
         calls = {ch.index: toolcalls.CallStream() for ch in choices} if calls_expected(c) else None
-        async for ch, piece, reason, _ in self.server.pieces(choices, c):
+        async for ch, piece, reason, _ in self.server.completion.pieces(choices, c):
           events = [] if calls is None else calls[ch.index].feed(piece)
           if calls is not None and reason is not None:
             events += calls[ch.index].close()
@@ -482,9 +487,9 @@ class Chat:
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:
-        await send(chunk([]) | {"usage": self.server.usage(c, choices)})
+        await send(chunk([]) | {"usage": self.server.completion.usage(c, choices)})
       await resp.write(b"data: [DONE]\n\n")
       await resp.write_eof()
-    except ConnectionResetError:  # the client left; run_completion frees the slots
+    except ConnectionResetError:  # the client left; CompletionRunner.run frees the slots
       pass
     return resp

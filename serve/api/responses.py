@@ -1,5 +1,5 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the completion path
-of serve.api.server, a peer of serve.api.chat (it uses only the Server's public functions).
+of serve.api.completions, a peer of serve.api.chat (it uses only the Server's public functions).
 
 `input` (a string, or message items with text content) is rendered to a prompt by the server's chat template
 (serve.api.chat.ChatTemplate), `instructions` first as a system message; the reply is a completion of that prompt
@@ -8,7 +8,7 @@ of serve.api.server, a peer of serve.api.chat (it uses only the Server's public 
 change nothing here (user, service_tier, prompt_cache_key, ...) are accepted and echoed; unknown ones get a 400.
 
 A stored response (`store`, default true; serve.api.response_store) keeps the exact token ids its state has
-consumed: its prompt and its reply's kept tokens (`_Choice.kept`: without a stop id or a stop string's
+consumed: its prompt and its reply's kept tokens (`Choice.kept`: without a stop id or a stop string's
 tokens). A request naming it in `previous_response_id` continues from those ids, never a re-tokenized
 history: its prompt is those ids followed by the tokens of only what the template renders after them, the
 turn separator and the new input:
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from serve.api import chat, constraints, grammar, protocol, toolcalls
+from serve.api import chat, completions, constraints, grammar, protocol, toolcalls
 from serve.api.protocol import ApiError, show
 from serve.api.response_store import Record, ResponseStore
 
@@ -401,14 +401,14 @@ class Responses:
   async def create(self, request):
     s = self.server
     tenant = s.check_key(request)
-    obj = await s.read_json(request)
-    s.admit(1, tenant)
+    obj = await completions.read_json(request)
+    s.completion.admit(1, tenant)
     c, turn = await asyncio.get_running_loop().run_in_executor(
       None, lambda: parse_request(obj, s.limits, self.template, self.store, tenant)
     )
     whole = lambda choices, c, meta: self._whole(turn, choices, c, meta)
     stream = lambda request, choices, c, meta: self._stream(turn, request, choices, c, meta)
-    return await s.run_completion(request, c, whole, stream, "resp_")
+    return await s.completion.run(request, c, whole, stream, "resp_")
 
   async def retrieve(self, request):
     tenant = self.server.check_key(request)
@@ -418,7 +418,7 @@ class Responses:
     rec = self.store.get(tenant, rid)
     if rec is None:
       raise unknown(rid, self.store)
-    return await self.server.json_reply(lambda: rec.response)
+    return await completions.json_reply(lambda: rec.response)
 
   async def delete(self, request):
     tenant = self.server.check_key(request)
@@ -459,7 +459,7 @@ class Responses:
     return {"id": msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
   def _usage(self, c, choices) -> dict:
-    u = self.server.usage(c, choices)
+    u = self.server.completion.usage(c, choices)
     return {
       "input_tokens": u["prompt_tokens"],
       "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
@@ -526,7 +526,7 @@ class Responses:
 
   async def _whole(self, turn: Turn, choices, c, meta):
     parts = []
-    async for _, piece, _, _ in self.server.pieces(choices, c):
+    async for _, piece, _, _ in self.server.completion.pieces(choices, c):
       parts.append(piece)
     text = "".join(parts)
     if chat.calls_expected(c):
@@ -537,7 +537,7 @@ class Responses:
       items = [self._message(f"msg_{uuid.uuid4().hex}", "", text)]
     resp = self._final(turn, choices, c, meta, items)
     await self._keep(turn, choices, c, resp)
-    return await self.server.json_reply(lambda: resp)
+    return await completions.json_reply(lambda: resp)
 
   async def _stream(self, turn: Turn, request, choices, c, meta):
     """OpenAI's event sequence: created, in_progress, then per output item (a message: output_item.added,
@@ -626,7 +626,7 @@ class Responses:
       if calls is None:
         await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
       try:
-        async for _, piece, reason, _ in self.server.pieces(choices, c):
+        async for _, piece, reason, _ in self.server.completion.pieces(choices, c):
           events = [toolcalls.Content(piece)] if calls is None and piece else []
           if calls is not None:
             events = calls.feed(piece) + (calls.close() if reason is not None else [])
@@ -647,6 +647,6 @@ class Responses:
       await self._keep(turn, choices, c, final)
       await send(f"response.{final['status']}", response=final)
       await resp.write_eof()
-    except ConnectionResetError:  # the client left; run_completion frees the slot
+    except ConnectionResetError:  # the client left; CompletionRunner.run frees the slot
       pass
     return resp

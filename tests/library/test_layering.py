@@ -256,7 +256,6 @@ OVERSIZED = {
   "serve/engine/engine.py:Engine.__init__",
   "serve/api/protocol.py:parse_settings",
   "serve/api/responses.py:Responses._stream",
-  "serve/api/server.py:Server",
   "serve/engine/slots.py:SlotFunctions",
   "serve/engine/slots.py:SlotFunctions.__init__",
 }
