@@ -249,8 +249,6 @@ OVERSIZED = {
   "train/loop.py:_run",
   "train/prepare.py:prepare",
   "train/recall.py:main",
-  "serve/__main__.py:build_parser",
-  "serve/__main__.py:build",
   "serve/api/chat.py:parse_chat",
   "serve/engine/engine.py:Engine",
   "serve/engine/engine.py:Engine.__init__",
