@@ -254,8 +254,8 @@ def parse_messages(obj: dict) -> list:
   return out
 
 
-def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> protocol.Completion:
-  """A chat request checked and turned into the completion of its rendered prompt."""
+def _check_chat_fields(obj: dict):
+  """400 for a /v1/completions field and for a field whose non-default value is not served."""
   for name in NOT_CHAT:
     if name in obj:
       raise ApiError(
@@ -268,16 +268,11 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
       raise ApiError(
         400, f"'{name}'={protocol.show(obj[name])} is not supported by this server: omit it.", name
       )
-  messages = parse_messages(obj)
-  tool_constraint, tools = constraints.tools(obj, False, grammar.LIMITS, template.call_lead)
-  fmt = constraints.json_format(obj.get("response_format"), "response_format", False, grammar.LIMITS)
-  if fmt is not None and tool_constraint is not None:
-    raise ApiError(
-      400,
-      "'response_format' and 'tools' (with a tool_choice other than \"none\") are not served together: "
-      "send one of them.",
-      "response_format",
-    )
+
+
+def _chat_logprobs(obj: dict) -> int | None:
+  """The chat format's `logprobs` (true or false) and `top_logprobs` (0..5) as the completion format's one
+  count of alternatives (None: no logprobs)."""
   want = obj.get("logprobs")
   if want is not None and not isinstance(want, bool):
     raise ApiError(
@@ -293,22 +288,28 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
     )
   if top is not None and not want:
     raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-  body = {
-    k: v
-    for k, v in obj.items()
-    if k
-    not in (
-      "messages",
-      "logprobs",
-      "top_logprobs",
-      "max_tokens",
-      "max_completion_tokens",
-      "response_format",
-      "tools",
-      "tool_choice",
-      "parallel_tool_calls",
-    )
-  }
+  return (top or 0) if want else None
+
+
+# The chat fields parse_chat reads itself; the rest are the completion format's sampling settings.
+CHAT_FIELDS = (
+  "messages",
+  "logprobs",
+  "top_logprobs",
+  "max_tokens",
+  "max_completion_tokens",
+  "response_format",
+  "tools",
+  "tool_choice",
+  "parallel_tool_calls",
+)
+
+
+def _settings(obj: dict, limits: protocol.Limits) -> dict:
+  """The request as the completion format's settings (protocol.parse_settings): its sampling fields,
+  max_tokens (from max_completion_tokens or max_tokens) and logprobs."""
+  logprobs = _chat_logprobs(obj)
+  body = {k: v for k, v in obj.items() if k not in CHAT_FIELDS}
   for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
     if obj.get(name) is not None:
       v = obj[name]
@@ -320,9 +321,26 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
       break
   else:
     body["max_tokens"] = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
-  if want:
-    body["logprobs"] = top or 0
-  c = protocol.parse_settings(body, limits)  # every field checked before the messages are rendered
+  if logprobs is not None:
+    body["logprobs"] = logprobs
+  return body
+
+
+def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> protocol.Completion:
+  """A chat request checked and turned into the completion of its rendered prompt."""
+  _check_chat_fields(obj)
+  messages = parse_messages(obj)
+  tool_constraint, tools = constraints.tools(obj, False, grammar.LIMITS, template.call_lead)
+  fmt = constraints.json_format(obj.get("response_format"), "response_format", False, grammar.LIMITS)
+  if fmt is not None and tool_constraint is not None:
+    raise ApiError(
+      400,
+      "'response_format' and 'tools' (with a tool_choice other than \"none\") are not served together: "
+      "send one of them.",
+      "response_format",
+    )
+  # every field checked before the messages are rendered
+  c = protocol.parse_settings(_settings(obj, limits), limits)
   try:
     prompt = template.render(messages, tools=constraints.hf_tools(tools) if tools else None)
     ids, _ = protocol.prompt_ids_of(template.encode(prompt), limits, template.encode)

@@ -249,11 +249,8 @@ OVERSIZED = {
   "train/loop.py:_run",
   "train/prepare.py:prepare",
   "train/recall.py:main",
-  "serve/api/chat.py:parse_chat",
   "serve/engine/engine.py:Engine",
   "serve/engine/engine.py:Engine.__init__",
-  "serve/api/protocol.py:parse_settings",
-  "serve/api/responses.py:Responses._stream",
   "serve/engine/slots.py:SlotFunctions",
   "serve/engine/slots.py:SlotFunctions.__init__",
 }
