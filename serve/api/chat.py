@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: OpenAI's chat format over the completion path of serve.api.server.
+"""POST /v1/chat/completions: OpenAI's chat format over the completion path of serve.api.completions.
 
 The messages are rendered to one prompt by a chat template, then the request runs as a completion of that
 prompt (same engine path, same field checks, same stop strings and usage); only the reply's shape differs
@@ -29,7 +29,7 @@ import jinja2
 from aiohttp import web
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from serve.api import constraints, grammar, protocol, toolcalls
+from serve.api import completions, constraints, grammar, protocol, toolcalls
 from serve.api.protocol import ApiError
 
 # A reply is rendered after "Assistant:" as it was generated (it begins with its own space), so a re-sent
@@ -254,8 +254,8 @@ def parse_messages(obj: dict) -> list:
   return out
 
 
-def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> protocol.Completion:
-  """A chat request checked and turned into the completion of its rendered prompt."""
+def _check_chat_fields(obj: dict):
+  """400 for a /v1/completions field and for a field whose non-default value is not served."""
   for name in NOT_CHAT:
     if name in obj:
       raise ApiError(
@@ -268,16 +268,11 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
       raise ApiError(
         400, f"'{name}'={protocol.show(obj[name])} is not supported by this server: omit it.", name
       )
-  messages = parse_messages(obj)
-  tool_constraint, tools = constraints.tools(obj, False, grammar.LIMITS, template.call_lead)
-  fmt = constraints.json_format(obj.get("response_format"), "response_format", False, grammar.LIMITS)
-  if fmt is not None and tool_constraint is not None:
-    raise ApiError(
-      400,
-      "'response_format' and 'tools' (with a tool_choice other than \"none\") are not served together: "
-      "send one of them.",
-      "response_format",
-    )
+
+
+def _chat_logprobs(obj: dict) -> int | None:
+  """The chat format's `logprobs` (true or false) and `top_logprobs` (0..5) as the completion format's one
+  count of alternatives (None: no logprobs)."""
   want = obj.get("logprobs")
   if want is not None and not isinstance(want, bool):
     raise ApiError(
@@ -293,22 +288,28 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
     )
   if top is not None and not want:
     raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-  body = {
-    k: v
-    for k, v in obj.items()
-    if k
-    not in (
-      "messages",
-      "logprobs",
-      "top_logprobs",
-      "max_tokens",
-      "max_completion_tokens",
-      "response_format",
-      "tools",
-      "tool_choice",
-      "parallel_tool_calls",
-    )
-  }
+  return (top or 0) if want else None
+
+
+# The chat fields parse_chat reads itself; the rest are the completion format's sampling settings.
+CHAT_FIELDS = (
+  "messages",
+  "logprobs",
+  "top_logprobs",
+  "max_tokens",
+  "max_completion_tokens",
+  "response_format",
+  "tools",
+  "tool_choice",
+  "parallel_tool_calls",
+)
+
+
+def _settings(obj: dict, limits: protocol.Limits) -> dict:
+  """The request as the completion format's settings (protocol.parse_settings): its sampling fields,
+  max_tokens (from max_completion_tokens or max_tokens) and logprobs."""
+  logprobs = _chat_logprobs(obj)
+  body = {k: v for k, v in obj.items() if k not in CHAT_FIELDS}
   for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
     if obj.get(name) is not None:
       v = obj[name]
@@ -320,9 +321,26 @@ def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> pr
       break
   else:
     body["max_tokens"] = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
-  if want:
-    body["logprobs"] = top or 0
-  c = protocol.parse_settings(body, limits)  # every field checked before the messages are rendered
+  if logprobs is not None:
+    body["logprobs"] = logprobs
+  return body
+
+
+def parse_chat(obj: dict, limits: protocol.Limits, template: ChatTemplate) -> protocol.Completion:
+  """A chat request checked and turned into the completion of its rendered prompt."""
+  _check_chat_fields(obj)
+  messages = parse_messages(obj)
+  tool_constraint, tools = constraints.tools(obj, False, grammar.LIMITS, template.call_lead)
+  fmt = constraints.json_format(obj.get("response_format"), "response_format", False, grammar.LIMITS)
+  if fmt is not None and tool_constraint is not None:
+    raise ApiError(
+      400,
+      "'response_format' and 'tools' (with a tool_choice other than \"none\") are not served together: "
+      "send one of them.",
+      "response_format",
+    )
+  # every field checked before the messages are rendered
+  c = protocol.parse_settings(_settings(obj, limits), limits)
   try:
     prompt = template.render(messages, tools=constraints.hf_tools(tools) if tools else None)
     ids, _ = protocol.prompt_ids_of(template.encode(prompt), limits, template.encode)
@@ -382,12 +400,12 @@ class Chat:
   async def completions(self, request):
     s = self.server
     tenant = s.check_key(request)
-    obj = await s.read_json(request)
-    s.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
+    obj = await completions.read_json(request)
+    s.completion.admit(protocol.count_choices({"n": obj.get("n")}), tenant)
     c = await asyncio.get_running_loop().run_in_executor(
       None, lambda: parse_chat(obj, s.limits, self.template)
     )
-    return await s.run_completion(request, c, self._whole, self._stream, "chatcmpl-")
+    return await s.completion.run(request, c, self._whole, self._stream, "chatcmpl-")
 
   def _logprobs(self, ch, c, first: int):
     """OpenAI chat logprobs ({"content": [...]}) of output tokens [first:]."""
@@ -402,7 +420,7 @@ class Chat:
 
   async def _whole(self, choices, c, meta):
     parts = {ch.index: [] for ch in choices}
-    async for ch, piece, _, _ in self.server.pieces(choices, c):
+    async for ch, piece, _, _ in self.server.completion.pieces(choices, c):
       parts[ch.index].append(piece)
 
     def build():
@@ -417,9 +435,14 @@ class Chat:
             "finish_reason": finish,
           }
         )
-      return {**meta, "object": "chat.completion", "choices": out, "usage": self.server.usage(c, choices)}
+      return {
+        **meta,
+        "object": "chat.completion",
+        "choices": out,
+        "usage": self.server.completion.usage(c, choices),
+      }
 
-    return await self.server.json_reply(build)
+    return await completions.json_reply(build)
 
   async def _stream(self, request, choices, c, meta):
     resp = web.StreamResponse(
@@ -444,7 +467,7 @@ class Chat:
             )
           )
         calls = {ch.index: toolcalls.CallStream() for ch in choices} if calls_expected(c) else None
-        async for ch, piece, reason, _ in self.server.pieces(choices, c):
+        async for ch, piece, reason, _ in self.server.completion.pieces(choices, c):
           events = [] if calls is None else calls[ch.index].feed(piece)
           if calls is not None and reason is not None:
             events += calls[ch.index].close()
@@ -482,9 +505,9 @@ class Chat:
       except ApiError as e:  # headers are out: report in the stream
         await send(e.body())
       if c.include_usage:
-        await send(chunk([]) | {"usage": self.server.usage(c, choices)})
+        await send(chunk([]) | {"usage": self.server.completion.usage(c, choices)})
       await resp.write(b"data: [DONE]\n\n")
       await resp.write_eof()
-    except ConnectionResetError:  # the client left; run_completion frees the slots
+    except ConnectionResetError:  # the client left; CompletionRunner.run frees the slots
       pass
     return resp

@@ -252,6 +252,16 @@ def check_size(c: Constraint, limits: GrammarLimits, param: str) -> None:
     )
 
 
+@dataclasses.dataclass
+class CompilerStats:
+  """The Compiler's counters since it started (mutable: each compile adds to them)."""
+
+  hits: int = 0  # compiles answered from the cache
+  misses: int = 0  # grammars compiled
+  timeouts: int = 0  # compiles that ran past limits.compile_seconds (answered 400, cached when they finish)
+  rejected: int = 0  # schemas the grammar library refused
+
+
 class Compiler:
   """Compiles constraints off the event loop under a time limit, cached per tenant scope (LRU)."""
 
@@ -260,7 +270,7 @@ class Compiler:
     self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
     self._cache: collections.OrderedDict[tuple, Grammar] = collections.OrderedDict()
     self._lock = threading.Lock()
-    self.stats: collections.Counter[str] = collections.Counter()  # hits, misses, timeouts, rejected
+    self.stats = CompilerStats()
 
   def cached(self, scope: tuple, c: Constraint) -> Grammar | None:
     with self._lock:
@@ -279,13 +289,13 @@ class Compiler:
     """Blocking compile (cached); a library refusal is a 400 with its reason."""
     g = self.cached(scope, c)
     if g is not None:
-      self.stats["hits"] += 1
+      self.stats.hits += 1
       return g
-    self.stats["misses"] += 1
+    self.stats.misses += 1
     try:
       g = Grammar(c)
     except GrammarError as e:
-      self.stats["rejected"] += 1
+      self.stats.rejected += 1
       raise ApiError(400, f"the grammar library refused this schema: {str(e)[:500]}", param) from None
     self._put(scope, c, g)
     return g
@@ -295,13 +305,13 @@ class Compiler:
     compile finishes in the background and is cached)."""
     g = self.cached(scope, c)
     if g is not None:
-      self.stats["hits"] += 1
+      self.stats.hits += 1
       return g
     fut = asyncio.wrap_future(self._pool.submit(self.compile_now, c, scope, param))
     try:
       return await asyncio.wait_for(asyncio.shield(fut), self.limits.compile_seconds)
     except asyncio.TimeoutError:
-      self.stats["timeouts"] += 1
+      self.stats.timeouts += 1
       fut.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" warning
       raise ApiError(
         400,

@@ -319,6 +319,41 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
   )
   cap, flags = choice_cap(limits)
   n = get_field(obj, "n", 1, lambda v: is_int(v) and 1 <= v <= cap, f"an integer in [1, {cap}] ({flags})")
+  temperature, top_p, top_k, seed = _sampling(obj, limits)
+  stop, stop_ids = _stops(obj, limits)
+  stream = get_field(obj, "stream", False, lambda v: isinstance(v, bool), "true or false")
+  opts = get_field(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
+  include_usage = get_field(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
+  return_ids = get_field(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
+  cache_salt = get_field(
+    obj,
+    "cache_salt",
+    None,
+    lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
+    f"a non-empty string of at most {MAX_CACHE_SALT} characters",
+  )
+  _refuse_unserved(obj, n)
+  return Completion(
+    n=n,
+    logprobs=logprobs,
+    echo=echo,
+    max_tokens=max_tokens,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    seed=seed,
+    stop=stop,
+    stop_ids=stop_ids,
+    stream=stream,
+    include_usage=include_usage,
+    return_token_ids=return_ids,
+    cache_salt=cache_salt,
+  )
+
+
+def _sampling(obj: dict, limits: Limits) -> tuple[float, float, int, int | None]:
+  """(temperature, top_p, top_k, seed) checked: top_k 0 where it is off (0, -1, or the vocabulary or more),
+  the seed taken mod 2**64 (None: unseeded)."""
   temperature = float(
     get_field(obj, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]")
   )
@@ -334,6 +369,11 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
     obj, "seed", None, lambda v: is_int(v) and -(2**63) <= v < 2**64, "an integer in [-2**63, 2**64)"
   )
   seed = None if seed is None else seed % 2**64
+  return temperature, top_p, 0 if top_k >= limits.vocab_size else max(top_k, 0), seed
+
+
+def _stops(obj: dict, limits: Limits) -> tuple[list, list]:
+  """(stop strings, stop token ids) checked; the ids end with EOS unless ignore_eos (or no EOS)."""
   stop = get_field(
     obj,
     "stop",
@@ -355,39 +395,17 @@ def parse_settings(obj: dict, limits: Limits) -> Completion:
   )
   if not ignore_eos and limits.eos_id is not None and limits.eos_id not in stop_ids:
     stop_ids = [*stop_ids, limits.eos_id]
-  stream = get_field(obj, "stream", False, lambda v: isinstance(v, bool), "true or false")
-  opts = get_field(obj, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
-  include_usage = get_field(opts, "include_usage", False, lambda v: isinstance(v, bool), "true or false")
-  return_ids = get_field(obj, "return_token_ids", False, lambda v: isinstance(v, bool), "true or false")
-  cache_salt = get_field(
-    obj,
-    "cache_salt",
-    None,
-    lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT,
-    f"a non-empty string of at most {MAX_CACHE_SALT} characters",
-  )
+  return stop, list(stop_ids)
+
+
+def _refuse_unserved(obj: dict, n: int):
+  """400 for a field that would change the output in a way not served (best_of other than n)."""
   for name, off in (*_OFF.items(), ("best_of", n)):
     v = obj.get(name)
     if v is not None and not (v == {} if isinstance(off, dict) else _is_num(v) and v == off):
       raise ApiError(
         400, f"'{name}'={show(v)} is not supported by this server: omit it or send {json.dumps(off)}.", name
       )
-  return Completion(
-    n=n,
-    logprobs=logprobs,
-    echo=echo,
-    max_tokens=max_tokens,
-    temperature=temperature,
-    top_k=0 if top_k >= limits.vocab_size else max(top_k, 0),
-    top_p=top_p,
-    seed=seed,
-    stop=stop,
-    stop_ids=list(stop_ids),
-    stream=stream,
-    include_usage=include_usage,
-    return_token_ids=return_ids,
-    cache_salt=cache_salt,
-  )
 
 
 def _stop_ok(s) -> bool:

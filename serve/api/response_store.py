@@ -98,6 +98,18 @@ class Record:
     )
 
 
+@dataclasses.dataclass
+class StoreStats:
+  """The store's counters since it opened (mutable: each put, drop and delete adds to them)."""
+
+  stored: int = 0  # records put
+  dropped: int = 0  # records dropped past --max_stored_responses (a tenant's oldest)
+  deleted: int = 0  # records deleted by request
+  loaded: int = 0  # records read from the directory at start (those within the budget)
+  files_skipped: int = 0  # files in the directory that were no readable record
+  files_not_written: int = 0  # records kept in memory only: their file could not be written
+
+
 class ResponseStore:
   """Records by tenant, oldest first, at most `max_per_tenant` each; optionally persisted in `directory`.
   Thread-safe: records are written from executor threads and read on the event loop."""
@@ -109,14 +121,7 @@ class ResponseStore:
     self.by_tenant: dict[str, collections.OrderedDict[str, Record]] = collections.defaultdict(
       collections.OrderedDict
     )
-    self.stats = {
-      "stored": 0,
-      "dropped": 0,
-      "deleted": 0,
-      "loaded": 0,
-      "files_skipped": 0,
-      "files_not_written": 0,
-    }
+    self.stats = StoreStats()
     self._lock = threading.Lock()
     if directory:
       self._open_dir(directory)
@@ -142,15 +147,15 @@ class ResponseStore:
         _atomic_write(self._path(rec.id), rec.to_json())
       except OSError as e:
         log.warning("stored responses: cannot write %s (%s); kept in memory only", self._path(rec.id), e)
-        self.stats["files_not_written"] += 1
+        self.stats.files_not_written += 1
     with self._lock:
       mine = self.by_tenant[rec.tenant]
       mine[rec.id] = rec
-      self.stats["stored"] += 1
+      self.stats.stored += 1
       dropped = []
       while len(mine) > self.max_per_tenant:
         dropped.append(mine.popitem(last=False)[1])
-      self.stats["dropped"] += len(dropped)
+      self.stats.dropped += len(dropped)
     for old in dropped:
       self._remove_file(old.id)
 
@@ -163,7 +168,7 @@ class ResponseStore:
       rec = None if mine is None else mine.pop(rid, None)
       if rec is None:
         return False
-      self.stats["deleted"] += 1
+      self.stats.deleted += 1
     self._remove_file(rid)
     return True
 
@@ -206,7 +211,7 @@ class ResponseStore:
           raise ValueError(f"it holds {rec.id}, not {m.group(1)}")
       except (OSError, ValueError) as e:
         log.warning("stored responses: skipping %s (%s)", path, e)
-        self.stats["files_skipped"] += 1
+        self.stats.files_skipped += 1
         continue
       records.append(rec)
     records.sort(key=lambda r: (r.created_at, r.id))  # oldest first, as they were stored
@@ -218,11 +223,11 @@ class ResponseStore:
         over.append(mine.popitem(last=False)[1])
     for rec in over:
       self._remove_file(rec.id)
-    self.stats["loaded"] = len(records) - len(over)
+    self.stats.loaded = len(records) - len(over)
     log.info(
       "stored responses: %d loaded from %s, %d over --max_stored_responses removed, %d skipped",
-      self.stats["loaded"],
+      self.stats.loaded,
       directory,
       len(over),
-      self.stats["files_skipped"],
+      self.stats.files_skipped,
     )

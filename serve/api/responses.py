@@ -1,5 +1,5 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the completion path
-of serve.api.server, a peer of serve.api.chat (it uses only the Server's public functions).
+of serve.api.completions, a peer of serve.api.chat (it uses only the Server's public functions).
 
 `input` (a string, or message items with text content) is rendered to a prompt by the server's chat template
 (serve.api.chat.ChatTemplate), `instructions` first as a system message; the reply is a completion of that prompt
@@ -8,7 +8,7 @@ of serve.api.server, a peer of serve.api.chat (it uses only the Server's public 
 change nothing here (user, service_tier, prompt_cache_key, ...) are accepted and echoed; unknown ones get a 400.
 
 A stored response (`store`, default true; serve.api.response_store) keeps the exact token ids its state has
-consumed: its prompt and its reply's kept tokens (`_Choice.kept`: without a stop id or a stop string's
+consumed: its prompt and its reply's kept tokens (`Choice.kept`: without a stop id or a stop string's
 tokens). A request naming it in `previous_response_id` continues from those ids, never a re-tokenized
 history: its prompt is those ids followed by the tokens of only what the template renders after them, the
 turn separator and the new input:
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from serve.api import chat, constraints, grammar, protocol, toolcalls
+from serve.api import chat, completions, constraints, grammar, protocol, toolcalls
 from serve.api.protocol import ApiError, show
 from serve.api.response_store import Record, ResponseStore
 
@@ -401,14 +401,14 @@ class Responses:
   async def create(self, request):
     s = self.server
     tenant = s.check_key(request)
-    obj = await s.read_json(request)
-    s.admit(1, tenant)
+    obj = await completions.read_json(request)
+    s.completion.admit(1, tenant)
     c, turn = await asyncio.get_running_loop().run_in_executor(
       None, lambda: parse_request(obj, s.limits, self.template, self.store, tenant)
     )
     whole = lambda choices, c, meta: self._whole(turn, choices, c, meta)
     stream = lambda request, choices, c, meta: self._stream(turn, request, choices, c, meta)
-    return await s.run_completion(request, c, whole, stream, "resp_")
+    return await s.completion.run(request, c, whole, stream, "resp_")
 
   async def retrieve(self, request):
     tenant = self.server.check_key(request)
@@ -418,7 +418,7 @@ class Responses:
     rec = self.store.get(tenant, rid)
     if rec is None:
       raise unknown(rid, self.store)
-    return await self.server.json_reply(lambda: rec.response)
+    return await completions.json_reply(lambda: rec.response)
 
   async def delete(self, request):
     tenant = self.server.check_key(request)
@@ -459,7 +459,7 @@ class Responses:
     return {"id": msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
   def _usage(self, c, choices) -> dict:
-    u = self.server.usage(c, choices)
+    u = self.server.completion.usage(c, choices)
     return {
       "input_tokens": u["prompt_tokens"],
       "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
@@ -526,7 +526,7 @@ class Responses:
 
   async def _whole(self, turn: Turn, choices, c, meta):
     parts = []
-    async for _, piece, _, _ in self.server.pieces(choices, c):
+    async for _, piece, _, _ in self.server.completion.pieces(choices, c):
       parts.append(piece)
     text = "".join(parts)
     if chat.calls_expected(c):
@@ -537,7 +537,7 @@ class Responses:
       items = [self._message(f"msg_{uuid.uuid4().hex}", "", text)]
     resp = self._final(turn, choices, c, meta, items)
     await self._keep(turn, choices, c, resp)
-    return await self.server.json_reply(lambda: resp)
+    return await completions.json_reply(lambda: resp)
 
   async def _stream(self, turn: Turn, request, choices, c, meta):
     """OpenAI's event sequence: created, in_progress, then per output item (a message: output_item.added,
@@ -550,103 +550,118 @@ class Responses:
       headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await resp.prepare(request)
-    seq = 0
-
-    async def send(kind: str, **fields):
-      nonlocal seq
-      data = json.dumps({"type": kind, "sequence_number": seq, **fields})
-      seq += 1
-      await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
-
-    part = lambda text: {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    items: list = []  # output items: finished, and the open one last
-    is_open = False
-    closing = "completed"  # the status an item closes with (the last: the response's)
-
-    async def open_item(item: dict):
-      nonlocal is_open
-      await close_item()
-      items.append(item)
-      is_open = True
-      await send("response.output_item.added", output_index=len(items) - 1, item=item)
-      if item["type"] == "message":
-        await send(
-          "response.content_part.added",
-          item_id=item["id"],
-          output_index=len(items) - 1,
-          content_index=0,
-          part=part(""),
-        )
-
-    async def close_item():
-      nonlocal is_open
-      if not is_open:
-        return
-      is_open = False
-      item, where = items[-1], {"item_id": items[-1]["id"], "output_index": len(items) - 1}
-      item["status"] = closing
-      if item["type"] == "message":
-        text = "".join(p["text"] for p in item["content"])
-        item["content"] = [part(text)]
-        await send("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
-        await send("response.content_part.done", **where, content_index=0, part=part(text))
-      else:
-        await send("response.function_call_arguments.done", **where, arguments=item["arguments"])
-      await send("response.output_item.done", output_index=len(items) - 1, item=item)
-
-    async def on_event(e):
-      if isinstance(e, toolcalls.Content):
-        if not (is_open and items[-1]["type"] == "message"):
-          await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
-        items[-1]["content"].append(part(e.text))
-        await send(
-          "response.output_text.delta",
-          item_id=items[-1]["id"],
-          output_index=len(items) - 1,
-          content_index=0,
-          delta=e.text,
-          logprobs=[],
-        )
-      elif isinstance(e, toolcalls.CallStart):
-        await open_item(self._call_item(e.call, f"fc_{uuid.uuid4().hex}", "in_progress") | {"arguments": ""})
-      else:
-        items[-1]["arguments"] += e.text
-        await send(
-          "response.function_call_arguments.delta",
-          item_id=items[-1]["id"],
-          output_index=len(items) - 1,
-          delta=e.text,
-        )
-
+    out = StreamedItems(resp)
     try:
       started = self._object(turn, meta, "in_progress", [], None)
-      await send("response.created", response=started)
-      await send("response.in_progress", response=started)
+      await out.send("response.created", response=started)
+      await out.send("response.in_progress", response=started)
       calls = toolcalls.CallStream() if chat.calls_expected(c) else None
       if calls is None:
-        await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
+        await out.open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
       try:
-        async for _, piece, reason, _ in self.server.pieces(choices, c):
+        async for _, piece, reason, _ in self.server.completion.pieces(choices, c):
           events = [toolcalls.Content(piece)] if calls is None and piece else []
           if calls is not None:
             events = calls.feed(piece) + (calls.close() if reason is not None else [])
           for e in events:
-            await on_event(e)
+            await out.on_event(e)
       except ApiError as e:  # headers are out: report in the stream
-        await send("error", code=e.kind, message=e.message, param=e.param)
+        await out.send("error", code=e.kind, message=e.message, param=e.param)
         failed = self._object(turn, meta, "failed", [], None)
         failed["error"] = {"code": "server_error", "message": e.message}
-        await send("response.failed", response=failed)
+        await out.send("response.failed", response=failed)
         await resp.write_eof()
         return resp
-      if not items:  # an empty reply is one empty message
-        await open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
-      closing = "incomplete" if choices[0].finish == "length" else "completed"
-      await close_item()
-      final = self._final(turn, choices, c, meta, items)
+      if not out.items:  # an empty reply is one empty message
+        await out.open_item(self._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
+      out.closing = "incomplete" if choices[0].finish == "length" else "completed"
+      await out.close_item()
+      final = self._final(turn, choices, c, meta, out.items)
       await self._keep(turn, choices, c, final)
-      await send(f"response.{final['status']}", response=final)
+      await out.send(f"response.{final['status']}", response=final)
       await resp.write_eof()
-    except ConnectionResetError:  # the client left; run_completion frees the slot
+    except ConnectionResetError:  # the client left; CompletionRunner.run frees the slot
       pass
     return resp
+
+
+def _text_part(text: str) -> dict:
+  return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class StreamedItems:
+  """A streamed response's events, numbered in order, and its output items as they open, grow and close (a
+  message's text, a function call's arguments): what Responses._stream sends between created and
+  completed."""
+
+  def __init__(self, resp: web.StreamResponse):
+    self.resp = resp
+    self.seq = 0
+    self.items: list = []  # output items: finished, and the open one last
+    self.is_open = False
+    self.closing = "completed"  # the status an item closes with (the last: the response's)
+
+  async def send(self, kind: str, **fields):
+    data = json.dumps({"type": kind, "sequence_number": self.seq, **fields})
+    self.seq += 1
+    await self.resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+  async def open_item(self, item: dict):
+    await self.close_item()
+    items = self.items
+    items.append(item)
+    self.is_open = True
+    await self.send("response.output_item.added", output_index=len(items) - 1, item=item)
+    if item["type"] == "message":
+      await self.send(
+        "response.content_part.added",
+        item_id=item["id"],
+        output_index=len(items) - 1,
+        content_index=0,
+        part=_text_part(""),
+      )
+
+  async def close_item(self):
+    if not self.is_open:
+      return
+    self.is_open = False
+    items = self.items
+    item, where = items[-1], {"item_id": items[-1]["id"], "output_index": len(items) - 1}
+    item["status"] = self.closing
+    if item["type"] == "message":
+      text = "".join(p["text"] for p in item["content"])
+      item["content"] = [_text_part(text)]
+      await self.send("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+      await self.send("response.content_part.done", **where, content_index=0, part=_text_part(text))
+    else:
+      await self.send("response.function_call_arguments.done", **where, arguments=item["arguments"])
+    await self.send("response.output_item.done", output_index=len(items) - 1, item=item)
+
+  async def on_event(self, e):
+    """One event of the reply's text (toolcalls.Content, CallStart, or a call's arguments) as its items'
+    events."""
+    items = self.items
+    if isinstance(e, toolcalls.Content):
+      if not (self.is_open and items[-1]["type"] == "message"):
+        await self.open_item(Responses._message(f"msg_{uuid.uuid4().hex}", "in_progress", None))
+      items[-1]["content"].append(_text_part(e.text))
+      await self.send(
+        "response.output_text.delta",
+        item_id=items[-1]["id"],
+        output_index=len(items) - 1,
+        content_index=0,
+        delta=e.text,
+        logprobs=[],
+      )
+    elif isinstance(e, toolcalls.CallStart):
+      await self.open_item(
+        Responses._call_item(e.call, f"fc_{uuid.uuid4().hex}", "in_progress") | {"arguments": ""}
+      )
+    else:
+      items[-1]["arguments"] += e.text
+      await self.send(
+        "response.function_call_arguments.delta",
+        item_id=items[-1]["id"],
+        output_index=len(items) - 1,
+        delta=e.text,
+      )

@@ -19,7 +19,7 @@ import asyncio
 
 from aiohttp import web
 
-from serve.api import chat, protocol
+from serve.api import chat, completions, protocol
 from serve.api.protocol import ApiError
 
 
@@ -96,7 +96,7 @@ class TokenizerRoutes:
 
   async def _run(self, request, fn):
     self.server.check_key(request)
-    obj = await self.server.read_json(request)
+    obj = await completions.read_json(request)
     out = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(obj))
     return web.json_response(out)
 

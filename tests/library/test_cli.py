@@ -9,6 +9,9 @@ from laplace_jax import cli
 from laplace_jax.model.config import LaplaceConfig
 from laplace_jax.training.optimizer import OptimizerConfig
 from serve import __main__ as serve_main
+from serve.api import server_config
+from serve.api.server_config import ServerConfig
+from serve.engine.engine_config import EngineConfig
 from train import eval as train_eval
 from train import export_hf, import_hf
 from train import prepare as train_prepare
@@ -113,6 +116,26 @@ def test_serve_takes_both_spellings():
   assert vars(a) == vars(b) and (a.n_slots, a.random_init, a.hlo_dir) == (3, True, "h")
   with pytest.raises(SystemExit):
     serve_main.parse_args(["--random_init", "--random-init", "--checkpoint", "c"])  # still exclusive
+
+
+def test_serve_flags_are_the_config_fields(monkeypatch):
+  """python -m serve's flags: ServerConfig's fields and the engine's (EngineConfig), each with its field's
+  docstring as its help and its field's default."""
+  monkeypatch.delenv("LAPLACE_API_KEY", raising=False)
+  flags = {a.dest: a for a in _flags(serve_main.build_parser())}
+  fields = {f.name: (ServerConfig, f.name) for f in dataclasses.fields(ServerConfig)}
+  fields |= {flag: (EngineConfig, name) for flag, name in server_config.ENGINE_FLAGS.items()}
+  assert set(flags) == set(fields)
+  for flag, (cls, name) in fields.items():
+    assert cli.field_help(cls, name), f"{cls.__name__}.{name} has no docstring (the line after the field)"
+    assert flags[flag].help == cli.field_help(cls, name)
+  engine, server = server_config.configs(serve_main.parse_args(["--random_init"]))
+  assert engine == EngineConfig()
+  assert server == ServerConfig(random_init=True, preset="small", mesh_devices=1)  # parse_args fills these
+  engine, server = server_config.configs(
+    serve_main.parse_args(["--checkpoint", "c", "--state_snapshot_every", "3", "--allowed_host", "h"])
+  )
+  assert (engine.snapshot_every, server.allowed_host) == (3, ("h",))
 
 
 def test_dashed_flag_definition_is_refused_and_values_are_left_alone():

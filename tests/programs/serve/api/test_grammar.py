@@ -282,5 +282,5 @@ def test_compiles_are_cached_per_tenant_and_bounded_in_time():
     slow.close()
 
   asyncio.run(go())
-  assert comp.stats["hits"] == 1 and comp.stats["misses"] == 3
+  assert comp.stats.hits == 1 and comp.stats.misses == 3
   comp.close()

@@ -204,7 +204,7 @@ def test_each_later_turn_restores_the_previous_prompt_and_the_replys_text(tok, t
   """A client re-sends each reply as received. The fake's replies are random ids, which re-tokenize into
   other ids, as a model with random weights gives: each later turn still restores the whole previous
   prompt from the state cache, with and without stop strings, with either template; appended text
-  restores the previous prompt and reply as their text tokenizes (Server._keep_resent)."""
+  restores the previous prompt and reply as their text tokenizes (CompletionRunner.keep_resent)."""
   engine = sf.fake_engine(n_slots=2, prefill_batch=2, state_cache=StateCache("fake", 1 << 30))
   lim = sf.limits(tok, engine, max_tokens=64, max_prompt_tokens=4000, max_prompts=8)
   tmpl = chat.ChatTemplate(template, tok)

@@ -226,11 +226,11 @@ def test_merged_delivery_counts_tokens_only_up_to_the_stop_string(tok):
     {"prompt": [1], "max_tokens": len(ids), "stop": stop, "ignore_eos": True}, limits, tok.encode
   )
 
-  from serve.api.server import _Choice
+  from serve.api.completions import Choice
   from serve.api.text import TextStream
 
   async def go():
-    ch = _Choice(0, 0, asyncio.Queue())
+    ch = Choice(0, 0, asyncio.Queue())
     ch.req, ch.text = _req(), TextStream(tok.token_bytes, c.stop)
     for i, t in enumerate(ids):
       ch.put_nowait(([t], "length" if i == len(ids) - 1 else None))

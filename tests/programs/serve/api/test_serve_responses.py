@@ -311,7 +311,7 @@ def test_stored_responses_survive_a_restart_beside_the_state_cache(tmp_path, cap
   os.mkfifo(sub + f"/resp_{6:032x}.json")
   StateCache("m", 1 << 20, directory=d)  # the state cache still opens its directory
   again = ResponseStore(2, sub)
-  assert again.stats["files_skipped"] == 3 and "skipping" in caplog.text
+  assert again.stats.files_skipped == 3 and "skipping" in caplog.text
   assert [again.get("a", r.id) for r in recs] == [None, recs[1], None, recs[3]]
   assert again.get("b", recs[2].id) == recs[2] and again.get("a", recs[2].id) is None
   assert not any(".tmp-" in n for n in os.listdir(sub))
