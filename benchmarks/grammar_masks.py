@@ -262,7 +262,7 @@ def sampler_rows(args, words):
   def fn(h, emb, t, top_p, allowed):
     zero = jnp.zeros(S, jnp.int32)
     seeds = jnp.arange(S, dtype=jnp.uint32)
-    return sampling.sample(h @ emb, t, zero, top_p, seeds, zero, valid_vocab=VOCAB_SIZE, allowed_SxW=allowed)
+    return sampling.sample(h @ emb, t, zero, top_p, seeds, zero, valid_vocab=VOCAB_SIZE, allowed_SxG=allowed)
 
   print(
     "| sampler, 64 rows (+ a [64, 16] x [16, V] matmul) | no mask, ms | all-ones mask, ms | 8 rows masked, ms |"

@@ -40,8 +40,8 @@ def decode_bytes(cfg, n_slots: int, rows: int) -> int:
   params = jax.eval_shape(
     lambda: loading.cast_params(model.init_params(cfg, jax.random.key(0)), cfg, "compute")
   )
-  table = jax.eval_shape(fns._empty_table)
-  compiled = fns._decode.lower(params, table, jax.ShapeDtypeStruct((rows,), jnp.int32)).compile()
+  table = fns.table_shape
+  compiled = fns.programs.decode.lower(params, table, jax.ShapeDtypeStruct((rows,), jnp.int32)).compile()
   return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text()))
 
 

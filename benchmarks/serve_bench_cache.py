@@ -207,7 +207,7 @@ def run_cache_overhead(args, out):
     rate = (eng.stats["tokens"] - tok0) / (time.perf_counter() - t0)
     res.setdefault("on" if on else "off", []).append(rate)
     if on:
-      res["copied_states"] = eng.cache.stats["stored"]
+      res["copied_states"] = eng.cache.stats.stored
   off, on = max(res["off"]), max(res["on"])
   _table(
     f"decode throughput with the state cache copying every finished slot out ({S} slots, "

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from serve.api.tenants import Tenants
 from serve.engine.engine import Engine
+from serve.engine.state_cache import CacheStats, TenantStats
 
 
 def prometheus_text(
@@ -81,9 +82,9 @@ def cache_rows(engine: Engine, tenants: Tenants, tenant: str):
     return [
       ("prompt_tokens_cached_total", "counter", "Prompt tokens restored from the state cache.", [("", 0)])
     ]
-  counts: Mapping[str, int]
+  counts: CacheStats | TenantStats
   if tenants.enabled:  # the caller's own counters: another tenant's hits are not its business
-    label, counts = f'{{tenant="{tenant}"}}', c.tenant_stats.get(tenant, {})
+    label, counts = f'{{tenant="{tenant}"}}', c.tenant_stats.get(tenant, TenantStats())
   else:
     label, counts = "", c.stats
   return [
@@ -91,31 +92,31 @@ def cache_rows(engine: Engine, tenants: Tenants, tenant: str):
       "prompt_tokens_cached_total",
       "counter",
       "Prompt tokens restored from the state cache, not prefilled.",
-      [(label, counts.get("tokens_reused", 0))],
+      [(label, counts.tokens_reused)],
     ),
     (
       "state_cache_hits_total",
       "counter",
       "Requests that restored a cached state.",
-      [(label, counts.get("hits", 0))],
+      [(label, counts.hits)],
     ),
     (
       "state_cache_misses_total",
       "counter",
       "Requests with no cached prefix.",
-      [(label, counts.get("misses", 0))],
+      [(label, counts.misses)],
     ),
     (
       "state_cache_evictions_total",
       "counter",
       "States evicted for the byte budget.",
-      [("", c.stats["evictions"])],
+      [("", c.stats.evictions)],
     ),
     (
       "state_cache_superseded_total",
       "counter",
       "States dropped because a conversation stored newer ones (the bound on states per conversation).",
-      [("", c.stats["superseded"])],
+      [("", c.stats.superseded)],
     ),
     ("state_cache_bytes", "gauge", "Bytes of cached states held.", [("", c.bytes)]),
     ("state_cache_entries", "gauge", "Cached states held.", [("", len(c))]),
@@ -123,6 +124,6 @@ def cache_rows(engine: Engine, tenants: Tenants, tenant: str):
       "state_cache_files_written_total",
       "counter",
       "State files written to --state_cache_dir.",
-      [("", c.stats["files_written"])],
+      [("", c.stats.files_written)],
     ),
   ]

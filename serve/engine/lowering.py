@@ -1,7 +1,7 @@
 """`python -m serve --target neuron`: every program the engine compiles, lowered (never compiled) from abstract
 shapes with the choices made on the target, and checked by laplace_jax.analysis.neuron_check.
 
-The programs are the jitted functions of `serve.engine.slots.SlotFunctions` as the engine calls them: the slot table
+The programs are the jitted functions of `serve.engine.slots.SlotFunctions` (`SlotPrograms`) as the engine calls them: the slot table
 and prefill batch made at start, a prefill chunk (plain and scored for echo/logprobs), insert (first token
 sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows;
 insert and sampling take each row's allowed-token bitmask),
@@ -41,11 +41,11 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
   P, C = fns.prefill_batch, fns.cfg.chunk_size
   mesh = fns.mesh
   rep = None if mesh is None else sharding.replicated(mesh)
-  table = _sds(jax.eval_shape(fns._empty_table), fns.table_shardings)
-  pf = _sds(jax.eval_shape(fns._empty_prefill), rep)
+  table = _sds(fns.table_shape, fns.table_shardings)
+  pf = _sds(fns.prefill_shape, rep)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
   settings = _sds(jax.tree.map(np.asarray, host_settings([], P, fns.n_stop)), rep)
-  rows = jax.eval_shape(fns._gather, pf.model, i32(P))
+  rows = jax.eval_shape(fns.gather, pf.model, i32(P))
   programs = fns.bucket_programs(
     params, table, decode_steps=decode_steps, speculative_tokens=speculative_tokens, rows_sharding=rep
   )
@@ -55,7 +55,7 @@ def lower_engine(fns: SlotFunctions, params, speculative_tokens: int = 0, decode
     "empty_prefill": fns.empty_prefill.lower(),
     "prefill_chunk": fns.prefill_chunk.lower(params, pf, i32(P, C), i32(P)),
     "prefill_chunk_scored": fns.prefill_chunk_scored.lower(params, pf, i32(P, C), i32(P)),
-    "insert": fns._insert.lower(
+    "insert": fns.programs.insert.lower(
       params, table, pf, i32(P), i32(P), settings, fns.mask_shape((P,), split=False)
     ),
     "gather_slots": fns.gather.lower(table.model, i32(P)),

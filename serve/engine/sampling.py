@@ -108,13 +108,13 @@ def _first_max(x):
   return jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]).min(-1)
 
 
-def _blocked(x_SxV, valid: int):
+def _blocked(x_SxY, valid: int):
   """x as [S, n, BLOCK] blocks of columns (the last padded with -inf) and each of the first ceil(valid /
   BLOCK) blocks' max over its valid columns [S, n_valid_blocks]."""
-  S, V = x_SxV.shape
-  if V % BLOCK:
-    x_SxV = jnp.pad(x_SxV, ((0, 0), (0, -V % BLOCK)), constant_values=-jnp.inf)
-  xb = x_SxV.reshape(S, -1, BLOCK)
+  S, Y = x_SxY.shape
+  if Y % BLOCK:
+    x_SxY = jnp.pad(x_SxY, ((0, 0), (0, -Y % BLOCK)), constant_values=-jnp.inf)
+  xb = x_SxY.reshape(S, -1, BLOCK)
   n_blocks = -(-valid // BLOCK)
   col = jnp.arange(BLOCK)
   last = jnp.where((n_blocks - 1) * BLOCK + col < valid, xb[:, n_blocks - 1], -jnp.inf)
@@ -129,35 +129,35 @@ def _argmax_blocked(xb, block_max, valid: int):
   return (b * BLOCK + _first_max(inner)).astype(jnp.int32)
 
 
-def masked(x_SxV, allowed_SxW):
+def masked(x_SxY, allowed_SxG):
   """x with the tokens a row's bitmask forbids at -inf: token t is allowed when bit t % 32 of word t // 32
   is set (serve/api/grammar.py's rows); None: x. The bits are unpacked by shifts, elementwise, and XLA fuses the
   select into the passes that read the logits: on a CPU, 64 rows of tiny's vocabulary fed by the LM head's
   matmul sample about as fast with an all-ones mask as with none (docs/BENCHMARKS.md, "Grammar masks"). A
   cond skipping it for free batches costs more (its output copies the logits)."""
-  if allowed_SxW is None:
-    return x_SxV
-  S, V = x_SxV.shape
-  W = allowed_SxW.shape[1]
-  if W * 32 < V:
-    raise ValueError(f"allowed_SxW has {W} words a row: {V} logits need at least {-(-V // 32)}.")
-  bits = (allowed_SxW.astype(jnp.int32)[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-  return jnp.where(bits.reshape(S, W * 32)[:, :V] != 0, x_SxV, -jnp.inf)
+  if allowed_SxG is None:
+    return x_SxY
+  S, Y = x_SxY.shape
+  G = allowed_SxG.shape[1]
+  if G * 32 < Y:
+    raise ValueError(f"allowed_SxG has {G} words a row: {Y} logits need at least {-(-Y // 32)}.")
+  bits = (allowed_SxG.astype(jnp.int32)[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  return jnp.where(bits.reshape(S, G * 32)[:, :Y] != 0, x_SxY, -jnp.inf)
 
 
-def argmax_rows(x_SxV, valid: int, allowed_SxW=None, branch_free: bool | None = None):
-  """argmax over the first `valid` columns (first maximum), among the tokens `allowed_SxW` allows (int32
-  [S, W] bitmask, see `masked`; None: all; all ones: the unmasked path, as in `sample`). A plain max over
+def argmax_rows(x_SxY, valid: int, allowed_SxG=None, branch_free: bool | None = None):
+  """argmax over the first `valid` columns (first maximum), among the tokens `allowed_SxG` allows (int32
+  [S, G] bitmask, see `masked`; None: all; all ones: the unmasked path, as in `sample`). A plain max over
   contiguous blocks of the raw logits, then the first maximum inside the winning block: on a CPU, XLA's
   argmax (or any reduce fed by a fused elementwise op) over [1280, 50304] takes ~150-280 ms, this ~14 ms;
   elsewhere it is no slower."""
-  if allowed_SxW is not None and not (branch_free_default() if branch_free is None else branch_free):
+  if allowed_SxG is not None and not (branch_free_default() if branch_free is None else branch_free):
     return jax.lax.cond(
-      (allowed_SxW == -1).all(),
-      lambda: argmax_rows(x_SxV, valid, None, True),
-      lambda: argmax_rows(x_SxV, valid, allowed_SxW, True),
+      (allowed_SxG == -1).all(),
+      lambda: argmax_rows(x_SxY, valid, None, True),
+      lambda: argmax_rows(x_SxY, valid, allowed_SxG, True),
     )
-  xb, block_max = _blocked(masked(x_SxV, allowed_SxW), valid)
+  xb, block_max = _blocked(masked(x_SxY, allowed_SxG), valid)
   return _argmax_blocked(xb, block_max, valid)
 
 
@@ -166,11 +166,12 @@ def _last_nonzero(w):
   return jnp.where(w > 0, jnp.arange(w.shape[-1], dtype=jnp.int32), 0).max(-1)
 
 
-def _inverse_cdf(w_SxW, u_S):
-  """Index of the first cumulative weight above u·total (a token of positive weight when the total is)."""
-  cdf = jnp.cumsum(w_SxW, -1)
+def _inverse_cdf(w, u_S):
+  """Index of the first cumulative weight above u·total (a token of positive weight when the total is),
+  over the last axis of the weights w [S, n]."""
+  cdf = jnp.cumsum(w, -1)
   j = (cdf <= (u_S * cdf[:, -1])[:, None]).sum(-1)
-  return jnp.minimum(j, _last_nonzero(w_SxW)).astype(jnp.int32)
+  return jnp.minimum(j, _last_nonzero(w)).astype(jnp.int32)
 
 
 def _bcast(v_S, like):
@@ -242,21 +243,21 @@ def _probs_above(x, a):
   return jnp.where(x > _bcast(a[2], x), _weight(x, a[0], a[1]), 0.0)
 
 
-def _capped(x_SxV, xb, block_max, valid: int, m_S, r_S, u_S, top_k_S, top_p_S):
+def _capped(x_SxY, xb, block_max, valid: int, m_S, r_S, u_S, top_k_S, top_p_S):
   """Sample among the TOPK_CAP + 1 largest logits: the top-k (the tokens with fewer than k larger logits),
   then its nucleus (those whose top-k-renormalised mass above is < top_p; the largest always).
   Returns (token_S, exact_S): exact when no token outside the candidates can be in the top-k (the last
   candidate has at least k above it). The candidates are the largest of the blocks with the largest maxima."""
-  S, V = x_SxV.shape
-  W = min(TOPK_CAP + 1, valid)
-  if block_max.shape[1] > W:
-    _, bid = jax.lax.top_k(block_max, W)  # the W largest logits lie in these blocks
-    cid = (bid[..., None] * BLOCK + jnp.arange(BLOCK)).reshape(S, W * BLOCK)
-    cand = jnp.where(cid < valid, xb[jnp.arange(S)[:, None], bid].reshape(S, W * BLOCK), -jnp.inf)
-    vals, j = jax.lax.top_k(cand, W)
+  S, Y = x_SxY.shape
+  n = min(TOPK_CAP + 1, valid)  # candidates
+  if block_max.shape[1] > n:
+    _, bid = jax.lax.top_k(block_max, n)  # the n largest logits lie in these blocks
+    cid = (bid[..., None] * BLOCK + jnp.arange(BLOCK)).reshape(S, n * BLOCK)
+    cand = jnp.where(cid < valid, xb[jnp.arange(S)[:, None], bid].reshape(S, n * BLOCK), -jnp.inf)
+    vals, j = jax.lax.top_k(cand, n)
     ids = jnp.take_along_axis(cid, j, -1)
   else:
-    vals, ids = jax.lax.top_k(jnp.where(jnp.arange(V) < valid, x_SxV, -jnp.inf), W)
+    vals, ids = jax.lax.top_k(jnp.where(jnp.arange(Y) < valid, x_SxY, -jnp.inf), n)
   e = _weight(vals, m_S, r_S)
   gt = vals[:, None, :] > vals[:, :, None]  # [S, j, i]: candidate i's logit is above candidate j's
   n_above = gt.sum(-1)
@@ -346,7 +347,7 @@ def _on_rows(need_S, f, rows_args, otherwise, branch_free: bool):
 def _sample_rows(
   x, xb, block_max, greedy, temperature_S, top_k_S, top_p_S, u_SxN, valid: int, branch_free: bool
 ):
-  """`sample`'s tokens for rows x [S, V] (`_blocked` of them, their greedy tokens and uniforms given)."""
+  """`sample`'s tokens for rows x [S, Y] (`_blocked` of them, their greedy tokens and uniforms given)."""
   S = x.shape[0]
   hot = temperature_S > 0
   top_k = jnp.where(top_k_S >= valid, 0, top_k_S)
@@ -400,7 +401,7 @@ def _sample_rows(
 
 
 def sample(
-  logits_SxV,
+  logits_SxY,
   temperature_S,
   top_k_S,
   top_p_S,
@@ -410,12 +411,12 @@ def sample(
   valid_vocab: int,
   seed_hi_S=None,
   branch_free: bool | None = None,
-  allowed_SxW=None,
+  allowed_SxG=None,
   free_path: bool = True,
 ):
   """Next token per slot. temperature 0 → greedy; top_k 0 → off; top_p 1 → off. Ids >= valid_vocab
   (the model's padded vocabulary rows) are never produced. branch_free: no `cond` (None: on Neuron only).
-  allowed_SxW: int32 [S, W] per-row bitmask of the tokens a row may produce (`masked`; all ones: free,
+  allowed_SxG: int32 [S, G] per-row bitmask of the tokens a row may produce (`masked`; all ones: free,
   None: no mask): every path samples the settings' distribution renormalised over the allowed tokens (a row
   must allow at least one). Where the logits come in as an argument, as in the engine's sampling call,
   masking costs a pass of its own over them (docs/BENCHMARKS.md, "Constrained decoding"), so unless
@@ -425,19 +426,19 @@ def sample(
   for calls that are rare or small: insert's entries, a verify's positions)."""
   if branch_free is None:
     branch_free = branch_free_default()
-  args = (logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, seed_hi_S)
+  args = (logits_SxY, temperature_S, top_k_S, top_p_S, seed_S, pos_S, seed_hi_S)
   rows = lambda allowed: _sample(*args[:6], valid_vocab, args[6], branch_free, allowed)
-  if allowed_SxW is None or branch_free or not free_path:
-    return rows(allowed_SxW)
-  constrained = (allowed_SxW != -1).any()
-  return jax.lax.cond(constrained, lambda: rows(allowed_SxW), lambda: rows(None))
+  if allowed_SxG is None or branch_free or not free_path:
+    return rows(allowed_SxG)
+  constrained = (allowed_SxG != -1).any()
+  return jax.lax.cond(constrained, lambda: rows(allowed_SxG), lambda: rows(None))
 
 
 def _sample(
-  logits_SxV, temperature_S, top_k_S, top_p_S, seed_S, pos_S, valid_vocab, seed_hi_S, branch_free, allowed_SxW
+  logits_SxY, temperature_S, top_k_S, top_p_S, seed_S, pos_S, valid_vocab, seed_hi_S, branch_free, allowed_SxG
 ):
   """`sample`'s body (branch_free decided)."""
-  x = masked(logits_SxV.astype(F32), allowed_SxW)
+  x = masked(logits_SxY.astype(F32), allowed_SxG)
   xb, block_max = _blocked(x, valid_vocab)
   greedy = _argmax_blocked(xb, block_max, valid_vocab)
   hot = temperature_S > 0
@@ -456,10 +457,10 @@ def _sample(
 TOP_LOGPROBS = 5  # the most `logprobs` a request may ask for (OpenAI's bound)
 
 
-def logprobs(logits_SxV, tok_S, *, valid_vocab: int):
+def logprobs(logits_SxY, tok_S, *, valid_vocab: int):
   """log-softmax of the raw logits over the valid vocabulary: (the chosen token's [S], the top
   TOP_LOGPROBS values [S, N] and ids [S, N]). Temperature and filters do not change them."""
-  lg = logits_SxV[:, :valid_vocab].astype(F32)
+  lg = logits_SxY[:, :valid_vocab].astype(F32)
   lse = jax.nn.logsumexp(lg, -1)
   chosen = jnp.take_along_axis(lg, tok_S[:, None].astype(jnp.int32), -1)[:, 0] - lse
   vals, ids = jax.lax.top_k(lg, TOP_LOGPROBS)

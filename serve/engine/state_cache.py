@@ -99,6 +99,38 @@ def _ids_bytes(ids) -> bytes:
   return np.asarray(ids, np.int32).tobytes()
 
 
+@dataclasses.dataclass(frozen=True)
+class TenantStats:
+  """One tenant's counters of its lookups (a snapshot: the cache replaces it as it counts)."""
+
+  hits: int = 0  # lookups that found a cached prefix
+  misses: int = 0  # lookups that found none
+  tokens_reused: int = 0  # prompt tokens restored from the cache, not prefilled
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+  """The whole cache's counters since it started (a snapshot: the cache replaces it as it counts)."""
+
+  hits: int = 0  # lookups that found a cached prefix
+  misses: int = 0  # lookups that found none
+  evictions: int = (
+    0  # states dropped for the byte budget (or, once the engine's layout is known, for another)
+  )
+  superseded: int = 0  # states dropped as a conversation stored newer ones (StateCache's prefix_states)
+  tokens_reused: int = 0  # prompt tokens restored from the cache, not prefilled
+  stored: int = 0  # states put since start (those loaded from the directory not counted)
+  files_written: int = 0  # state files written to the directory
+  files_skipped: int = 0  # files in the directory at start that were not loaded (not regular, bad, foreign)
+  files_not_written: int = 0  # states kept in memory only: too many writes were queued
+  files_removed: int = 0  # files removed at start, past the byte budget
+
+
+def _added(record, by: dict[str, int]):
+  """The record with each named counter increased by its amount."""
+  return dataclasses.replace(record, **{k: getattr(record, k) + n for k, n in by.items()})
+
+
 @dataclasses.dataclass
 class Entry:
   ids: np.ndarray  # int32 [n]: exactly the tokens the state has consumed
@@ -140,24 +172,21 @@ class StateCache:
     self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest first
     self.by_block: dict[bytes, set[str]] = collections.defaultdict(set)  # chain hash of floor(n/BLOCK) blocks
     self.bytes = 0
-    self.stats = {
-      "hits": 0,
-      "misses": 0,
-      "evictions": 0,
-      "superseded": 0,
-      "tokens_reused": 0,
-      "stored": 0,
-      "files_written": 0,
-      "files_skipped": 0,
-      "files_not_written": 0,
-      "files_removed": 0,
-    }
-    self.tenant_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    self.stats = CacheStats()  # replaced, never changed in place: a reader holds a consistent snapshot
+    self.tenant_stats: dict[str, TenantStats] = {}  # per tenant that looked up a prompt, as stats
     self._lock = threading.Lock()
+    self._count_lock = threading.Lock()  # the writer thread counts too
     self.dir = directory
     self._writes: queue.Queue | None = None
     if directory:
       self._open_dir(directory)
+
+  def _count(self, tenant: str | None = None, **by: int):
+    """Add to the counters named (CacheStats' fields), and to the tenant's when given."""
+    with self._count_lock:
+      self.stats = _added(self.stats, by)
+      if tenant is not None:
+        self.tenant_stats[tenant] = _added(self.tenant_stats.get(tenant, TenantStats()), by)
 
   # ---- keys ----
 
@@ -183,17 +212,13 @@ class StateCache:
     max_len = min(max_len, len(ids))
     chain = self._chain(ids, max_len // BLOCK, scope)
     with self._lock:
-      counts = self.tenant_stats[tenant]
       found = self._prefixes(ids, scope, chain, max_len)
       if found:
         best = found[0]
         self.entries.move_to_end(best.key)
-        for c in (self.stats, counts):
-          c["hits"] += 1
-          c["tokens_reused"] += len(best.ids)
+        self._count(tenant, hits=1, tokens_reused=len(best.ids))
         return len(best.ids), best.state
-      self.stats["misses"] += 1
-      counts["misses"] += 1
+      self._count(tenant, misses=1)
     return 0, None
 
   def put(
@@ -223,11 +248,11 @@ class StateCache:
       self.entries[e.key] = e
       self.by_block[chain[-1]].add(e.key)
       self.bytes += e.nbytes
-      self.stats["stored"] += 1
+      self._count(stored=1)
       while self.bytes > self.budget:
         old = self.entries.popitem(last=False)[1]
         self._unindex(old)
-        self.stats["evictions"] += 1
+        self._count(evictions=1)
         evicted.append(old)
     if self._writes is not None:
       for old in evicted:
@@ -236,7 +261,7 @@ class StateCache:
         if self._writes.qsize() < MAX_PENDING_WRITES:  # a slow disk must not hold evicted states in memory
           self._writes.put(("write", e))
         else:
-          self.stats["files_not_written"] += 1
+          self._count(files_not_written=1)
     return True
 
   def _prefixes(self, ids: np.ndarray, scope: str, chain: list[bytes], max_len: int) -> list[Entry]:
@@ -264,7 +289,7 @@ class StateCache:
       todo += self.children.get(key, ())
       e = self.entries.pop(key)
       self._unindex(e)
-      self.stats["superseded"] += 1
+      self._count(superseded=1)
       dropped.append(e)
     return dropped
 
@@ -307,7 +332,7 @@ class StateCache:
         )
         del self.entries[e.key]
         self._unindex(e)
-        self.stats["evictions"] += 1
+        self._count(evictions=1)
 
   def __len__(self):
     return len(self.entries)
@@ -367,7 +392,7 @@ class StateCache:
         continue
       if not stat.S_ISREG(st.st_mode):
         log.warning("state cache: skipping %s (not a regular file)", path)
-        self.stats["files_skipped"] += 1
+        self._count(files_skipped=1)
         continue
       files.append((st.st_mtime, path))
     files.sort(reverse=True)  # newest first: they end up most recently used
@@ -380,7 +405,7 @@ class StateCache:
         ids, state, scope = read_entry(path, self.model_id, self.layout)
       except (OSError, ValueError) as e:
         log.warning("state cache: skipping %s (%s)", path, e)
-        self.stats["files_skipped"] += 1
+        self._count(files_skipped=1)
         continue
       size = sum(a.nbytes for a in state.values())
       if total + size > self.budget:
@@ -393,10 +418,10 @@ class StateCache:
     for path in over:  # past the budget at start: the oldest go, as LRU eviction would have removed them
       try:
         os.unlink(path)
-        self.stats["files_removed"] += 1
+        self._count(files_removed=1)
       except OSError as e:
         log.warning("state cache: cannot remove %s (%s)", path, e)
-    self.stats["stored"] = 0
+    self.stats = dataclasses.replace(self.stats, stored=0)  # (the loaded states are not new)
     log.info(
       "state cache: %d states (%.1f MB) loaded from %s, %d over the budget removed",
       len(self),
@@ -412,7 +437,7 @@ class StateCache:
       try:
         if op == "write":
           _atomic_write(path, encode_entry(e.ids, e.state, self.model_id, e.scope))
-          self.stats["files_written"] += 1
+          self._count(files_written=1)
         elif os.path.lexists(path):
           os.remove(path)
       except OSError as err:

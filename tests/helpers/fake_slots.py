@@ -74,21 +74,21 @@ def uniforms(seed, seed_hi, index):
   return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def allowed_bits(allowed_SxW, n: int) -> np.ndarray:
+def allowed_bits(allowed_SxG, n: int) -> np.ndarray:
   """bool [S, n]: the tokens < n each row of an int32 bitmask allows (serve.engine.sampling.masked's layout)."""
-  return np.unpackbits(np.ascontiguousarray(allowed_SxW, np.int32).view(np.uint8), -1, bitorder="little")[
+  return np.unpackbits(np.ascontiguousarray(allowed_SxG, np.int32).view(np.uint8), -1, bitorder="little")[
     :, :n
   ].astype(bool)
 
 
-def sample(h, settings: SlotSettings, index, valid_vocab: int, allowed_SxW=None):
+def sample(h, settings: SlotSettings, index, valid_vocab: int, allowed_SxG=None):
   """Each row's token after a state of hash h[i] under its settings, its index-th draw, among the tokens
-  allowed_SxW allows (None: all), as the real sampler renormalises over them: the allowed candidates
+  allowed_SxG allows (None: all), as the real sampler renormalises over them: the allowed candidates
   (top-k counts those); a row that allows none of its candidates gets its lowest allowed id."""
   cand = candidates(h, valid_vocab)
   ok = np.ones(cand.shape, bool)
-  if allowed_SxW is not None:
-    bits = allowed_bits(allowed_SxW, valid_vocab)
+  if allowed_SxG is not None:
+    bits = allowed_bits(allowed_SxG, valid_vocab)
     ok = np.take_along_axis(bits, cand, 1)
   t = np.asarray(settings.temperature, np.float64)[:, None]
   greedy = t[:, 0] == 0
@@ -246,15 +246,15 @@ class FakeSlots:
       self.masked_rows += int((np.asarray(allowed) != -1).any(1).sum())
 
   def insert(
-    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExW=None
+    self, params, table: SlotTable, pf: PrefillRows, row_E, slot_E, settings: SlotSettings, allowed_ExG=None
   ):
     del params
     self.calls["insert"] += 1
-    self._count_masked(allowed_ExW)
+    self._count_masked(allowed_ExG)
     row_E, slot_E = np.asarray(row_E), np.asarray(slot_E)
     h = pf.model.conv[0, row_E, 0, 0]
     zero = np.zeros_like(slot_E)
-    tok = sample(h, settings, zero, self.valid_vocab, allowed_ExW)
+    tok = sample(h, settings, zero, self.valid_vocab, allowed_ExG)
     table = jax.tree.map(np.array, table)  # a new table: the caller's is "donated"
     for e in np.flatnonzero(slot_E < self.n_slots):
       s, r = slot_E[e], row_E[e]
@@ -308,18 +308,18 @@ class FakeSlots:
     self._put(table, rows, dataclasses.replace(sub, model=model))
     return table, h
 
-  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxW=None):
-    """As SlotFunctions': each row's next token after hash logits[i], among those allowed_BxW allows."""
-    self._count_masked(allowed_BxW)
+  def sample_rows(self, logits, table: SlotTable, rows_B, allowed_BxG=None):
+    """As SlotFunctions': each row's next token after hash logits[i], among those allowed_BxG allows."""
+    self._count_masked(allowed_BxG)
     rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
     table = jax.tree.map(np.array, table)
     sub = self._take(table, rows)
     index = sub.last_output_index + 1
-    tok = sample(logits, sub.settings, index, self.valid_vocab, allowed_BxW)
+    tok = sample(logits, sub.settings, index, self.valid_vocab, allowed_BxG)
     self._put(table, rows, dataclasses.replace(sub, tokens=tok, last_output_index=index))
     return table, self._output(logits, tok, index, sub.settings).pack()
 
-  def verify(self, params, table: SlotTable, drafts_BxK, n_drafts_B, rows_B=None, allowed_BxTxW=None):
+  def verify(self, params, table: SlotTable, drafts_BxJ, n_drafts_B, rows_B=None, allowed_BxTxW=None):
     """As SlotFunctions.verify: each row runs its next input and its drafts while each position's token
     (sampled as the next single step would, under allowed_BxTxW[:, j]) equals the draft there and does not
     end it; its state is left after the tokens it emits."""
@@ -327,19 +327,19 @@ class FakeSlots:
     self.calls["verify"] = self.calls.get("verify", 0) + 1
     rows = np.arange(self.n_slots) if rows_B is None else np.asarray(rows_B)
     self._count_masked(None if allowed_BxTxW is None else np.asarray(allowed_BxTxW).reshape(-1, self.words))
-    drafts, n_drafts = np.asarray(drafts_BxK), np.asarray(n_drafts_B)
+    drafts, n_drafts = np.asarray(drafts_BxJ), np.asarray(n_drafts_B)
     table = jax.tree.map(np.array, table)
     sub = self._take(table, rows)
-    (S, K), outs = drafts.shape, []
+    S, J, outs = drafts.shape[0], drafts.shape[1] + 1, []  # J positions: the next input, then the drafts
     live, emitted = np.ones(S, bool), np.zeros(S, np.int32)
-    for j in range(K + 1):
+    for j in range(J):
       step, out = self._step(
-        sub, allowed_SxW=None if allowed_BxTxW is None else np.asarray(allowed_BxTxW)[:, j]
+        sub, allowed_SxG=None if allowed_BxTxW is None else np.asarray(allowed_BxTxW)[:, j]
       )
       sub = jax.tree.map(lambda new, old, axis: _keep(~live, new, old, axis), step, sub, self._axes())
       outs.append(out)
       emitted += live
-      live = live & (j < n_drafts) & (out.token == drafts[:, min(j, K - 1)]) & ~out.done
+      live = live & (j < n_drafts) & (out.token == drafts[:, min(j, J - 2)]) & ~out.done
     self._put(table, rows, sub)
     steps = jax.tree.map(lambda *x: np.stack(x, 1), *outs)
     return table, StepsOutput(emitted=emitted, steps=steps).pack()
@@ -370,13 +370,13 @@ class FakeSlots:
     first_end = np.where(out.done, np.arange(steps)[None], steps).min(1)
     return table, StepsOutput(emitted=np.minimum(first_end + 1, steps), steps=out).pack()
 
-  def _step(self, table: SlotTable, greedy: bool = False, allowed_SxW=None) -> tuple[SlotTable, StepOutput]:
+  def _step(self, table: SlotTable, greedy: bool = False, allowed_SxG=None) -> tuple[SlotTable, StepOutput]:
     h = consume(table.model.conv[0, :, 0, 0], table.tokens)
     index = table.last_output_index + 1
     s = table.settings
     if greedy:  # as SlotFunctions: argmax for every slot (a sampled request would get other tokens)
       s = dataclasses.replace(s, temperature=np.zeros_like(s.temperature))
-    tok = sample(h, s, index, self.valid_vocab, allowed_SxW)
+    tok = sample(h, s, index, self.valid_vocab, allowed_SxG)
     new = SlotTable(
       model=DecodeState(pos=table.model.pos + 1, conv=h.reshape(1, -1, 1, 1)),
       tokens=tok,

@@ -204,7 +204,7 @@ def test_random_logits_under_the_masks_always_give_valid_output():
         jnp.ones(S, jnp.float32),
         jnp.arange(S, dtype=jnp.uint32),
         jnp.full(S, step, jnp.int32),
-        allowed_SxW=jnp.asarray(rows),
+        allowed_SxG=jnp.asarray(rows),
       )
     )
     for i in live:

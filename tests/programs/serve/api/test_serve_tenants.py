@@ -87,7 +87,7 @@ def test_a_state_is_restored_only_in_the_scope_that_cached_it(tmp_path):
   assert c.lookup(probe, 500, tenant="alice", salt="t") == (0, None)
   assert c.lookup(probe, 500, tenant="bob", salt="s") == (0, None)
   assert c.lookup(probe, 500)[0] == 70
-  assert c.tenant_stats["alice"]["hits"] == 2 and c.tenant_stats["bob"]["misses"] == 2
+  assert c.tenant_stats["alice"].hits == 2 and c.tenant_stats["bob"].misses == 2
   c.flush()
   again = StateCache("m", 1 << 20, directory=d)  # the scopes survive a restart
   assert again.lookup(probe, 500, tenant="alice", salt="s")[1]["gla"][0, 0, 0] == 2

@@ -1,4 +1,4 @@
-"""serve.engine.sampling with a per-row allowed-token bitmask (`allowed_SxW`, serve/api/grammar.py's rows): a masked row
+"""serve.engine.sampling with a per-row allowed-token bitmask (`allowed_SxG`, serve/api/grammar.py's rows): a masked row
 only ever yields an allowed token, greedy is the argmax over the allowed tokens, sampling draws the settings'
 distribution renormalised over them (against the float64 reference of test_sampling_exact), and an all-ones
 mask changes no token."""
@@ -41,7 +41,7 @@ def sample(logits, temperature, top_k, top_p, allowed):
       full(top_p, jnp.float32),
       jnp.arange(S, dtype=jnp.uint32),
       full(3, jnp.int32),
-      allowed_SxW=None if allowed is None else jnp.asarray(allowed),
+      allowed_SxG=None if allowed is None else jnp.asarray(allowed),
     )
   )
 

@@ -88,7 +88,7 @@ def test_planted_and_odd_files_are_skipped_and_start_up_goes_on(tmp_path, caplog
   os.mkfifo(os.path.join(d, "fifo.state"))
   os.mkdir(os.path.join(d, "dir.state"))
   again = _open(d)
-  assert len(again) == 1 and again.stats["files_skipped"] == 11
+  assert len(again) == 1 and again.stats.files_skipped == 11
   assert again.lookup(list(range(71)), 70)[0] == 70
   for name in ("shape", "dtype", "object", "model", "noline", "list", "fields", "dangling", "fifo", "dir"):
     assert f"{name}.state" in caplog.text
@@ -125,7 +125,7 @@ def test_files_past_the_budget_at_start_are_removed(tmp_path):
     path = os.path.join(d, c._key(np.full(70, i, np.int32), "") + ".state")
     os.utime(path, (1000 + i, 1000 + i))  # file i is the i-th newest from the end
   small = StateCache("m", 2 * ENTRY, directory=d)
-  assert len(small) == 2 and small.stats["files_removed"] == 2
+  assert len(small) == 2 and small.stats.files_removed == 2
   assert [small.lookup([i] * 71, 70)[0] for i in range(4)] == [0, 0, 70, 70]  # the newest kept
   assert len([n for n in os.listdir(d) if n.endswith(".state")]) == 2
 

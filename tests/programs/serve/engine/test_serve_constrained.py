@@ -196,6 +196,8 @@ def test_a_real_engine_constrained_reply_validates_with_random_weights():
   for r in reqs:
     assert r.progress.finish_reason == "stop", text_of(r)
     check_json(text_of(r), SCHEMA)
-  before = eng.fns._sample._cache_size()  # free requests run the same compiled programs: nothing more is made
+  before = (
+    eng.fns.programs.sample._cache_size()
+  )  # free requests run the same compiled programs: nothing more is made
   eng.generate([Request(prompt_ids=[11, 12], max_tokens=6, seed=s) for s in range(2)])
-  assert eng.fns._sample._cache_size() == before
+  assert eng.fns.programs.sample._cache_size() == before

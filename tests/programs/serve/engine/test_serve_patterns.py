@@ -165,7 +165,7 @@ def test_a_cached_sliding_window_state_gives_the_tokens_of_a_full_prefill(engine
   other = StateCache(
     cache.model_id, 1 << 30, cache.dir, layout=state_cache.layout_for(eng.cfg.replace(window=8))
   )
-  assert len(other) == 0 and other.stats["files_skipped"] == len(cache)
+  assert len(other) == 0 and other.stats.files_skipped == len(cache)
 
 
 def test_patterns_are_checked_at_start():

@@ -54,7 +54,7 @@ def test_longest_exact_prefix_hits_and_misses():
   other[3] = 999  # differs inside the first block: nothing of it is cached
   assert c.lookup(other, max_len=300) == (0, None)
   assert c.lookup(ids[:9], max_len=9) == (0, None)
-  assert c.stats["hits"] == 3 and c.stats["misses"] == 2 and c.stats["tokens_reused"] == 200 + 130 + 130
+  assert c.stats.hits == 3 and c.stats.misses == 2 and c.stats.tokens_reused == 200 + 130 + 130
 
 
 def test_a_hash_match_never_serves_different_ids():
@@ -83,7 +83,7 @@ def test_lru_eviction_by_bytes():
     c.put(s, _state(s[0]))
   assert c.lookup(seqs[0] + [9], 5)[0] == 5  # touch 0: 1 is now the oldest
   c.put(seqs[3], _state(3))
-  assert c.bytes == 3 * ENTRY_BYTES and c.stats["evictions"] == 1
+  assert c.bytes == 3 * ENTRY_BYTES and c.stats.evictions == 1
   assert c.lookup(seqs[1] + [9], 5) == (0, None)
   assert all(c.lookup(seqs[i] + [9], 5)[0] == 5 for i in (0, 2, 3))
   big = {"gla": np.zeros((4 * ENTRY_BYTES // 4,), np.float32)}
@@ -107,7 +107,7 @@ def test_directory_round_trip_and_a_damaged_file_is_skipped(tmp_path, caplog):
   with open(os.path.join(d, files[1]), "r+b") as f:  # truncate another
     f.truncate(os.path.getsize(os.path.join(d, files[1])) - 10)
   again = StateCache("m", budget_bytes=10 * ENTRY_BYTES, directory=d)
-  assert len(again) == 1 and again.stats["files_skipped"] == 2
+  assert len(again) == 1 and again.stats.files_skipped == 2
   assert "skipping" in caplog.text
   ((ids, st),) = [(e.ids, e.state) for e in again.entries.values()]
   i = int(ids[0])
@@ -247,7 +247,7 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
   first = cached.generate([Request(prompt_ids=base, max_tokens=2, temperature=0.0)])[0]
   cached.state_io.collect(block=True)  # base + the 2 tokens are cached
   base = base + first
-  hits = cached.cache.stats["hits"]
+  hits = cached.cache.stats.hits
 
   def batch():
     prompts = [base + list(rng2.integers(0, GPT2_VOCAB, 20 + 10 * i)) for i in range(3)]
@@ -270,7 +270,7 @@ def test_same_tokens_with_the_cache_on_and_off_for_n_choices_and_prompt_lists(en
     eng.run_until_idle()
     outs.append([[m.progress.output_ids for m in (r, *r.siblings)] for r in reqs])
   assert outs[0] == outs[1]
-  assert cached.cache.stats["hits"] - hits == 3  # one per prompt; the choices share its prefill
+  assert cached.cache.stats.hits - hits == 3  # one per prompt; the choices share its prefill
 
 
 def test_a_foreign_cache_dir_stops_the_server_at_start(tmp_path):
@@ -335,7 +335,7 @@ def test_a_conversation_keeps_a_bounded_number_of_states(resent_as_generated):
     resent = reply if resent_as_generated else [2000 + turn] * 6
     prompt = prompt + resent + [3000 + turn] * 30
   assert len(c) - 1 == (3 if resent_as_generated else 4)
-  assert c.stats["evictions"] == 0 and c.stats["superseded"] > 30
+  assert c.stats.evictions == 0 and c.stats.superseded > 30
   c.put(prompt, _state(20))
   assert c.lookup(prompt + [1], len(prompt))[0] == len(prompt)
   assert c.lookup(prompt[:-30] + [5], len(prompt))[0] == len(prompt) - 30 - (0 if resent_as_generated else 6)

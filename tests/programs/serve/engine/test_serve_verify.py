@@ -191,11 +191,15 @@ def test_verify_and_generate_steps_lower_clean_for_neuron():
       model, CFG, n_slots=S, prefill_batch=S, n_stop=2, valid_vocab=CFG.vocab_size, max_context=MAX_CONTEXT
     )
     params = jax.eval_shape(lambda: model.init_params(CFG, jax.random.key(0)))
-    table = jax.eval_shape(fns._empty_table)
+    table = fns.table_shape
     B = 2  # a bucket of the table's rows: gathered by index, written back in place
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    text = fns._verify.lower(params, table, i32(B), i32(B, K), i32(B), i32(B, K + 1, fns.words)).as_text()
-    steps_texts = [fns._generate_steps.lower(params, table, i32(B), 4, g).as_text() for g in (False, True)]
+    text = fns.programs.verify.lower(
+      params, table, i32(B), i32(B, K), i32(B), i32(B, K + 1, fns.words)
+    ).as_text()
+    steps_texts = [
+      fns.programs.generate_steps.lower(params, table, i32(B), 4, g).as_text() for g in (False, True)
+    ]
   assert neuron_check.violations(text) == []
   assert [neuron_check.violations(t) for t in steps_texts] == [[], []]
 

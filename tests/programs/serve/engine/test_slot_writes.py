@@ -21,6 +21,7 @@ from serve.engine.slots import (
   entry_writes,
   host_settings,
   step_rows,
+  table_axes,
 )
 
 
@@ -31,9 +32,9 @@ def test_insert_moves_the_slot_rows_not_the_table():
     model, cfg, n_slots=slots, prefill_batch=prefill_batch, n_stop=4, valid_vocab=cfg.vocab_size
   )
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-  table, pf = jax.eval_shape(fns._empty_table), jax.eval_shape(fns._empty_prefill)
+  table, pf = fns.table_shape, fns.prefill_shape
   compiled = compile_as_benchmarks(
-    fns._insert.lower(
+    fns.programs.insert.lower(
       params,
       table,
       pf,
@@ -203,7 +204,7 @@ def test_a_bucket_step_is_the_whole_table_step_for_its_rows_and_leaves_the_rest(
   np.testing.assert_array_equal(a.steps.token[live], b.steps.token[:3])
   np.testing.assert_array_equal(a.emitted[live], b.emitted[:3])
   full, part, table = (jax.tree.map(np.asarray, t) for t in (full, part, table))
-  axes = dataclasses.replace(fns._table_axes(), settings=jax.tree.map(lambda _: 0, table.settings))
+  axes = dataclasses.replace(table_axes(fns.axes), settings=jax.tree.map(lambda _: 0, table.settings))
   for f, p, t, axis in zip(*(jax.tree.leaves(x) for x in (full, part, table, axes))):
     f, p, t = (np.moveaxis(x, axis, 0) for x in (f, p, t))
     np.testing.assert_allclose(p[live], f[live], rtol=1e-5, atol=1e-6)
@@ -220,8 +221,10 @@ def test_a_bucket_step_moves_the_bucket_state_not_the_table():
 
   def moved(S, B):
     fns = SlotFunctions(model, cfg, n_slots=S, prefill_batch=2, n_stop=2, valid_vocab=cfg.vocab_size)
-    table = jax.eval_shape(fns._empty_table)
-    compiled = compile_as_benchmarks(fns._decode.lower(params, table, jax.ShapeDtypeStruct((B,), jnp.int32)))
+    table = fns.table_shape
+    compiled = compile_as_benchmarks(
+      fns.programs.decode.lower(params, table, jax.ShapeDtypeStruct((B,), jnp.int32))
+    )
     return hlo_bytes.total_bytes(hlo_bytes.memory_traffic(compiled.as_text())), fns.state_bytes_per_slot
 
   for B in (1, 8):
