@@ -30,11 +30,10 @@ import numpy as np
 from flax import struct
 
 from laplace_jax import model
+from laplace_jax.array_types import Array
 from laplace_jax.model.config import LaplaceConfig, log_decays
 from laplace_jax.model.state import DecodeState, KVCache
 from laplace_jax.ops import gla, short_conv, window_attention
-
-Array = Any
 
 
 @struct.dataclass

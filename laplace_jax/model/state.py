@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import struct
 
-Array = Any  # a jax.Array, a numpy array, a ShapeDtypeStruct (eval_shape) or an int (batch_axes)
+from laplace_jax.array_types import Array
 
 
 @struct.dataclass

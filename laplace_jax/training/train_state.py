@@ -9,11 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from laplace_jax.array_types import Array
 from laplace_jax.model.state import DecodeState
-
-# A leaf: a jax.Array, a host numpy array (a batch before it is put on the mesh) or a jax.ShapeDtypeStruct
-# (the abstract state and batch the step is compiled for).
-Array = Any
 
 
 @struct.dataclass
