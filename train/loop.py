@@ -147,13 +147,13 @@ def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
   )
 
 
-def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
+def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[ts.Batch]:
   """Held-out batches (this process's rows): the recall task's fixed test seeds, or the text's split."""
   if tc.data_source:
     b = eval_batch_size(tc) // jax.process_count()
     rows = slice(jax.process_index() * b, (jax.process_index() + 1) * b)
     return [
-      {k: v[rows] for k, v in batch.items()}
+      jax.tree.map(lambda v: v[rows], batch)
       for batch in recall.eval_batches(
         tc.data_source, global_batch=eval_batch_size(tc), n_batches=tc.eval_batches
       )
@@ -293,7 +293,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     ts.abstract_batch(tc.global_batch, seq_len, mesh, weighted=weighted, segmented=segmented(tc)),
   )
   to_global = lambda b: jax.tree.map(
-    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, ts.Batch(**b)
+    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, b
   )
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
   eval_sh = jax.tree.map(
@@ -301,7 +301,7 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
     ts.abstract_batch(eval_batch_size(tc), seq_len, mesh, weighted=weighted, segmented=segmented(tc)),
   )
   eval_to_global = lambda b: jax.tree.map(
-    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), eval_sh, ts.Batch(**b)
+    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), eval_sh, b
   )
   evaluate = hooks.make_evaluator(cfg, eval_batches, abstract, eval_sh, eval_to_global)
   run_meta = resume.checkpoint_metadata(rc, prng_impl)

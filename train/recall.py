@@ -232,15 +232,9 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   losses, t0 = [], time.perf_counter()
   for i in range(cell.steps):
     b = next(stream)
-    batch = train_step.Batch(
-      inputs=b["inputs"],
-      targets=b["targets"],
-      weights=b["weights"],
-      positions=recall.scored_positions(b["weights"]),
-    )
-    state, metrics = step(state, batch)
+    state, metrics = step(state, b.replace(positions=recall.scored_positions(b.weights)))
     if i % 10 == 9 or i == cell.steps - 1:
-      losses.append((i + 1, float(metrics["loss"])))
+      losses.append((i + 1, float(metrics.loss)))
       if bar:
         bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
     if bar:

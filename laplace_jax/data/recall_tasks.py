@@ -1,6 +1,6 @@
 """Synthetic recall tasks, generated on the fly from a seed: multi-query associative recall and passkey.
 
-Both give batches in the train step's format, {"inputs", "targets": int32 [B, T], "weights": f32 [B, T]},
+Both give batches in the train step's format, Batch(inputs, targets: int32 [B, T], weights: f32 [B, T]),
 weight 1 only where an answer is scored, so a model trains on exactly what it is graded on.
 
 MQAR (Zoology, Arora et al. 2023): vocabulary 8,192 by default. A sequence opens with `n_pairs` key-value
@@ -33,7 +33,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
+
+from laplace_jax.data.batch import Batch
 
 MQAR_VOCAB = 8192
 MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))  # (sequence, pairs): the Zoology grid
@@ -66,7 +69,7 @@ def _check_mqar(seq_len: int, n_pairs: int, vocab_size: int):
 
 def mqar_batch(
   seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB, power_a: float = 0.01
-) -> dict[str, np.ndarray]:
+) -> Batch:
   """`batch` MQAR sequences of `seq_len` inputs; see the module doc. Deterministic in its arguments."""
   _check_mqar(seq_len, n_pairs, vocab_size)
   rng = np.random.default_rng([seed, seq_len, n_pairs, vocab_size])
@@ -86,11 +89,7 @@ def mqar_batch(
   x_BxW[rows, q_pos_BxN + 1] = vals_BxN[rows, order_BxN]
   weights = np.zeros((batch, seq_len), np.float32)
   weights[rows, q_pos_BxN] = 1.0
-  return {
-    "inputs": x_BxW[:, :-1].astype(np.int32),
-    "targets": x_BxW[:, 1:].astype(np.int32),
-    "weights": weights,
-  }
+  return Batch(inputs=x_BxW[:, :-1].astype(np.int32), targets=x_BxW[:, 1:].astype(np.int32), weights=weights)
 
 
 def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
@@ -107,7 +106,7 @@ def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
 
 def zoology_batch(
   seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB, power_a: float = 0.01
-) -> dict[str, np.ndarray]:
+) -> Batch:
   """`batch` sequences in Zoology's MQAR layout (module doc); deterministic in its arguments. A data set of
   100,000 is one call (the gaps drawn without replacement by the Gumbel top-k trick, which samples the same
   law as drawing them one by one)."""
@@ -129,7 +128,7 @@ def zoology_batch(
   targets[rows, q_pos_BxN] = vals_BxN
   weights = np.zeros((batch, seq_len), np.float32)
   weights[rows, q_pos_BxN] = 1.0
-  return {"inputs": x_BxT, "targets": targets, "weights": weights}
+  return Batch(inputs=x_BxT, targets=targets, weights=weights)
 
 
 def _digits(rng) -> list[str]:
@@ -189,7 +188,7 @@ def passkey_example(
   )
 
 
-def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
+def passkey_batch(seed: int, batch: int, seq_len: int) -> Batch:
   """Training sequences of seq_len inputs: a prompt (random length and depth) then its 5-digit answer,
   left-padded with filler; only the answer tokens are scored."""
   rng = np.random.default_rng([seed, seq_len, 7])
@@ -203,7 +202,7 @@ def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
     pad = seq_len + 1 - len(seq)
     x_BxW[b] = np.concatenate([[PASSKEY_ID[_FILLER[t % len(_FILLER)]] for t in range(pad)], seq])
     weights[b, pad + len(prompt) - 1 : pad + len(seq) - 1] = 1.0  # positions whose next token is a digit
-  return {"inputs": x_BxW[:, :-1], "targets": x_BxW[:, 1:], "weights": weights}
+  return Batch(inputs=x_BxW[:, :-1], targets=x_BxW[:, 1:], weights=weights)
 
 
 def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
@@ -226,9 +225,9 @@ def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
   )
 
 
-def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
+def task_batch(spec: str, seed: int, batch: int) -> Batch:
   kind, nums = parse_task(spec)
-  makers: dict[str, Callable[..., dict[str, np.ndarray]]] = {
+  makers: dict[str, Callable[..., Batch]] = {
     "mqar": mqar_batch,
     "zoology": zoology_batch,
     "passkey": passkey_batch,
@@ -274,12 +273,12 @@ class RecallStream:
   def __iter__(self):
     return self
 
-  def __next__(self) -> dict[str, np.ndarray]:
+  def __next__(self) -> Batch:
     t0 = time.perf_counter()
     batch = task_batch(self.spec, self.seed * 1_000_000 + self.i, self.global_batch)
     self.i += 1
     self.last_wait_s = time.perf_counter() - t0
-    return {k: v[self.rows] for k, v in batch.items()}
+    return jax.tree.map(lambda v: v[self.rows], batch)
 
   def get_state(self) -> dict:
     return {"task": self.spec, "seed": self.seed, "batches": self.i}
@@ -296,7 +295,7 @@ class RecallStream:
     pass
 
 
-def eval_batches(spec: str, *, global_batch: int, n_batches: int, seed: int = 10**9) -> list[dict]:
+def eval_batches(spec: str, *, global_batch: int, n_batches: int, seed: int = 10**9) -> list[Batch]:
   """A fixed held-out set (seeds disjoint from RecallStream's for seed < 1000)."""
   return [task_batch(spec, seed + i, global_batch) for i in range(n_batches)]
 
