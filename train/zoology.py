@@ -277,9 +277,9 @@ def value_distance(d: train_step.Batch) -> np.ndarray:
   x = d.inputs
   pos_BxJ = recall.scored_positions(d.weights) if d.positions is None else d.positions
   n = pos_BxJ.shape[1]
-  keys_BxN = x[:, 0 : 2 * n : 2]
+  keys_BxJ = x[:, 0 : 2 * n : 2]
   asked_BxJ = np.take_along_axis(x, pos_BxJ, axis=1)
-  pair_BxJ = np.argmax(asked_BxJ[:, :, None] == keys_BxN[:, None, :], axis=2)  # keys are distinct in a row
+  pair_BxJ = np.argmax(asked_BxJ[:, :, None] == keys_BxJ[:, None, :], axis=2)  # keys are distinct in a row
   return pos_BxJ - (2 * pair_BxJ + 1)
 
 

@@ -189,18 +189,18 @@ class _PackedRows(grain.DatasetIterator):
     return cached[1]
 
   def __next__(self) -> Batch:
-    x_BxW = np.empty((len(self._rows), self._width), np.int32)
-    seg_BxW = np.empty_like(x_BxW) if self._segment_ids else None
+    examples = np.empty((len(self._rows), self._width), np.int32)  # [B, T + 1]: inputs, then the last target
+    example_ids = np.empty_like(examples) if self._segment_ids else None  # [B, T + 1]: their documents
     for r, pos in enumerate(self._pos):
       filled = 0
       while filled < self._width:
         doc = self._doc(r, pos[0])
         take = min(len(doc) - pos[1], self._width - filled)
-        x_BxW[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
-        if seg_BxW is not None:
-          seg_BxW[r, filled : filled + take] = pos[0]
+        examples[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
+        if example_ids is not None:
+          example_ids[r, filled : filled + take] = pos[0]
           if pos[1] + take == len(doc):  # its closing EOS opens the next document
-            seg_BxW[r, filled + take - 1] = pos[0] + 1
+            example_ids[r, filled + take - 1] = pos[0] + 1
         filled += take
         pos[1] += take
         if pos[1] == len(doc):
@@ -211,9 +211,9 @@ class _PackedRows(grain.DatasetIterator):
         else:
           pos[0], pos[1] = pos[0] - 1, len(self._doc(r, pos[0] - 1)) - 1
     return Batch(
-      inputs=np.ascontiguousarray(x_BxW[:, :-1]),
-      targets=np.ascontiguousarray(x_BxW[:, 1:]),
-      segment_ids=None if seg_BxW is None else np.ascontiguousarray(seg_BxW[:, :-1]),
+      inputs=np.ascontiguousarray(examples[:, :-1]),
+      targets=np.ascontiguousarray(examples[:, 1:]),
+      segment_ids=None if example_ids is None else np.ascontiguousarray(example_ids[:, :-1]),
     )
 
   def get_state(self) -> dict[str, Any]:

@@ -92,11 +92,11 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0) 
   """(Σ weighted token loss incl. z-loss, LossSums(ce=Σ ce, z=Σ z, tokens=Σ weights)), all fp32.
 
   A batch with a carry (state passing) starts from it, and the aux's carry is the state after the batch. A batch
-  with positions [B, K] scores those positions only (targets and weights read there): recall tasks answer
-  at a few positions per row, and the LM head's cost falls by T/K. A batch with segment ids computes each
+  with positions [B, J] scores those positions only (targets and weights read there): recall tasks answer
+  at a few positions per row, and the LM head's cost falls by T/J. A batch with segment ids computes each
   packed document as if alone in its row."""
   carry = None
-  pos_BxK, seg_BxT = batch.positions, batch.segment_ids
+  pos_BxJ, seg_BxT = batch.positions, batch.segment_ids
   if batch.carry is not None:
     first_start_B = None
     if seg_BxT is not None:  # a row whose first input's id is not its previous step's last begins anew
@@ -106,7 +106,7 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0) 
           "init_train_state(..., segmented=True) (its carry keeps each row's last segment id)."
         )
       first_start_B = seg_BxT[:, 0] != batch.carry.segment
-    logits_BxTxV, carry = model.forward_carry(
+    logits_BxTxY, carry = model.forward_carry(
       params,
       batch.inputs,
       batch.carry.to_state(),
@@ -114,19 +114,19 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0) 
       segment_ids_BxT=seg_BxT,
       first_start_B=first_start_B,
     )
-    logits_BxTxV = logits_BxTxV.astype(F32)
-    if pos_BxK is not None:
-      logits_BxTxV = jnp.take_along_axis(logits_BxTxV, pos_BxK[..., None], axis=1)
+    logits_BxTxY = logits_BxTxY.astype(F32)
+    if pos_BxJ is not None:
+      logits_BxTxY = jnp.take_along_axis(logits_BxTxY, pos_BxJ[..., None], axis=1)
   else:
-    logits_BxTxV = model.forward(
-      params, batch.inputs, cfg=cfg, positions_BxK=pos_BxK, segment_ids_BxT=seg_BxT
+    logits_BxTxY = model.forward(
+      params, batch.inputs, cfg=cfg, positions_BxJ=pos_BxJ, segment_ids_BxT=seg_BxT
     ).astype(F32)
   targets_BxT = batch.targets
   w_BxT = (jnp.ones(targets_BxT.shape, F32) if batch.weights is None else batch.weights).astype(F32)
-  if pos_BxK is not None:  # [B, K] from here on
-    targets_BxT, w_BxT = (jnp.take_along_axis(x, pos_BxK, axis=1) for x in (targets_BxT, w_BxT))
-  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-  target_logit = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+  if pos_BxJ is not None:  # [B, J] from here on
+    targets_BxT, w_BxT = (jnp.take_along_axis(x, pos_BxJ, axis=1) for x in (targets_BxT, w_BxT))
+  lse_BxT = jax.nn.logsumexp(logits_BxTxY, axis=-1)
+  target_logit = jnp.take_along_axis(logits_BxTxY, targets_BxT[..., None], axis=-1)[..., 0]
   ce = jnp.sum((lse_BxT - target_logit) * w_BxT)
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
   aux = LossSums(ce=ce, z=z, tokens=jnp.sum(w_BxT))
@@ -227,7 +227,7 @@ def train_step(
     )
     grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry=state.carry is not None)
   _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
-  carry_MxR = aux.carry  # [m, B/m, ...]: back to [B, ...] in split_microbatches' row order
+  carry_micro = aux.carry  # [m, B/m, ...]: back to [B, ...] in split_microbatches' row order
   n_tok = jnp.maximum(aux.tokens, 1.0)
   loss = aux.ce / n_tok
   grad_norm = optax.tree.norm(grads)
@@ -238,9 +238,9 @@ def train_step(
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
   new_carry = None
-  if carry_MxR is not None:
+  if carry_micro is not None:
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
-    new_carry = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_MxR)
+    new_carry = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_micro)
   new_state = TrainState(
     params=keep(new_params, params),
     opt_state=keep(new_opt, state.opt_state),
