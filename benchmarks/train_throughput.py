@@ -106,7 +106,7 @@ def main():
   print(
     f"{args.preset}: batch {args.batch} × {args.seq_len} tokens, remat {cfg.remat}; step {step_s * 1e3:.0f} ms "
     f"(median of {args.steps}), {tokens / step_s:,.0f} tokens/s, model {model_flops / step_s / 1e9:.1f} GFLOP/s"
-    f" = {100 * mfu:.1f}% MFU; loss {float(m['loss']):.3f}"
+    f" = {100 * mfu:.1f}% MFU; loss {float(m.loss):.3f}"
   )
   time_share, flop_share = opt_s / step_s, muon_flops / (model_flops + muon_flops)
   print(

@@ -35,8 +35,12 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from laplace_jax import cli  # loads no JAX
+
+if TYPE_CHECKING:
+  from laplace_jax.data.batch import Batch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,15 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
+class SplitBatch(NamedTuple):
+  """A held-out batch and which of its inputs' documents are their window's first (the loss split by
+  document order)."""
+
+  batch: Batch  # weights: 1 where scored (padding: 0); segment_ids only with --segment_ids
+  first_document: Any  # bool [B, T]: the input's document is its window's first (no start before it)
+
+
 def split_batches(
   data_dir, split: str, *, seq_len: int, global_batch: int, max_batches: int, segment_ids: bool = True
-):
-  """The loop's held-out packing; with max_batches 0 the tail too, as a padded batch with zero weights.
-  Each batch also holds its inputs' document ids (laplace_jax/data/pipeline.py's convention; padding: −1); dropped
-  again without `segment_ids` once the split by document order is taken from them (key "first_document")."""
+) -> tuple[list[SplitBatch], dict]:
+  """(batches, manifest): the loop's held-out packing; with max_batches 0 the tail too, as a padded batch with
+  zero weights. The batches are built with their inputs' document ids (laplace_jax/data/pipeline.py's convention;
+  padding: −1), dropped again without `segment_ids` once the split by document order is taken from them."""
   import numpy as np
 
   from laplace_jax.data import pipeline as data
+  from laplace_jax.data.batch import Batch
 
   manifest = data.load_manifest(data_dir)
   if split not in manifest["splits"]:
@@ -114,7 +127,7 @@ def split_batches(
       process_count=1,
       segment_ids=True,
     )
-    batches = [dict(b, weights=np.ones(b["targets"].shape, np.float32)) for b in full]
+    batches = [b.replace(weights=np.ones(b.targets.shape, np.float32)) for b in full]
   else:
     docs = data.split_documents(data_dir, manifest, split)
     tokens, ids = data.joined_documents(docs, int(manifest["eos_id"]))
@@ -129,20 +142,20 @@ def split_batches(
     x, s = padded.reshape(n_batches, global_batch, width), seg.reshape(n_batches, global_batch, width)
     v = valid.reshape(n_batches, global_batch, width)
     batches = [
-      {
-        "inputs": x[i, :, :-1],
-        "targets": x[i, :, 1:],
-        "weights": v[i, :, 1:].astype(np.float32),
-        "segment_ids": s[i, :, :-1],
-      }
+      Batch(
+        inputs=x[i, :, :-1],
+        targets=x[i, :, 1:],
+        weights=v[i, :, 1:].astype(np.float32),
+        segment_ids=s[i, :, :-1],
+      )
       for i in range(n_batches)
     ]
-  for b in batches:  # the scored token's document is its window's first (no start before it) or a later one
-    seg = b["segment_ids"]
-    b["first_document"] = seg == seg[:, :1]
-    if not segment_ids:
-      del b["segment_ids"]
-  return batches, manifest
+  # the scored token's document is its window's first (no start before it) or a later one
+  seg_ids = [np.asarray(b.segment_ids) for b in batches]
+  return [
+    SplitBatch(batch=b if segment_ids else b.replace(segment_ids=None), first_document=d == d[:, :1])
+    for b, d in zip(batches, seg_ids)
+  ], manifest
 
 
 def loss_by_position(checkpoint, data_dir, *, split="val", preset=None, segment=1024, reset_every=0) -> dict:
@@ -263,6 +276,7 @@ def evaluate(
   segment_ids=True,
 ) -> dict:
   import jax
+  import numpy as np
 
   from laplace_jax import sharding
   from laplace_jax.data import pipeline as data
@@ -300,12 +314,12 @@ def evaluate(
   by_order = {True: [0.0, 0.0], False: [0.0, 0.0]}  # first document of its window or not: [Σ ce, Σ tokens]
   byte_len = _byte_counter(manifest)
   with jax.set_mesh(mesh):
-    for b in batches:
-      first = jax.device_put(b.pop("first_document"), batch_sh.inputs)
-      for sums, aux in zip(by_order.values(), fn(params, jax.device_put(ts.Batch(**b), batch_sh), first)):
-        sums[0], sums[1] = sums[0] + float(aux["ce"]), sums[1] + float(aux["tokens"])
+    for b, first_document in batches:
+      first = jax.device_put(first_document, batch_sh.inputs)
+      for sums, aux in zip(by_order.values(), fn(params, jax.device_put(b, batch_sh), first)):
+        sums[0], sums[1] = sums[0] + float(aux.ce), sums[1] + float(aux.tokens)
       if byte_len:
-        n_bytes += byte_len(b["targets"][b["weights"] > 0])
+        n_bytes += byte_len(b.targets[np.asarray(b.weights) > 0])
   ce, tok = by_order[True][0] + by_order[False][0], by_order[True][1] + by_order[False][1]
   loss = ce / max(tok, 1.0)
   order_loss = {k: s[0] / s[1] if s[1] else None for k, s in by_order.items()}

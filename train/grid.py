@@ -57,13 +57,13 @@ def progress_bar(progress: bool, total: int, desc: str, unit: str = "step", leav
 
 
 def answers_right(params, cfg: LaplaceConfig, batches) -> np.ndarray:
-  """[rows, K] bool over the batches' rows in order: whether each scored position's greedy next token
+  """[rows, J] bool over the batches' rows in order: whether each scored position's greedy next token
   (laplace_jax.inference.generate.greedy_next) is the answer."""
   right = []
   for b in batches:
-    pos = recall.scored_positions(b["weights"])
+    pos = recall.scored_positions(b.weights)
     right.append(
-      generate.greedy_next(params, b["inputs"], pos, cfg=cfg) == np.take_along_axis(b["targets"], pos, 1)
+      generate.greedy_next(params, b.inputs, pos, cfg=cfg) == np.take_along_axis(b.targets, pos, 1)
     )
   return np.concatenate(right)
 

@@ -90,26 +90,27 @@ class MetricsLog:
         if key in row:
           self.tb.add_scalar(tag, row[key], row["step"], walltime=row.get("time"))
 
-  def record(self, i: int, m, wait: float):
+  def record(self, i: int, m: ts.StepMetrics, wait: float):
     """Wait for step i's metrics and log them."""
     tc = self.tc
     m = jax.device_get(m)
     done = time.perf_counter()
     dt = done - self.since
-    if int(m["bad_steps"]) >= tc.max_bad_steps:
+    if int(m.bad_steps) >= tc.max_bad_steps:
       raise TrainingError(
-        f"{int(m['bad_steps'])} consecutive non-finite steps (loss {float(m['loss'])}, "
-        f"grad norm {float(m['grad_norm'])}) at step {i}; stopping. The last checkpoint in "
+        f"{int(m.bad_steps)} consecutive non-finite steps (loss {float(m.loss)}, "
+        f"grad norm {float(m.grad_norm)}) at step {i}; stopping. The last checkpoint in "
         f"{self.ckpt_dir} is intact: lower the learning rates or check the data, then resume."
       )
     tps = self.tokens_per_step / dt
+    assert m.lr is not None  # the loop's step is lowered with its schedule (train/loop.py's _lower)
     row = {
       "step": i,
-      "loss": float(m["loss"]),
-      "grad_norm": float(m["grad_norm"]),
-      "lr": float(m["lr"]),
-      "z_loss": float(m["z_loss"]),
-      "skipped": bool(m["skipped"]),
+      "loss": float(m.loss),
+      "grad_norm": float(m.grad_norm),
+      "lr": float(m.lr),
+      "z_loss": float(m.z_loss),
+      "skipped": bool(m.skipped),
       "tokens_per_s": tps,
       "mfu": tps * self.flops_per_token / self.peak,
       "input_wait_s": wait,
@@ -119,8 +120,8 @@ class MetricsLog:
     self.first_loss = self.first_loss or row["loss"]
     self.last_loss = row["loss"]
     self.tokens_per_s = tps
-    if bool(m["skipped"]):
-      log0(f"step {i}: non-finite loss or gradient, update skipped ({int(m['bad_steps'])} in a row)")
+    if bool(m.skipped):
+      log0(f"step {i}: non-finite loss or gradient, update skipped ({int(m.bad_steps)} in a row)")
     if i % tc.log_every == 0 or i == tc.steps:
       self._write(row)
     if self.bar:
@@ -142,7 +143,7 @@ class MetricsLog:
       self.tb.close()
 
 
-def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global):
+def make_evaluator(cfg, eval_batches: list[ts.Batch], abstract, batch_sh, to_global):
   """params -> the held-out loss (nats per scored token) over `eval_batches` (this process's rows)."""
   eval_fn = _eval_fn(cfg, *flat_key(jax.tree.map(lambda s: s.sharding, abstract.params)), *flat_key(batch_sh))
 
@@ -150,7 +151,7 @@ def make_evaluator(cfg, eval_batches: list[dict], abstract, batch_sh, to_global)
     ce = tok = 0.0
     for b in eval_batches:
       aux = eval_fn(params, to_global(b))
-      ce, tok = ce + float(aux["ce"]), tok + float(aux["tokens"])
+      ce, tok = ce + float(aux.ce), tok + float(aux.tokens)
     return ce / max(tok, 1.0)
 
   return evaluate

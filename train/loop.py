@@ -8,11 +8,12 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from laplace_jax import platform, sharding
 from laplace_jax.analysis import neuron_check
@@ -147,13 +148,13 @@ def make_train_data(tc: TrainConfig, seq_len: int, vocab_size: int):
   )
 
 
-def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[dict]:
+def make_eval_data(tc: TrainConfig, seq_len: int, vocab_size: int, split: str = "val") -> list[ts.Batch]:
   """Held-out batches (this process's rows): the recall task's fixed test seeds, or the text's split."""
   if tc.data_source:
     b = eval_batch_size(tc) // jax.process_count()
     rows = slice(jax.process_index() * b, (jax.process_index() + 1) * b)
     return [
-      {k: v[rows] for k, v in batch.items()}
+      jax.tree.map(lambda v: v[rows], batch)
       for batch in recall.eval_batches(
         tc.data_source, global_batch=eval_batch_size(tc), n_batches=tc.eval_batches
       )
@@ -233,10 +234,60 @@ class RunSummary(TypedDict, total=False):
   sample: str  # --sample_tokens: the prompt and the text sampled from the export
 
 
+class CompiledStep(NamedTuple):
+  """The run's compiled train step and what it was compiled for."""
+
+  mesh: Mesh
+  optimizer: Any  # optax.GradientTransformation made for the mesh
+  abstract: ts.TrainState  # the train state's shapes and shardings
+  compiled: Any  # the executable: (state, batch) -> (state, StepMetrics)
+  compile_s: float  # seconds to lower and compile it (or to find it compiled)
+  how: str  # "compiled", or how an earlier run's executable was reused
+
+
 def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
   """The driver: compile (or lower) the step, start or resume, train with the hooks, export, sample."""
   tc, cfg = rc.train, rc.model
   seq_len = tc.seq_len or cfg.max_seq_len
+  step = _compile(rc, latest, seq_len, prng_impl)
+  if not isinstance(step, CompiledStep):  # --target: the lowered step's report
+    return step
+  log0(f"train step {step.how} in {step.compile_s:.1f} s; {describe_memory(step.compiled)}")
+  if tc.compile_only:
+    return RunSummary(compile_s=step.compile_s, memory=_memory_bytes(step.compiled))
+
+  out = Path(tc.out_dir)
+  it = make_train_data(tc, seq_len, cfg.vocab_size)
+  state, start = _start(rc, step, ckpt, latest, it, out)
+  summary = RunSummary(
+    start_step=start, first_loss=None, last_loss=None, eval_loss=None, compile_s=step.compile_s
+  )
+  to_global, evaluate = _placement(rc, step, seq_len)
+  run_meta = resume.checkpoint_metadata(rc, prng_impl)
+  save = lambda i, state: ckpt.save(
+    i, state.to_tree(), data_state=it.get_state(), metadata=run_meta, force=i == tc.steps
+  )
+  flops = flops_per_token(cfg, seq_len=seq_len)
+  log = hooks.MetricsLog(tc, start, tokens_per_step=tc.global_batch * seq_len, flops_per_token=flops)
+  profile = hooks.Profile(tc, start, out / "profile", log.say)
+  try:
+    state = _train_steps(step.compiled, state, it, start, tc, to_global, log, evaluate, save, profile)
+  finally:
+    profile.close()
+    ckpt.close()  # waits for the last save before the export below
+    it.close()
+    log.close()
+  summary["first_loss"], summary["last_loss"], summary["eval_loss"] = log.first_loss, log.last_loss, log.eval
+  if log.tokens_per_s is not None:
+    summary["tokens_per_s"] = log.tokens_per_s
+  summary["end_step"] = tc.steps
+  return _finish(summary, state, rc, out)
+
+
+def _compile(rc: RunConfig, latest, seq_len: int, prng_impl: str) -> CompiledStep | RunSummary:
+  """The step compiled for the run's mesh (or reused from an earlier run in this process), after every check
+  that needs no compile; with --target, the step lowered with that platform's choices and its report."""
+  tc, cfg = rc.train, rc.model
   weighted = bool(tc.data_source)  # recall tasks score only their answers
   carry_batch = tc.global_batch if tc.state_passing else 0  # state passing: one carried state per row
   # --target: every per-platform choice (optimizer, params, step) made as on that platform, lowered only.
@@ -253,7 +304,6 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
       check_data(tc, seq_len, cfg.vocab_size, mesh.devices.size // sharding.context_size(mesh))
       if tc.init_from and latest is None:
         _check_init_from(tc.init_from, cfg)
-    flops = flops_per_token(cfg, seq_len=seq_len)
     key = _step_key(rc, mesh, seq_len, weighted, carry_batch, prng_impl)
     t0 = time.perf_counter()
     if tc.target or key not in _COMPILED:
@@ -271,61 +321,51 @@ def _run(rc: RunConfig, ckpt, latest, prng_impl: str) -> RunSummary:
       _COMPILED[key] = _COMPILED.pop(key)  # most recently used last
       how = "reused (compiled by an earlier run in this process)"
   opt, abstract, compiled = _COMPILED[key]
-  compile_s = time.perf_counter() - t0
-  log0(f"train step {how} in {compile_s:.1f} s; {describe_memory(compiled)}")
-  if tc.compile_only:
-    return RunSummary(compile_s=compile_s, memory=_memory_bytes(compiled))
+  return CompiledStep(mesh, opt, abstract, compiled, time.perf_counter() - t0, how)
 
-  out = Path(tc.out_dir)
-  it = make_train_data(tc, seq_len, cfg.vocab_size)
+
+def _start(rc: RunConfig, step: CompiledStep, ckpt, latest, it, out: Path) -> tuple[ts.TrainState, int]:
+  """(state, first step - 1): resumed from the latest checkpoint, or fresh (with --init_from's params)."""
+  tc = rc.train
   if latest is not None:
-    state, start = _resume(ckpt, abstract, it, out)
-  else:
-    state = ts.init_train_state_on_mesh(
-      cfg, opt, mesh, seed=tc.seed, carry_batch=carry_batch, segmented=segmented(tc)
+    return _resume(ckpt, step.abstract, it, out)
+  state = ts.init_train_state_on_mesh(
+    rc.model,
+    step.optimizer,
+    step.mesh,
+    seed=tc.seed,
+    carry_batch=tc.global_batch if tc.state_passing else 0,
+    segmented=segmented(tc),
+  )
+  if tc.init_from:
+    state = _init_from(state, tc.init_from)
+  return state, 0
+
+
+def _placement(rc: RunConfig, step: CompiledStep, seq_len: int):
+  """(to_global, evaluate): this process's rows of a batch put on the mesh as the step takes them, and the
+  held-out evaluation (params -> loss) over the run's eval batches."""
+  tc, cfg = rc.train, rc.model
+
+  def placer(global_batch: int):
+    abstract = ts.abstract_batch(
+      global_batch, seq_len, step.mesh, weighted=bool(tc.data_source), segmented=segmented(tc)
     )
-    if tc.init_from:
-      state = _init_from(state, tc.init_from)
-    start = 0
-  summary = RunSummary(start_step=start, first_loss=None, last_loss=None, eval_loss=None, compile_s=compile_s)
-  batch_sh = jax.tree.map(
-    lambda s: s.sharding,
-    ts.abstract_batch(tc.global_batch, seq_len, mesh, weighted=weighted, segmented=segmented(tc)),
-  )
-  to_global = lambda b: jax.tree.map(
-    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch_sh, ts.Batch(**b)
-  )
+    shardings = jax.tree.map(lambda s: s.sharding, abstract)
+    place = lambda b: jax.tree.map(
+      lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), shardings, b
+    )
+    return shardings, place
+
+  _, to_global = placer(tc.global_batch)
   eval_batches = make_eval_data(tc, seq_len, cfg.vocab_size) if tc.eval_batches else []
-  eval_sh = jax.tree.map(
-    lambda s: s.sharding,
-    ts.abstract_batch(eval_batch_size(tc), seq_len, mesh, weighted=weighted, segmented=segmented(tc)),
-  )
-  eval_to_global = lambda b: jax.tree.map(
-    lambda sh, x: jax.make_array_from_process_local_data(sh, np.asarray(x)), eval_sh, ts.Batch(**b)
-  )
-  evaluate = hooks.make_evaluator(cfg, eval_batches, abstract, eval_sh, eval_to_global)
-  run_meta = resume.checkpoint_metadata(rc, prng_impl)
-  save = lambda i, state: ckpt.save(
-    i, state.to_tree(), data_state=it.get_state(), metadata=run_meta, force=i == tc.steps
-  )
-  log = hooks.MetricsLog(
-    tc,
-    start,
-    tokens_per_step=tc.global_batch * seq_len,
-    flops_per_token=flops,
-  )
-  profile = hooks.Profile(tc, start, out / "profile", log.say)
-  try:
-    state = _train_steps(compiled, state, it, start, tc, to_global, log, evaluate, save, profile)
-  finally:
-    profile.close()
-    ckpt.close()  # waits for the last save before the export below
-    it.close()
-    log.close()
-  summary["first_loss"], summary["last_loss"], summary["eval_loss"] = log.first_loss, log.last_loss, log.eval
-  if log.tokens_per_s is not None:
-    summary["tokens_per_s"] = log.tokens_per_s
-  summary["end_step"] = tc.steps
+  eval_sh, eval_to_global = placer(eval_batch_size(tc))
+  return to_global, hooks.make_evaluator(cfg, eval_batches, step.abstract, eval_sh, eval_to_global)
+
+
+def _finish(summary: RunSummary, state, rc: RunConfig, out: Path) -> RunSummary:
+  """After the last step: the params exported for serving, the loss curve drawn, --sample_tokens sampled."""
+  tc, cfg = rc.train, rc.model
   export = hooks.export(state.params, out, cfg, tc.steps)
   summary["export"] = str(export)
   if jax.process_index() == 0:

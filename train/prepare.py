@@ -412,8 +412,6 @@ def prepare(
   """Tokenise `inputs` (or the built-in `corpus`) into `output`; returns the manifest (its "split_rule": how one
   text file given alone was split, the module docstring's rule). `val_fraction` None: 0.01, or 0.1 for one
   text file alone."""
-  from tqdm import tqdm
-
   if bool(inputs) == bool(corpus):
     raise PrepareError("give input files/directories or --corpus, not both and not neither")
   if corpus is not None and corpus not in CORPORA:
@@ -429,7 +427,16 @@ def prepare(
   output = Path(output)
   _check_output(output, overwrite)
   threads = threads or min(8, os.cpu_count() or 1)
+  sources, streams, total, rule = _sources(files, corpus, one_file, val_fraction, text_field, txt_separator)
+  settings = {"val_fraction": val_fraction, "corpus": corpus, "split_rule": rule}
+  return _write(output, sources, streams, total, settings, shard_tokens, threads, max_documents, progress)
 
+
+def _sources(
+  files: list[Path], corpus: str | None, one_file: bool, val_fraction: float, text_field, txt_separator
+):
+  """(sources, document streams, bytes in all, split rule): the manifest's record of each source, and per
+  source an iterator of (text, bytes[, split]); the rule says how one text file alone was split ("" else)."""
   streams: list[Iterator[tuple]]
   rule = ""
   if corpus:
@@ -444,6 +451,23 @@ def prepare(
   if one_file:
     found, rule = one_file_documents(_decode(files[0].read_bytes(), str(files[0])), val_fraction)
     streams = [iter([(d, len(d.encode()), split) for d, split in found])]
+  return sources, streams, total, rule
+
+
+def _write(
+  output: Path,
+  sources: list[dict],
+  streams: list[Iterator[tuple]],
+  total: int,
+  settings: dict,
+  shard_tokens: int,
+  threads: int,
+  max_documents: int | None,
+  progress: bool,
+) -> dict:
+  """The sources' documents tokenised into a fresh directory that replaces `output` once complete (nothing is
+  left behind on failure); returns its manifest. `settings`: val_fraction, corpus and split_rule, recorded."""
+  from tqdm import tqdm
 
   counts = {"documents": 0, "tokens": 0, "skipped_empty": 0}
 
@@ -463,7 +487,7 @@ def prepare(
     with tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=not progress) as bar:
       docs = _tokenised(
         all_texts(),
-        val_fraction=val_fraction,
+        val_fraction=settings["val_fraction"],
         threads=threads,
         max_documents=max_documents,
         counts=counts,
@@ -475,10 +499,10 @@ def prepare(
         sources=sources,
         shard_tokens=shard_tokens,
         extra=lambda: {
-          "val_fraction": val_fraction,
-          "corpus": corpus,
+          "val_fraction": settings["val_fraction"],
+          "corpus": settings["corpus"],
           "skipped_empty_documents": counts["skipped_empty"],
-          "split_rule": rule,
+          "split_rule": settings["split_rule"],
         },
       )
     if counts["documents"] == 0:

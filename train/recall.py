@@ -232,15 +232,9 @@ def train_cell(cell: Cell, grid: dict, *, progress: bool = True):
   losses, t0 = [], time.perf_counter()
   for i in range(cell.steps):
     b = next(stream)
-    batch = train_step.Batch(
-      inputs=b["inputs"],
-      targets=b["targets"],
-      weights=b["weights"],
-      positions=recall.scored_positions(b["weights"]),
-    )
-    state, metrics = step(state, batch)
+    state, metrics = step(state, b.replace(positions=recall.scored_positions(b.weights)))
     if i % 10 == 9 or i == cell.steps - 1:
-      losses.append((i + 1, float(metrics["loss"])))
+      losses.append((i + 1, float(metrics.loss)))
       if bar:
         bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
     if bar:
@@ -491,57 +485,52 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  grid_name = "quick" if args.quick else args.grid
+def _lists(args) -> tuple[list[str], tuple[int, ...], tuple[str, ...]]:
+  """(sections, seeds, patterns) from their comma-list flags; ValueError naming the flag and the fix."""
   sections = [s for s in args.sections.split(",") if s]
   bad = set(sections) - {"mqar", "state", "passkey"}
   if bad:
-    print(
-      f"error: --sections {args.sections!r}: unknown {sorted(bad)}; choose from mqar, state, passkey",
-      file=sys.stderr,
-    )
-    return 2
+    raise ValueError(f"--sections {args.sections!r}: unknown {sorted(bad)}; choose from mqar, state, passkey")
   try:
     seeds = tuple(dict.fromkeys(int(v) for v in args.seeds.split(",")))
   except ValueError:
     seeds = ()
   if not seeds or min(seeds) < 0 or max(seeds) >= 1000:
-    print(
-      f"error: --seeds {args.seeds!r}: expected a comma list of integers in [0, 1000) (the held-out "
-      "sets use seeds from 10^9 up, so training seeds stay apart from them)",
-      file=sys.stderr,
+    raise ValueError(
+      f"--seeds {args.seeds!r}: expected a comma list of integers in [0, 1000) (the held-out "
+      "sets use seeds from 10^9 up, so training seeds stay apart from them)"
     )
-    return 2
   patterns = tuple(p for p in (args.patterns or "").split(",") if p)
   if args.patterns is not None and not patterns:
-    print(f"error: --patterns {args.patterns!r}: no pattern given; e.g. G,GA,A", file=sys.stderr)
-    return 2
-  if grid_name in zoology.GRIDS:
-    try:
-      grid = with_overrides({**zoology.OPTIONAL, **zoology.GRIDS[grid_name]}, args.sets)
-    except ValueError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-    platform.use_prng(args.prng)
-    return zoology.main(
-      grid_name,
-      grid,
-      patterns,
-      seeds,
-      Path(args.out),
-      args.progress,
-      sys.argv[1:] if argv is None else list(argv),
-    )
-  patterns = patterns or PATTERNS
+    raise ValueError(f"--patterns {args.patterns!r}: no pattern given; e.g. G,GA,A")
+  return sections, seeds, patterns
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  grid_name = "quick" if args.quick else args.grid
   try:
-    grid = with_overrides({**OPTIONAL, **GRIDS[grid_name]}, args.sets)
-    cells = cells_of(grid, sections, seeds, patterns)
-    for cell in cells:  # the model config checks each pattern, width and task, naming the value and the fix
-      model_config(cell.pattern, cell.width, cell.task, grid["window"])
+    sections, seeds, patterns = _lists(args)
+    if grid_name in zoology.GRIDS:
+      grid = with_overrides({**zoology.OPTIONAL, **zoology.GRIDS[grid_name]}, args.sets)
+    else:
+      grid = with_overrides({**OPTIONAL, **GRIDS[grid_name]}, args.sets)
+      cells = cells_of(grid, sections, seeds, patterns or PATTERNS)
+      for cell in cells:  # the model config checks each pattern, width and task, naming the value and the fix
+        model_config(cell.pattern, cell.width, cell.task, grid["window"])
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if grid_name in zoology.GRIDS:
+    platform.use_prng(args.prng)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return zoology.main(grid_name, grid, patterns, seeds, Path(args.out), args.progress, argv)
+  return _run_grid(args, grid_name, grid, cells)
+
+
+def _run_grid(args, grid_name: str, grid: dict, cells: list[Cell]) -> int:
+  """The recall grid's pending cells trained and scored into --out's results.json (plotted after each);
+  2 when that file holds another grid or PRNG."""
   out = Path(args.out)
   path = out / "results.json"
   prng = platform.use_prng(args.prng)  # before any key is made

@@ -173,24 +173,28 @@ def cosine(peak: float, epochs: int, steps_per_epoch: int, anneal: str):
   return schedule
 
 
-def _batches(d: dict, size: int, drop_last: bool):
-  n = d["inputs"].shape[0]
+def _batches(d: train_step.Batch, size: int, drop_last: bool) -> list[train_step.Batch]:
+  n = d.inputs.shape[0]
   stop = n - n % size if drop_last else n
-  return [{k: v[i : i + size] for k, v in d.items()} for i in range(0, stop, size)]
+  return [jax.tree.map(lambda v: v[i : i + size], d) for i in range(0, stop, size)]
 
 
-def train_batches(train: dict, size: int, labels: str, window: int) -> list[dict]:
+def train_batches(train: train_step.Batch, size: int, labels: str, window: int) -> list[train_step.Batch]:
   """An epoch's full batches, each with its scored positions; labels="within_window" unscores (weight 0) the
   queries whose value lies `window` or more tokens back."""
   batches = _batches(train, size, drop_last=True)
   if not batches:
-    raise ValueError(f"train_examples={train['inputs'].shape[0]} < batch {size}: no full batch to train on.")
+    raise ValueError(f"train_examples={train.inputs.shape[0]} < batch {size}: no full batch to train on.")
+  out = []
   for b in batches:
-    b["positions"] = recall.scored_positions(b["weights"])
+    pos_BxJ = recall.scored_positions(b.weights)
+    b = b.replace(positions=pos_BxJ)
     if labels == "within_window":
-      b["weights"] = b["weights"].copy()
-      np.put_along_axis(b["weights"], b["positions"], (value_distance(b) < window).astype(np.float32), axis=1)
-  return batches
+      weights_BxT = np.array(b.weights)  # a copy: the task's data (cached) stays as drawn
+      np.put_along_axis(weights_BxT, pos_BxJ, (value_distance(b) < window).astype(np.float32), axis=1)
+      b = b.replace(weights=weights_BxT)
+    out.append(b)
+  return out
 
 
 def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
@@ -215,15 +219,15 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   for epoch in range(grid["epochs"]):
     since = []  # the training losses since the last point of the curve
     for i, b in enumerate(batches):
-      state, metrics = step(state, train_step.Batch(**b))
-      since.append(metrics["loss"])
+      state, metrics = step(state, b)
+      since.append(metrics.loss)
       if bar:
         bar.update(1)
       if i + 1 in marks:  # the epoch's last mark is its end: `right` is then the final params' answers
         right = answers_right(state.params, cfg, test_batches)
         curve.append([epoch * len(batches) + i + 1, float(sum(since)) / len(since), float(right.mean())])
         since = []
-    losses.append(float(metrics["loss"]))
+    losses.append(float(metrics.loss))
     history.append(curve[-1][2])
     if bar:
       bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{history[-1]:.3f}")
@@ -256,27 +260,27 @@ def run_cell(cell: ZCell, grid: dict, progress: bool) -> dict:
   }
 
 
-def reach(right_BxK, near_BxK) -> dict:
+def reach(right_BxJ, near_BxJ) -> dict:
   """The final test accuracy split by where each query's value lies: within the window of seq_len / window_div
   tokens (what an S layer can see), or beyond it; and the share within."""
   return {
-    "within_window": float(near_BxK.mean()),
-    "accuracy_within_window": float(right_BxK[near_BxK].mean()),
-    "accuracy_beyond_window": float(right_BxK[~near_BxK].mean()),
+    "within_window": float(near_BxJ.mean()),
+    "accuracy_within_window": float(right_BxJ[near_BxJ].mean()),
+    "accuracy_beyond_window": float(right_BxJ[~near_BxJ].mean()),
   }
 
 
-def value_distance(d: dict) -> np.ndarray:
-  """[B, K] for each query of a Zoology batch (its scored positions, in order): the tokens from its pair's value
+def value_distance(d: train_step.Batch) -> np.ndarray:
+  """[B, J] for each query of a Zoology batch (its scored positions, in order): the tokens from its pair's value
   to the query, t_query − (t_key + 1). A window of W tokens (the query's own position included) sees the value
   iff this is < W."""
-  x = d["inputs"]
-  pos_BxK = recall.scored_positions(d["weights"]) if "positions" not in d else d["positions"]
-  n = pos_BxK.shape[1]
-  keys_BxN = x[:, 0 : 2 * n : 2]
-  asked_BxK = np.take_along_axis(x, pos_BxK, axis=1)
-  pair_BxK = np.argmax(asked_BxK[:, :, None] == keys_BxN[:, None, :], axis=2)  # keys are distinct in a row
-  return pos_BxK - (2 * pair_BxK + 1)
+  x = d.inputs
+  pos_BxJ = recall.scored_positions(d.weights) if d.positions is None else d.positions
+  n = pos_BxJ.shape[1]
+  keys_BxJ = x[:, 0 : 2 * n : 2]
+  asked_BxJ = np.take_along_axis(x, pos_BxJ, axis=1)
+  pair_BxJ = np.argmax(asked_BxJ[:, :, None] == keys_BxJ[:, None, :], axis=2)  # keys are distinct in a row
+  return pos_BxJ - (2 * pair_BxJ + 1)
 
 
 def curve_marks(steps_per_epoch: int, evals_per_epoch: int) -> set[int]:

@@ -1,2 +1,3 @@
 """Data: the GPT-2 tokenizer, the grain pipeline over prepared token shards, and synthetic recall tasks.
-They import nothing else from the library."""
+`Batch` (batch.py) is the typed batch they yield and the train step takes. They import nothing else from
+the library but the array alias."""

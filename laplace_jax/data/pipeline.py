@@ -10,15 +10,15 @@ API (the trainer's side):
   make_train_iterator(data_dir, *, seq_len, global_batch_size, seed=0, process_index=None,
                       process_count=None, split="train", prefetch=2, vocab_size=None,
                       contiguous=False, segment_ids=False) -> TrainIterator
-      endless; next() -> {"inputs": int32 [B_local, T], "targets": int32 [B_local, T]} with
-      B_local = global_batch_size // process_count, and with segment_ids=True "segment_ids": int32
+      endless; next() -> Batch(inputs: int32 [B_local, T], targets: int32 [B_local, T]) with
+      B_local = global_batch_size // process_count, and with segment_ids=True segment_ids: int32
       [B_local, T], the document of each input (below). `.get_state()` / `.set_state(state)` take JSON-able
       dicts (it is a grain DatasetIterator, so grain's and Orbax's checkpoint handlers accept it);
       `.last_wait_s` is how long the last next() blocked: the "input wait" to log. Use it as a
       context manager or call `.close()` to stop its prefetch thread (it is also stopped at exit).
   make_eval_batches(data_dir, *, seq_len, global_batch_size, process_index=None, process_count=None,
                     split="val", max_batches=None, vocab_size=None, segment_ids=False)
-      -> list of the same dicts
+      -> list of the same Batches
       the held-out split in stored order, EOS-joined and packed into full global batches; identical on
       every call and for any process count, so build it once and reuse it.
   load_manifest(data_dir) -> dict;  check_vocab(manifest, vocab_size)
@@ -54,6 +54,8 @@ from typing import Any
 
 import grain
 import numpy as np
+
+from laplace_jax.data.batch import Batch
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "laplace-jax/token-shards/v1"
@@ -186,19 +188,19 @@ class _PackedRows(grain.DatasetIterator):
       self._cache[r] = cached
     return cached[1]
 
-  def __next__(self) -> dict[str, np.ndarray]:
-    x_BxW = np.empty((len(self._rows), self._width), np.int32)
-    seg_BxW = np.empty_like(x_BxW) if self._segment_ids else None
+  def __next__(self) -> Batch:
+    examples = np.empty((len(self._rows), self._width), np.int32)  # [B, T + 1]: inputs, then the last target
+    example_ids = np.empty_like(examples) if self._segment_ids else None  # [B, T + 1]: their documents
     for r, pos in enumerate(self._pos):
       filled = 0
       while filled < self._width:
         doc = self._doc(r, pos[0])
         take = min(len(doc) - pos[1], self._width - filled)
-        x_BxW[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
-        if seg_BxW is not None:
-          seg_BxW[r, filled : filled + take] = pos[0]
+        examples[r, filled : filled + take] = doc[pos[1] : pos[1] + take]
+        if example_ids is not None:
+          example_ids[r, filled : filled + take] = pos[0]
           if pos[1] + take == len(doc):  # its closing EOS opens the next document
-            seg_BxW[r, filled + take - 1] = pos[0] + 1
+            example_ids[r, filled + take - 1] = pos[0] + 1
         filled += take
         pos[1] += take
         if pos[1] == len(doc):
@@ -208,10 +210,11 @@ class _PackedRows(grain.DatasetIterator):
           pos[1] -= 1
         else:
           pos[0], pos[1] = pos[0] - 1, len(self._doc(r, pos[0] - 1)) - 1
-    batch = {"inputs": np.ascontiguousarray(x_BxW[:, :-1]), "targets": np.ascontiguousarray(x_BxW[:, 1:])}
-    if seg_BxW is not None:
-      batch["segment_ids"] = np.ascontiguousarray(seg_BxW[:, :-1])
-    return batch
+    return Batch(
+      inputs=np.ascontiguousarray(examples[:, :-1]),
+      targets=np.ascontiguousarray(examples[:, 1:]),
+      segment_ids=None if example_ids is None else np.ascontiguousarray(example_ids[:, :-1]),
+    )
 
   def get_state(self) -> dict[str, Any]:
     return {"layout": dict(self._layout), "rows": [list(p) for p in self._pos]}
@@ -269,7 +272,7 @@ class TrainIterator(grain.DatasetIterator):
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def __next__(self) -> dict[str, np.ndarray]:
+  def __next__(self) -> Batch:
     t0 = time.perf_counter()
     batch = next(self._parent)
     self.last_wait_s = time.perf_counter() - t0
@@ -358,7 +361,7 @@ def make_eval_batches(
   max_batches: int | None = None,
   vocab_size: int | None = None,
   segment_ids: bool = False,
-) -> list[dict[str, np.ndarray]]:
+) -> list[Batch]:
   """The held-out split in stored order, EOS-joined, packed into full global batches; this process's rows.
   `segment_ids`: each batch also holds its inputs' document ids (the module docstring's convention)."""
   p, n = _resolve_processes(process_index, process_count, global_batch_size)
@@ -382,11 +385,12 @@ def make_eval_batches(
   cut = lambda a: a[: n_batches * global_batch_size * width].reshape(n_batches, global_batch_size, width)[
     :, p * b_local : (p + 1) * b_local
   ]
-  batches = [
-    {"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])}
-    for x in cut(tokens)
+  ids = cut(doc_ids) if segment_ids else [None] * n_batches
+  return [
+    Batch(
+      inputs=np.ascontiguousarray(x[:, :-1]),
+      targets=np.ascontiguousarray(x[:, 1:]),
+      segment_ids=None if s is None else np.ascontiguousarray(s[:, :-1]),
+    )
+    for x, s in zip(cut(tokens), ids)
   ]
-  if segment_ids:
-    for b, s in zip(batches, cut(doc_ids)):
-      b["segment_ids"] = np.ascontiguousarray(s[:, :-1])
-  return batches

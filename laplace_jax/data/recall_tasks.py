@@ -1,6 +1,6 @@
 """Synthetic recall tasks, generated on the fly from a seed: multi-query associative recall and passkey.
 
-Both give batches in the train step's format, {"inputs", "targets": int32 [B, T], "weights": f32 [B, T]},
+Both give batches in the train step's format, Batch(inputs, targets: int32 [B, T], weights: f32 [B, T]),
 weight 1 only where an answer is scored, so a model trains on exactly what it is graded on.
 
 MQAR (Zoology, Arora et al. 2023): vocabulary 8,192 by default. A sequence opens with `n_pairs` key-value
@@ -33,7 +33,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
+
+from laplace_jax.data.batch import Batch
 
 MQAR_VOCAB = 8192
 MQAR_SETTINGS = ((64, 4), (128, 8), (256, 16), (512, 64))  # (sequence, pairs): the Zoology grid
@@ -66,31 +69,29 @@ def _check_mqar(seq_len: int, n_pairs: int, vocab_size: int):
 
 def mqar_batch(
   seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB, power_a: float = 0.01
-) -> dict[str, np.ndarray]:
+) -> Batch:
   """`batch` MQAR sequences of `seq_len` inputs; see the module doc. Deterministic in its arguments."""
   _check_mqar(seq_len, n_pairs, vocab_size)
   rng = np.random.default_rng([seed, seq_len, n_pairs, vocab_size])
   half = vocab_size // 2
-  keys_BxN = np.stack([rng.choice(np.arange(1, half), n_pairs, replace=False) for _ in range(batch)])
-  vals_BxN = rng.integers(half, vocab_size, (batch, n_pairs))
-  x_BxW = rng.integers(0, vocab_size, (batch, seq_len + 1))  # random non-query tokens
-  x_BxW[:, 0 : 2 * n_pairs : 2], x_BxW[:, 1 : 2 * n_pairs : 2] = keys_BxN, vals_BxN
+  keys_BxJ = np.stack([rng.choice(np.arange(1, half), n_pairs, replace=False) for _ in range(batch)])
+  vals_BxJ = rng.integers(half, vocab_size, (batch, n_pairs))
+  examples = rng.integers(0, vocab_size, (batch, seq_len + 1))  # [B, T + 1]: random non-query tokens
+  examples[:, 0 : 2 * n_pairs : 2], examples[:, 1 : 2 * n_pairs : 2] = keys_BxJ, vals_BxJ
   space = (seq_len - 2 * n_pairs) // 2  # query slots after the pairs
   p = np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
   p /= p.sum()
-  gaps_BxN = np.stack([rng.choice(space, n_pairs, replace=False, p=p) for _ in range(batch)])
-  order_BxN = rng.permuted(np.tile(np.arange(n_pairs), (batch, 1)), axis=1)  # which key each slot asks
-  q_pos_BxN = 2 * n_pairs + 2 * gaps_BxN
+  gaps_BxJ = np.stack([rng.choice(space, n_pairs, replace=False, p=p) for _ in range(batch)])
+  order_BxJ = rng.permuted(np.tile(np.arange(n_pairs), (batch, 1)), axis=1)  # which key each slot asks
+  q_pos_BxJ = 2 * n_pairs + 2 * gaps_BxJ
   rows = np.arange(batch)[:, None]
-  x_BxW[rows, q_pos_BxN] = keys_BxN[rows, order_BxN]
-  x_BxW[rows, q_pos_BxN + 1] = vals_BxN[rows, order_BxN]
+  examples[rows, q_pos_BxJ] = keys_BxJ[rows, order_BxJ]
+  examples[rows, q_pos_BxJ + 1] = vals_BxJ[rows, order_BxJ]
   weights = np.zeros((batch, seq_len), np.float32)
-  weights[rows, q_pos_BxN] = 1.0
-  return {
-    "inputs": x_BxW[:, :-1].astype(np.int32),
-    "targets": x_BxW[:, 1:].astype(np.int32),
-    "weights": weights,
-  }
+  weights[rows, q_pos_BxJ] = 1.0
+  return Batch(
+    inputs=examples[:, :-1].astype(np.int32), targets=examples[:, 1:].astype(np.int32), weights=weights
+  )
 
 
 def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
@@ -107,29 +108,29 @@ def _distinct_rows(rng, n: int, k: int, low: int, high: int) -> np.ndarray:
 
 def zoology_batch(
   seed: int, batch: int, seq_len: int, n_pairs: int, vocab_size: int = MQAR_VOCAB, power_a: float = 0.01
-) -> dict[str, np.ndarray]:
+) -> Batch:
   """`batch` sequences in Zoology's MQAR layout (module doc); deterministic in its arguments. A data set of
   100,000 is one call (the gaps drawn without replacement by the Gumbel top-k trick, which samples the same
   law as drawing them one by one)."""
   _check_mqar(seq_len, n_pairs, vocab_size)
   rng = np.random.default_rng([seed, seq_len, n_pairs, vocab_size, 2])
   half = vocab_size // 2
-  keys_BxN = _distinct_rows(rng, batch, n_pairs, 1, half)
-  vals_BxN = _distinct_rows(rng, batch, n_pairs, half, vocab_size)
+  keys_BxJ = _distinct_rows(rng, batch, n_pairs, 1, half)
+  vals_BxJ = _distinct_rows(rng, batch, n_pairs, half, vocab_size)
   space = (seq_len - 2 * n_pairs) // 2
   log_p = (power_a - 1) * np.log(np.arange(1, space + 1, dtype=np.float64))
   gumbel = -np.log(-np.log(rng.uniform(size=(batch, space))))
-  gaps_BxN = np.argsort(-(log_p + gumbel), axis=1)[:, :n_pairs]  # pair i is asked at gap gaps[:, i]
+  gaps_BxJ = np.argsort(-(log_p + gumbel), axis=1)[:, :n_pairs]  # pair i is asked at gap gaps[:, i]
   rows = np.arange(batch)[:, None]
   x_BxT = np.zeros((batch, seq_len), np.int32)
-  x_BxT[:, 0 : 2 * n_pairs : 2], x_BxT[:, 1 : 2 * n_pairs : 2] = keys_BxN, vals_BxN
-  q_pos_BxN = 2 * n_pairs + 2 * gaps_BxN
-  x_BxT[rows, q_pos_BxN] = keys_BxN
+  x_BxT[:, 0 : 2 * n_pairs : 2], x_BxT[:, 1 : 2 * n_pairs : 2] = keys_BxJ, vals_BxJ
+  q_pos_BxJ = 2 * n_pairs + 2 * gaps_BxJ
+  x_BxT[rows, q_pos_BxJ] = keys_BxJ
   targets = np.zeros((batch, seq_len), np.int32)
-  targets[rows, q_pos_BxN] = vals_BxN
+  targets[rows, q_pos_BxJ] = vals_BxJ
   weights = np.zeros((batch, seq_len), np.float32)
-  weights[rows, q_pos_BxN] = 1.0
-  return {"inputs": x_BxT, "targets": targets, "weights": weights}
+  weights[rows, q_pos_BxJ] = 1.0
+  return Batch(inputs=x_BxT, targets=targets, weights=weights)
 
 
 def _digits(rng) -> list[str]:
@@ -189,21 +190,21 @@ def passkey_example(
   )
 
 
-def passkey_batch(seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
+def passkey_batch(seed: int, batch: int, seq_len: int) -> Batch:
   """Training sequences of seq_len inputs: a prompt (random length and depth) then its 5-digit answer,
   left-padded with filler; only the answer tokens are scored."""
   rng = np.random.default_rng([seed, seq_len, 7])
   min_ctx = MIN_PASSKEY_CONTEXT
-  x_BxW = np.zeros((batch, seq_len + 1), np.int32)
+  examples = np.zeros((batch, seq_len + 1), np.int32)  # [B, T + 1]: inputs, then the last target
   weights = np.zeros((batch, seq_len), np.float32)
   for b in range(batch):
     ctx = int(rng.integers(min_ctx, seq_len + 1 - PASSKEY_DIGITS + 1))
     prompt, answer = passkey_example(int(rng.integers(2**31)), ctx, float(rng.uniform()))
     seq = np.concatenate([prompt, answer])
     pad = seq_len + 1 - len(seq)
-    x_BxW[b] = np.concatenate([[PASSKEY_ID[_FILLER[t % len(_FILLER)]] for t in range(pad)], seq])
+    examples[b] = np.concatenate([[PASSKEY_ID[_FILLER[t % len(_FILLER)]] for t in range(pad)], seq])
     weights[b, pad + len(prompt) - 1 : pad + len(seq) - 1] = 1.0  # positions whose next token is a digit
-  return {"inputs": x_BxW[:, :-1], "targets": x_BxW[:, 1:], "weights": weights}
+  return Batch(inputs=examples[:, :-1], targets=examples[:, 1:], weights=weights)
 
 
 def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
@@ -226,9 +227,9 @@ def parse_task(spec: str) -> tuple[str, tuple[int, ...]]:
   )
 
 
-def task_batch(spec: str, seed: int, batch: int) -> dict[str, np.ndarray]:
+def task_batch(spec: str, seed: int, batch: int) -> Batch:
   kind, nums = parse_task(spec)
-  makers: dict[str, Callable[..., dict[str, np.ndarray]]] = {
+  makers: dict[str, Callable[..., Batch]] = {
     "mqar": mqar_batch,
     "zoology": zoology_batch,
     "passkey": passkey_batch,
@@ -274,12 +275,12 @@ class RecallStream:
   def __iter__(self):
     return self
 
-  def __next__(self) -> dict[str, np.ndarray]:
+  def __next__(self) -> Batch:
     t0 = time.perf_counter()
     batch = task_batch(self.spec, self.seed * 1_000_000 + self.i, self.global_batch)
     self.i += 1
     self.last_wait_s = time.perf_counter() - t0
-    return {k: v[self.rows] for k, v in batch.items()}
+    return jax.tree.map(lambda v: v[self.rows], batch)
 
   def get_state(self) -> dict:
     return {"task": self.spec, "seed": self.seed, "batches": self.i}
@@ -296,13 +297,13 @@ class RecallStream:
     pass
 
 
-def eval_batches(spec: str, *, global_batch: int, n_batches: int, seed: int = 10**9) -> list[dict]:
+def eval_batches(spec: str, *, global_batch: int, n_batches: int, seed: int = 10**9) -> list[Batch]:
   """A fixed held-out set (seeds disjoint from RecallStream's for seed < 1000)."""
   return [task_batch(spec, seed + i, global_batch) for i in range(n_batches)]
 
 
 def scored_positions(weights_BxT) -> np.ndarray:
-  """[B, K] indices of the scored positions of each row (every row of a recall batch scores K of them)."""
+  """[B, J] indices of the scored positions of each row (every row of a recall batch scores J of them)."""
   w = np.asarray(weights_BxT) > 0
   k = w.sum(1)
   if k.min() != k.max() or k.min() == 0:
@@ -315,14 +316,14 @@ def scored_positions(weights_BxT) -> np.ndarray:
 
 def accuracy(pred, targets, weights) -> float:
   """Share of scored positions (weights > 0) whose prediction equals the target; `pred` is ids [B, T] or
-  logits [B, T, V] (argmax taken)."""
+  logits [B, T, Y] (argmax taken)."""
   pred, targets, weights = np.asarray(pred), np.asarray(targets), np.asarray(weights)
   if pred.ndim == targets.ndim + 1:
     pred = pred.argmax(-1)
   if pred.shape != targets.shape or weights.shape != targets.shape:
     raise ValueError(
       f"pred {pred.shape}, targets {targets.shape}, weights {weights.shape}: expected the "
-      "same [B, T] (logits [B, T, V])."
+      "same [B, T] (logits [B, T, Y])."
     )
   scored = weights > 0
   if not scored.any():

@@ -12,7 +12,7 @@ The library's path from an export to text (the serving engine, serve/, batches m
 
   generate(params, prompt_ids, n, cfg=) -> new ids (one prompt; sampled, or greedy at temperature 0)
   generate_batch(params, prompts_BxT, n, cfg=) -> ids [B, n] (equal-length prompts, one state for all)
-  greedy_next(params, tokens_BxT, positions_BxK, cfg=) -> ids [B, K]: the greedy next token after each prefix
+  greedy_next(params, tokens_BxT, positions_BxJ, cfg=) -> ids [B, J]: the greedy next token after each prefix
       tokens[:, :p + 1], all from one causal forward (what generating one token after each prefix would give)
 """
 
@@ -34,10 +34,10 @@ from laplace_jax.model.config import LaplaceConfig
 from laplace_jax.model.state import DecodeState
 
 
-def sample_logits(logits_BxV, key, *, temperature: float, top_k: int, valid_vocab: int, top_p: float = 1.0):
+def sample_logits(logits_BxY, key, *, temperature: float, top_k: int, valid_vocab: int, top_p: float = 1.0):
   """Greedy at temperature 0, else softmax(logits / T) over the top-k and then the smallest set of tokens
   whose probability reaches top_p (nucleus); padded vocab rows (ids >= valid_vocab) are never drawn."""
-  logits = jnp.where(jnp.arange(logits_BxV.shape[-1]) < valid_vocab, logits_BxV, -jnp.inf)
+  logits = jnp.where(jnp.arange(logits_BxY.shape[-1]) < valid_vocab, logits_BxY, -jnp.inf)
   if temperature == 0:
     return jnp.argmax(logits, -1).astype(jnp.int32)
   logits = logits / temperature
@@ -45,10 +45,10 @@ def sample_logits(logits_BxV, key, *, temperature: float, top_k: int, valid_voca
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
   if top_p < 1.0:
-    sorted_BxV = jnp.sort(logits, -1)[:, ::-1]
-    before_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, -1), -1) - jax.nn.softmax(sorted_BxV, -1)
+    sorted_BxY = jnp.sort(logits, -1)[:, ::-1]
+    before_BxY = jnp.cumsum(jax.nn.softmax(sorted_BxY, -1), -1) - jax.nn.softmax(sorted_BxY, -1)
     # the smallest logit kept: the last one whose preceding mass is still below top_p (the first always is)
-    cut_B = jnp.min(jnp.where(before_BxV < top_p, sorted_BxV, jnp.inf), -1, keepdims=True)
+    cut_B = jnp.min(jnp.where(before_BxY < top_p, sorted_BxY, jnp.inf), -1, keepdims=True)
     logits = jnp.where(logits >= cut_B, logits, -jnp.inf)
   return jax.random.categorical(key, logits).astype(jnp.int32)
 
@@ -260,15 +260,15 @@ def generate_batch(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _greedy_at(params, tokens_BxT, positions_BxK, *, cfg):
-  return jnp.argmax(model.forward(params, tokens_BxT, cfg=cfg, positions_BxK=positions_BxK), -1).astype(
+def _greedy_at(params, tokens_BxT, positions_BxJ, *, cfg):
+  return jnp.argmax(model.forward(params, tokens_BxT, cfg=cfg, positions_BxJ=positions_BxJ), -1).astype(
     jnp.int32
   )
 
 
-def greedy_next(params, tokens_BxT, positions_BxK, *, cfg: LaplaceConfig) -> np.ndarray:
-  """[B, K] greedy next token after each prefix tokens[b, :positions[b, k] + 1], from one causal forward (the
+def greedy_next(params, tokens_BxT, positions_BxJ, *, cfg: LaplaceConfig) -> np.ndarray:
+  """[B, J] greedy next token after each prefix tokens[b, :positions[b, j] + 1], from one causal forward (the
   model is causal, so each equals greedy generation of one token from that prefix)."""
   return np.asarray(
-    _greedy_at(params, jnp.asarray(tokens_BxT, jnp.int32), jnp.asarray(positions_BxK, jnp.int32), cfg=cfg)
+    _greedy_at(params, jnp.asarray(tokens_BxT, jnp.int32), jnp.asarray(positions_BxJ, jnp.int32), cfg=cfg)
   )

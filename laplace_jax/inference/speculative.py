@@ -1,7 +1,7 @@
 """Speculative decoding's model half: verify T tokens per sequence in one pass, then commit each sequence's
 state at its own accepted length, exactly, with no copy of the state kept to roll back to.
 
-    logits_BxTxV, drafted = verify(params, state, tokens_BxT, cfg=cfg)
+    logits_BxTxY, drafted = verify(params, state, tokens_BxT, cfg=cfg)
     state = commit(state, drafted, n_B, cfg=cfg)
 
 `tokens_BxT` is each sequence's next input (its last sampled token) followed by T − 1 drafted tokens;
@@ -30,11 +30,10 @@ import numpy as np
 from flax import struct
 
 from laplace_jax import model
+from laplace_jax.array_types import Array
 from laplace_jax.model.config import LaplaceConfig, log_decays
 from laplace_jax.model.state import DecodeState, KVCache
 from laplace_jax.ops import gla, short_conv, window_attention
-
-Array = Any
 
 
 @struct.dataclass
@@ -65,7 +64,7 @@ def _table(layers: dict, cfg: LaplaceConfig, name: str, letter: str | None = Non
 
 
 def verify(params, state: DecodeState, tokens_BxT, *, cfg: LaplaceConfig):
-  """(logits [B, T, V] fp32 after each of the T tokens, Drafted); see the module doc. T >= 2."""
+  """(logits [B, T, Y] fp32 after each of the T tokens, Drafted); see the module doc. T >= 2."""
   if jnp.ndim(tokens_BxT) != 2 or jnp.shape(tokens_BxT)[1] < 2:
     raise ValueError(
       f"tokens have shape {list(jnp.shape(tokens_BxT))}: expected [B, T] with T >= 2, each row's next "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NoReturn
 
 import numpy as np
 
@@ -26,6 +27,11 @@ SCAN_LAYERS = ("auto", "true", "false")
 # Fields that change how the program runs but neither the parameters nor the math: a checkpoint (or a cached
 # state) saved under one value loads under any other, and those from before the field existed load too.
 LAYOUT_NEUTRAL = frozenset({"scan_layers"})
+
+
+def _bad(field: str, value, expect: str, fix: str) -> NoReturn:
+  """A LaplaceConfig field refused: the field, the value, the expectation and the fix."""
+  raise ValueError(f"LaplaceConfig.{field}={value!r}: expected {expect}. {fix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +96,15 @@ class LaplaceConfig:
   on Neuron, as AXLearn runs trn2; scanned elsewhere, which compiles faster)"""
 
   def __post_init__(self):
-    def bad(field, value, expect, fix):
-      raise ValueError(f"LaplaceConfig.{field}={value!r}: expected {expect}. {fix}")
+    """Every field checked (each error names the field, the value, the expectation and the fix)."""
+    self._check_sizes()
+    self._check_decays()
+    self._check_choices()
+    self._check_layer_pattern()
+    self._check_attention()
 
+  def _check_sizes(self):
+    """The counts and widths: positive integers that split as the model needs."""
     for f in (
       "vocab_size",
       "d_model",
@@ -109,50 +121,66 @@ class LaplaceConfig:
     ):
       v = getattr(self, f)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
-        bad(f, v, "a positive integer", "Set it to a positive integer.")
+        _bad(f, v, "a positive integer", "Set it to a positive integer.")
     if self.n_heads % self.n_decay_tiers:
-      bad(
+      _bad(
         "n_decay_tiers",
         self.n_decay_tiers,
         f"a divisor of n_heads={self.n_heads}",
         "Choose a tier count that splits the heads evenly.",
       )
+    if self.max_seq_len % self.chunk_size:
+      _bad(
+        "max_seq_len",
+        self.max_seq_len,
+        f"a multiple of chunk_size={self.chunk_size}",
+        "Training sequences are split into whole chunks.",
+      )
+
+  def _check_decays(self):
+    """The decay half-lives: positive and in order."""
     if not (self.decay_t_min > 0 and self.decay_t_max > 0):
-      bad(
+      _bad(
         "decay_t_min/decay_t_max",
         (self.decay_t_min, self.decay_t_max),
         "positive half-lives",
         "Half-lives are in tokens and must be > 0.",
       )
     if self.decay_t_max < self.decay_t_min:
-      bad(
+      _bad(
         "decay_t_max",
         self.decay_t_max,
         f">= decay_t_min={self.decay_t_min} (a non-reversed range)",
         "Swap the two values.",
       )
+
+  def _check_choices(self):
+    """The dtypes and the per-platform choices (`scan_layers`'s booleans normalised to its flag's spelling)."""
     for f in ("param_dtype", "compute_dtype"):
       v = getattr(self, f)
       if v not in ("float32", "bfloat16", "float16"):
-        bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
+        _bad(f, v, "one of 'float32', 'bfloat16', 'float16'", "Use a floating dtype name.")
     if isinstance(self.scan_layers, bool):  # Python and TOML booleans, kept in the flag's spelling
       object.__setattr__(self, "scan_layers", "true" if self.scan_layers else "false")
     if self.scan_layers not in SCAN_LAYERS:
-      bad(
+      _bad(
         "scan_layers",
         self.scan_layers,
         f"one of {SCAN_LAYERS}",
         "auto scans the layers (one compiled body) except on Neuron, which unrolls them.",
       )
     if self.gla_form not in GLA_FORMS:
-      bad(
+      _bad(
         "gla_form",
         self.gla_form,
         f"one of {GLA_FORMS}",
         "auto picks per backend; parallel is faster on GPUs, scan on CPUs.",
       )
+
+  def _check_layer_pattern(self):
+    """The mixer letters, their pattern's length and the FFN switch."""
     if not self.mixers or set(self.mixers) - set(MIXERS):
-      bad(
+      _bad(
         "mixers",
         self.mixers,
         f"a non-empty pattern of the letters {sorted(MIXERS)} "
@@ -161,40 +189,36 @@ class LaplaceConfig:
         "'GGGA' (three GLA layers, then attention, repeated), 'GGGS' (the same with windowed attention).",
       )
     if self.n_layers % len(self.mixers):
-      bad(
+      _bad(
         "mixers",
         self.mixers,
         f"a pattern whose length {len(self.mixers)} divides n_layers={self.n_layers}",
         "Layers are scanned in repeating groups: choose a pattern length that divides n_layers.",
       )
     if not isinstance(self.ffn, (bool, np.bool_)):
-      bad("ffn", self.ffn, "true or false", "true keeps each layer's GLU FFN; false drops it.")
+      _bad("ffn", self.ffn, "true or false", "true keeps each layer's GLU FFN; false drops it.")
+
+  def _check_attention(self):
+    """The attention layers' heads: a count that splits their width into even (RoPE) head widths."""
     if (
       not isinstance(self.attn_heads, (int, np.integer))
       or isinstance(self.attn_heads, bool)
       or self.attn_heads < 0
     ):
-      bad("attn_heads", self.attn_heads, "an integer >= 0", "0 uses n_heads; e.g. 1 for one attention head.")
+      _bad("attn_heads", self.attn_heads, "an integer >= 0", "0 uses n_heads; e.g. 1 for one attention head.")
     if self.attn_width % self.attn_n_heads:
-      bad(
+      _bad(
         "attn_heads",
         self.attn_heads,
         f"a divisor of the attention width {self.attn_width} (n_heads · {self._attn_base_head_dim})",
         "Choose a head count that splits the width evenly, or 0 for n_heads.",
       )
     if set("AS") & set(self.mixers) and self.attn_head_dim % 2:
-      bad(
+      _bad(
         "mixers",
         self.mixers,
         f"an even attention head width for RoPE (got {self.attn_head_dim})",
         "Change d_k / d_v so that (2·d_k + 3·d_v) / 4 rounds to an even width, or attn_heads.",
-      )
-    if self.max_seq_len % self.chunk_size:
-      bad(
-        "max_seq_len",
-        self.max_seq_len,
-        f"a multiple of chunk_size={self.chunk_size}",
-        "Training sequences are split into whole chunks.",
       )
 
   # Derived widths of the fused projection W_qkvg: [q | k | v | g].

@@ -16,11 +16,11 @@ checkpoints' paths). The shape table (layer_param_specs, counts.layer_shapes) an
 assembled from those declarations, never written a second time.
 
 Public, all pure functions of pytrees (`cfg` is static):
-  init_params(cfg, rng) -> params            forward(params, tokens_BxT, cfg=) -> logits_BxTxV (fp32)
-  init_state(cfg, batch[, max_len]) -> state decode_step(params, state, tokens_B, cfg=) -> (logits_BxV, state)
+  init_params(cfg, rng) -> params            forward(params, tokens_BxT, cfg=) -> logits_BxTxY (fp32)
+  init_state(cfg, batch[, max_len]) -> state decode_step(params, state, tokens_B, cfg=) -> (logits_BxY, state)
   init_carry(cfg, batch) -> carry            forward_carry(params, tokens_BxT, carry, cfg=) -> (logits, carry)
-  prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxV, state)
-  prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxV, state)   host loop, one compile
+  prefill_chunk(params, state, tokens_BxC, lengths_B, cfg=) -> (logits_BxY, state)
+  prefill(params, state, tokens_BxT, lengths_B=None, cfg=) -> (logits_BxY, state)   host loop, one compile
 state and carry are DecodeStates (laplace_jax/model/state.py); table_row(pattern, group, slot, letter) is each
 layer's row in them.
 
@@ -177,7 +177,7 @@ class LaplaceLM(nn.Module):
     state=None,
     mask_BxT=None,
     last_only=False,
-    positions_BxK=None,
+    positions_BxJ=None,
     segment_ids_BxT=None,
     first_start_B=None,
   ):
@@ -185,7 +185,7 @@ class LaplaceLM(nn.Module):
     segments = None
     sp = context_parallel.span()  # a span of each row, the row split over the "context" axis
     if sp is not None:
-      _check_span(cfg, state, mask_BxT, last_only, positions_BxK)
+      _check_span(cfg, state, mask_BxT, last_only, positions_BxJ)
     if segment_ids_BxT is not None:
       if state is not None and (state.kv is not None or state.ring is not None):
         raise ValueError(
@@ -238,8 +238,8 @@ class LaplaceLM(nn.Module):
     if last_only:  # logits of each row's last real token only: [B, D]
       last_B = (jnp.full(x.shape[:1], x.shape[1]) if mask_BxT is None else mask_BxT.sum(1)) - 1
       x = jnp.take_along_axis(x, jnp.maximum(last_B, 0)[:, None, None], axis=1)[:, 0]
-    elif positions_BxK is not None:  # logits at chosen positions only: [B, K, V] (the LM head's cost / T·K)
-      x = jnp.take_along_axis(x, positions_BxK[..., None], axis=1)
+    elif positions_BxJ is not None:  # logits at chosen positions only: [B, J, Y] (the LM head's cost · J/T)
+      x = jnp.take_along_axis(x, positions_BxJ[..., None], axis=1)
     if over_B is not None:  # NaN into the head's input, not its output: the dot carries it to every logit
       x = jnp.where(over_B.reshape(-1, *[1] * (x.ndim - 1)), jnp.nan, x)  # of the row, at no extra pass
     head = self.param("lm_head", *top["lm_head"], pdt)
@@ -247,7 +247,7 @@ class LaplaceLM(nn.Module):
     return logits, new_state
 
 
-def _check_span(cfg: LaplaceConfig, state, mask_BxT, last_only, positions_BxK) -> None:
+def _check_span(cfg: LaplaceConfig, state, mask_BxT, last_only, positions_BxJ) -> None:
   """What a row split over the "context" axis supports: training and evaluation forwards of G and S layers."""
   if "A" in cfg.mixers:
     raise ValueError(
@@ -255,7 +255,7 @@ def _check_span(cfg: LaplaceConfig, state, mask_BxT, last_only, positions_BxK) -
       "context parallelism (a 'context' mesh axis) splits the row over devices, so it runs G and S layers "
       "only. Train this pattern without --mesh_context, or use sliding-window layers ('S')."
     )
-  if mask_BxT is not None or last_only or positions_BxK is not None:
+  if mask_BxT is not None or last_only or positions_BxJ is not None:
     raise ValueError(
       "a row split over the 'context' axis runs whole training rows: no padding mask, last-token logits or "
       "scored positions (recall tasks' `positions`); run those without a context axis."
@@ -299,23 +299,23 @@ def check_tokens(tokens, cfg):
     )
 
 
-def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxK=None, segment_ids_BxT=None):
-  """Training/eval forward from a zero state: logits [B, T, V] in fp32, or [B, K, V] at `positions_BxK`
+def forward(params, tokens_BxT, *, cfg: LaplaceConfig, positions_BxJ=None, segment_ids_BxT=None):
+  """Training/eval forward from a zero state: logits [B, T, Y] in fp32, or [B, J, Y] at `positions_BxJ`
   only (tasks scored at a few positions per row skip the LM head elsewhere). `segment_ids_BxT` (integers):
   a packed row's documents, each computed exactly as if alone in its row (laplace_jax/ops/segments.py)."""
   if jnp.ndim(tokens_BxT) != 2:
     raise ValueError(f"tokens have shape {jnp.shape(tokens_BxT)}: expected [B, T].")
   check_tokens(tokens_BxT, cfg)
-  return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxK, segment_ids_BxT)
+  return _forward_jit(params, tokens_BxT, cfg, platform.backend(), positions_BxJ, segment_ids_BxT)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, backend: str, positions_BxK, segment_ids_BxT):
+def _forward_jit(params, tokens_BxT, cfg: LaplaceConfig, backend: str, positions_BxJ, segment_ids_BxT):
   # Compiled once per config and shape (inlined when forward is traced inside a caller's jit); the checks
   # above run on the host first, where the tokens are concrete.
   del backend  # the cache key
   logits, _ = LaplaceLM(cfg).apply(
-    {"params": params}, tokens_BxT, positions_BxK=positions_BxK, segment_ids_BxT=segment_ids_BxT
+    {"params": params}, tokens_BxT, positions_BxJ=positions_BxJ, segment_ids_BxT=segment_ids_BxT
   )
   return logits
 
@@ -356,7 +356,7 @@ def init_carry(cfg: LaplaceConfig, batch_size: int) -> DecodeState:
 
 
 def forward_carry(params, tokens_BxT, carry, *, cfg: LaplaceConfig, segment_ids_BxT=None, first_start_B=None):
-  """Training forward from a carried state (state passing): (logits [B, T, V] fp32, the carry after the
+  """Training forward from a carried state (state passing): (logits [B, T, Y] fp32, the carry after the
   last token). `carry` is init_carry's DecodeState; gradients do not flow into it (the segment boundary).
   With `segment_ids_BxT` every segment after the row's first starts afresh, and the first continues the
   carry unless `first_start_B` (bool [B]) says a new document begins at the row's first token."""
@@ -432,7 +432,7 @@ def check_capacity(state: DecodeState, new_tokens_B) -> None:
 
 
 def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig, live_B=None):
-  """One token per sequence: (logits [B, V] fp32, new state). Pure; jit with cfg static.
+  """One token per sequence: (logits [B, Y] fp32, new state). Pure; jit with cfg static.
 
   live_B (bool [B], None: every row): a row that is not live does not advance: its GLA state and position are
   kept exactly and its logits are meaningless. Its conv ring, window ring or attention cache takes the token
@@ -452,7 +452,7 @@ def decode_step(params, state: DecodeState, tokens_B, *, cfg: LaplaceConfig, liv
 
 
 def prefill_chunk(params, state: DecodeState, tokens_BxC, lengths_B, *, cfg: LaplaceConfig):
-  """Consume one right-padded chunk: (logits at each row's last real token [B, V], new state).
+  """Consume one right-padded chunk: (logits at each row's last real token [B, Y], new state).
 
   A row with length 0 keeps its state exactly (its logits are meaningless); in a one-token chunk, which is
   a decode step, as decode_step keeps a row that is not live."""
@@ -473,7 +473,7 @@ def _prefill_chunk_jit(params, state, tokens_BxC, lengths_B, *, cfg: LaplaceConf
 def prefill(params, state: DecodeState, tokens_BxT, lengths_B=None, *, cfg: LaplaceConfig):
   """Any prompt length, walked in fixed cfg.chunk_size chunks through one compiled function.
 
-  tokens [B, T] right-padded with per-row `lengths_B` (default T). Returns (logits [B, V], state)."""
+  tokens [B, T] right-padded with per-row `lengths_B` (default T). Returns (logits [B, Y], state)."""
   tokens = np.asarray(tokens_BxT)
   if tokens.ndim != 2:
     raise ValueError(f"tokens have shape {tokens.shape}: expected [B, T].")

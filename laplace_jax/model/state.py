@@ -6,7 +6,7 @@ layers that own it (row i of a table is the i-th layer of that kind in the layer
   pos     [B]                      int32   tokens consumed per sequence
   conv    [L, B, conv_size, D]     fp32    every layer's short-conv ring (laplace_jax/ops/short_conv.py)
   gla     [L_G, B, H, d_k, d_v]    fp32    GLA layers' recurrent matrices, fixed in size
-  kv      KVCache [L_A, B, S, H, hd]       attention layers' cache, S = max_len fixed when made
+  kv      KVCache [L_A, B, M, H, hd]       attention layers' cache, M = max_len fixed when made
   ring    KVCache [L_S, B, H, W, hd]       sliding-window layers' last W keys and values
 
 A table is None when no layer needs it (a pure-GLA model has no kv or ring; a training carry never has
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import struct
 
-Array = Any  # a jax.Array, a numpy array, a ShapeDtypeStruct (eval_shape) or an int (batch_axes)
+from laplace_jax.array_types import Array
 
 
 @struct.dataclass

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-Array = Any
+from laplace_jax.array_types import Array
 
 
 @struct.dataclass

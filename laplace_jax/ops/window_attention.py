@@ -29,8 +29,8 @@ from laplace_jax.ops.attention import attend, decode_in_place, write_rows
 F32 = jnp.float32
 
 
-def _attend_rings(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS):
-  return attend(q_BxTxHxd, k_BxHxSxd, v_BxHxSxd, visible_BxTxS, kv_layout="bhsd")
+def _attend_rings(q_BxTxHxd, k_BxHxMxd, v_BxHxMxd, visible_BxTxM):
+  return attend(q_BxTxHxd, k_BxHxMxd, v_BxHxMxd, visible_BxTxM, kv_layout="bhsd")
 
 
 def window_attention(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, window: int, segment_BxT=None):

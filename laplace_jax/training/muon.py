@@ -54,7 +54,7 @@ class MuonState(NamedTuple):
 
 
 def newton_schulz(
-  x_MxN: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7, dtype=None
+  x_IxO: jax.Array, *, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-7, dtype=None
 ) -> jax.Array:
   """Approximate U Vᵀ of one matrix: Frobenius-normalise, then `steps` quintic Newton–Schulz iterations.
 
@@ -62,10 +62,10 @@ def newton_schulz(
   input's dtype and the result is returned in it. None iterates in the input's dtype."""
   # The barriers stop XLA fusing the norm's reduction (or the result) with whatever produces (consumes) the
   # matrix, which differs on one device and on a mesh and would change the summation order.
-  x_MxN = jax.lax.optimization_barrier(x_MxN)
-  out_dtype = x_MxN.dtype
-  transpose = x_MxN.shape[0] > x_MxN.shape[1]  # iterate on the wide orientation: A = X Xᵀ is the small side
-  x = x_MxN.T if transpose else x_MxN
+  x_IxO = jax.lax.optimization_barrier(x_IxO)
+  out_dtype = x_IxO.dtype
+  transpose = x_IxO.shape[0] > x_IxO.shape[1]  # iterate on the wide orientation: A = X Xᵀ is the small side
+  x = x_IxO.T if transpose else x_IxO
   x = x / (jnp.linalg.norm(x) + eps)
   if dtype is not None:
     x = x.astype(dtype)

@@ -191,18 +191,20 @@ def accumulate_gradients(loss_and_grad_fn: Callable, params, microbatches):
 
   `loss_and_grad_fn(params, microbatch) -> ((loss_sum, aux), grads_of_loss_sum)`, i.e.
   `jax.value_and_grad(f, has_aux=True)` of an f returning the summed token loss and either the token count
-  or a dict of sums holding it under "tokens" (other entries, e.g. metric sums, are summed alongside).
-  Returns (loss_sum / tokens, grads / tokens, summed aux), accumulated in fp32: every token weighs the
-  same however the tokens fall into micro-batches. An aux entry "carry" (state passing: each micro-batch's
-  rows' recurrent state after their segment) is not summed but stacked over the micro-batches.
+  or a record of sums holding it in a `tokens` field (train_step.LossSums; its other fields, e.g. metric
+  sums, are summed alongside). Returns (loss_sum / tokens, grads / tokens, summed aux), accumulated in fp32:
+  every token weighs the same however the tokens fall into micro-batches. An aux field `carry` (state
+  passing: each micro-batch's rows' recurrent state after their segment) is not summed but stacked over the
+  micro-batches.
   """
   f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
-  split_carry = lambda aux: ({k: v for k, v in aux.items() if k != "carry"}, aux.get("carry"))
+  # (the sums, the carry): a record's carry is taken out of the sums (None: no carry, or a bare token count)
+  split_carry = lambda aux: (aux.replace(carry=None), aux.carry) if hasattr(aux, "carry") else (aux, None)
 
   def body(carry, mb):
     loss_sum, aux_sum, grads = carry
     (l, aux), g = loss_and_grad_fn(params, mb)
-    aux, out = split_carry(aux) if isinstance(aux, dict) else (aux, None)
+    aux, out = split_carry(aux)
     return (
       loss_sum + l.astype(jnp.float32),
       jax.tree.map(jnp.add, aux_sum, f32(aux)),
@@ -210,9 +212,7 @@ def accumulate_gradients(loss_and_grad_fn: Callable, params, microbatches):
     ), out
 
   first = jax.tree.map(lambda x: x[0], microbatches)
-  aux_shape = jax.eval_shape(lambda: loss_and_grad_fn(params, first)[0][1])
-  if isinstance(aux_shape, dict):
-    aux_shape = split_carry(aux_shape)[0]
+  aux_shape = split_carry(jax.eval_shape(lambda: loss_and_grad_fn(params, first)[0][1]))[0]
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   init = (
     jnp.zeros([], jnp.float32),
@@ -220,8 +220,8 @@ def accumulate_gradients(loss_and_grad_fn: Callable, params, microbatches):
     zeros,
   )
   (loss_sum, aux, grads), carries = jax.lax.scan(body, init, microbatches)
-  tokens = aux["tokens"] if isinstance(aux, dict) else aux
+  tokens = getattr(aux, "tokens", aux)
   if carries is not None:
-    aux = {**aux, "carry": carries}
+    aux = aux.replace(carry=carries)
   inv = 1.0 / jnp.maximum(tokens, 1.0)
   return loss_sum * inv, jax.tree.map(lambda g: g * inv, grads), aux

@@ -1,5 +1,6 @@
-"""The train state and the training batch as typed pytrees; optional parts are fields that default to None,
-so the tree's structure (not a key's presence) says which step is compiled."""
+"""The train state as a typed pytree (and the training batch, defined with the data in laplace_jax/data/batch.py);
+optional parts are fields that default to None, so the tree's structure (not a key's presence) says which
+step is compiled."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from laplace_jax.array_types import Array
+from laplace_jax.data.batch import Batch as Batch  # the step's input, defined with the data that yields it
 from laplace_jax.model.state import DecodeState
-
-# A leaf: a jax.Array, a host numpy array (a batch before it is put on the mesh) or a jax.ShapeDtypeStruct
-# (the abstract state and batch the step is compiled for).
-Array = Any
 
 
 @struct.dataclass
@@ -96,23 +95,3 @@ class TrainState:
     """The inverse of to_tree (a restored checkpoint's train_state)."""
     carry = tree.get("carry")
     return cls(**{**tree, "carry": None if carry is None else Carry.from_dict(carry)})
-
-
-@struct.dataclass
-class Batch:
-  """One global training batch; a row is one sequence, B rows sharded over the mesh's batch axes."""
-
-  inputs: Array  # int32 [B, T]: token ids
-  targets: Array  # int32 [B, T]: the next token of each input
-  weights: Array | None = None  # f32 [B, T]: per-token loss weights (None: every token weighs 1)
-  # int32 [B, K]: only these positions are scored (targets and weights read there; the LM head runs there
-  # alone). None: every position.
-  positions: Array | None = None
-  carry: Carry | None = None  # state passing: the rows' carried state (TrainState.carry), set by the step
-  # int32 [B, T]: packed rows' document ids, each document computed as if alone (laplace_jax/ops/segments.py).
-  # None: a row is one stream.
-  segment_ids: Array | None = None
-
-  if TYPE_CHECKING:
-
-    def replace(self, **updates: Any) -> Batch: ...

@@ -18,15 +18,17 @@ so a run never recompiles; `abstract_train_state` gives the state's shapes and s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax import fsdp, model, sharding
+from laplace_jax.array_types import Array
 from laplace_jax.model.config import LaplaceConfig
 from laplace_jax.model.counts import param_shapes
 from laplace_jax.ops import context_parallel
@@ -50,6 +52,35 @@ class StepConfig:
       raise ValueError(f"z_loss={self.z_loss!r}: expected a weight >= 0 (0 disables it).")
 
 
+@struct.dataclass
+class LossSums:
+  """`loss_sums`' aux: sums over the batch's scored tokens, all fp32 [] (summed again over micro-batches and
+  devices), and the carry after the batch (state passing; stacked over micro-batches, never summed)."""
+
+  ce: Array  # Σ weight · cross-entropy
+  z: Array  # Σ weight · logsumexp² (the z-loss, before its weight)
+  tokens: Array  # Σ weights: the tokens the sums are over
+  carry: Carry | None = None  # state passing: the rows' state after their last input (no gradient)
+
+  if TYPE_CHECKING:  # made by flax.struct.dataclass; declared here for type checkers
+
+    def replace(self, **updates: Any) -> LossSums: ...
+
+
+@struct.dataclass
+class StepMetrics:
+  """What one train step reports, replicated scalars (metrics.jsonl's and TensorBoard's names come from
+  these fields: train/hooks.py)."""
+
+  loss: Array  # f32: mean cross-entropy per scored token (the z-loss excluded)
+  z_loss: Array  # f32: mean logsumexp² per scored token
+  grad_norm: Array  # f32: global norm of the token-averaged gradient (before clipping)
+  tokens: Array  # f32: Σ loss weights of the step's batch
+  skipped: Array  # bool: the loss or gradient was not finite, so the update was not applied
+  bad_steps: Array  # int32: consecutive skipped steps, this one included (0 after a good step)
+  lr: Array | None = None  # f32: the schedule's learning rate at this step (None: no schedule given)
+
+
 def init_carry(cfg: LaplaceConfig, batch: int, segmented: bool = False) -> Carry:
   """The zero carry of `batch` rows (model.init_carry's, batch-major); `segmented`: with the rows' last
   segment ids (packed documents), 0."""
@@ -57,15 +88,15 @@ def init_carry(cfg: LaplaceConfig, batch: int, segmented: bool = False) -> Carry
   return Carry.from_state(model.init_carry(cfg, batch), segment)
 
 
-def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
-  """(Σ weighted token loss incl. z-loss, {"ce": Σ ce, "z": Σ z, "tokens": Σ weights}), all fp32.
+def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0) -> tuple[Array, LossSums]:
+  """(Σ weighted token loss incl. z-loss, LossSums(ce=Σ ce, z=Σ z, tokens=Σ weights)), all fp32.
 
-  A batch with a carry (state passing) starts from it, and aux["carry"] is the state after the batch. A batch
-  with positions [B, K] scores those positions only (targets and weights read there): recall tasks answer
-  at a few positions per row, and the LM head's cost falls by T/K. A batch with segment ids computes each
+  A batch with a carry (state passing) starts from it, and the aux's carry is the state after the batch. A batch
+  with positions [B, J] scores those positions only (targets and weights read there): recall tasks answer
+  at a few positions per row, and the LM head's cost falls by T/J. A batch with segment ids computes each
   packed document as if alone in its row."""
   carry = None
-  pos_BxK, seg_BxT = batch.positions, batch.segment_ids
+  pos_BxJ, seg_BxT = batch.positions, batch.segment_ids
   if batch.carry is not None:
     first_start_B = None
     if seg_BxT is not None:  # a row whose first input's id is not its previous step's last begins anew
@@ -75,7 +106,7 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
           "init_train_state(..., segmented=True) (its carry keeps each row's last segment id)."
         )
       first_start_B = seg_BxT[:, 0] != batch.carry.segment
-    logits_BxTxV, carry = model.forward_carry(
+    logits_BxTxY, carry = model.forward_carry(
       params,
       batch.inputs,
       batch.carry.to_state(),
@@ -83,29 +114,29 @@ def loss_sums(params, batch: Batch, *, cfg: LaplaceConfig, z_loss: float = 0.0):
       segment_ids_BxT=seg_BxT,
       first_start_B=first_start_B,
     )
-    logits_BxTxV = logits_BxTxV.astype(F32)
-    if pos_BxK is not None:
-      logits_BxTxV = jnp.take_along_axis(logits_BxTxV, pos_BxK[..., None], axis=1)
+    logits_BxTxY = logits_BxTxY.astype(F32)
+    if pos_BxJ is not None:
+      logits_BxTxY = jnp.take_along_axis(logits_BxTxY, pos_BxJ[..., None], axis=1)
   else:
-    logits_BxTxV = model.forward(
-      params, batch.inputs, cfg=cfg, positions_BxK=pos_BxK, segment_ids_BxT=seg_BxT
+    logits_BxTxY = model.forward(
+      params, batch.inputs, cfg=cfg, positions_BxJ=pos_BxJ, segment_ids_BxT=seg_BxT
     ).astype(F32)
   targets_BxT = batch.targets
   w_BxT = (jnp.ones(targets_BxT.shape, F32) if batch.weights is None else batch.weights).astype(F32)
-  if pos_BxK is not None:  # [B, K] from here on
-    targets_BxT, w_BxT = (jnp.take_along_axis(x, pos_BxK, axis=1) for x in (targets_BxT, w_BxT))
-  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-  target_logit = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+  if pos_BxJ is not None:  # [B, J] from here on
+    targets_BxT, w_BxT = (jnp.take_along_axis(x, pos_BxJ, axis=1) for x in (targets_BxT, w_BxT))
+  lse_BxT = jax.nn.logsumexp(logits_BxTxY, axis=-1)
+  target_logit = jnp.take_along_axis(logits_BxTxY, targets_BxT[..., None], axis=-1)[..., 0]
   ce = jnp.sum((lse_BxT - target_logit) * w_BxT)
   z = jnp.sum(jnp.square(lse_BxT) * w_BxT)
-  aux: dict[str, Any] = {"ce": ce, "z": z, "tokens": jnp.sum(w_BxT)}
+  aux = LossSums(ce=ce, z=z, tokens=jnp.sum(w_BxT))
   if carry is not None:
     assert batch.carry is not None
     segment_B = batch.carry.segment if seg_BxT is None else seg_BxT[:, -1]
     sp = context_parallel.span()
     if sp is not None and segment_B is not None:  # the row's last id, on the last span
       segment_B = context_parallel.from_last(segment_B, sp)
-    aux["carry"] = jax.lax.stop_gradient(Carry.from_state(carry, segment_B))
+    aux = aux.replace(carry=jax.lax.stop_gradient(Carry.from_state(carry, segment_B)))
   return ce + z_loss * z, aux
 
 
@@ -134,11 +165,11 @@ def fsdp_grad_fn(params, *, cfg: LaplaceConfig, mesh: Mesh, z_loss: float = 0.0,
       specs,
       is_leaf=lambda x: isinstance(x, P),
     )
-    new_carry = aux.pop("carry", None)
-    loss, aux = jax.lax.psum((loss, aux), summed)
-    return (loss, aux if new_carry is None else {**aux, "carry": new_carry}), grads
+    loss, sums = jax.lax.psum((loss, aux.replace(carry=None)), summed)
+    return (loss, sums.replace(carry=aux.carry)), grads  # the carry: this device's rows, not summed
 
-  aux_spec = {"ce": P(), "z": P(), "tokens": P(), "carry": P(sharding.BATCH_AXES)} if carry else P()
+  rows = P(sharding.BATCH_AXES)
+  aux_spec = LossSums(ce=P(), z=P(), tokens=P(), carry=rows) if carry else P()  # type: ignore[arg-type]
 
   def grad_fn(p, mb: Batch):
     # check_vma=False: the model's scans start from zero carries that the per-device type check would need
@@ -178,7 +209,7 @@ def train_step(
   step_cfg: StepConfig = StepConfig(),
   mesh: Mesh | None = None,
   lr_schedule=None,
-):
+) -> tuple[TrainState, StepMetrics]:
   """One optimizer step over the global batch, accumulated over micro-batches; pure."""
   params = state.params
   if state.carry is not None:
@@ -196,10 +227,9 @@ def train_step(
     )
     grad_fn = fsdp_grad_fn(params, cfg=cfg, mesh=mesh, z_loss=step_cfg.z_loss, carry=state.carry is not None)
   _, grads, aux = optim.accumulate_gradients(grad_fn, params, micro)
-  aux = dict(aux)
-  carry_MxR = aux.pop("carry", None)  # [m, B/m, ...]: back to [B, ...] in split_microbatches' row order
-  n_tok = jnp.maximum(aux["tokens"], 1.0)
-  loss = aux["ce"] / n_tok
+  carry_micro = aux.carry  # [m, B/m, ...]: back to [B, ...] in split_microbatches' row order
+  n_tok = jnp.maximum(aux.tokens, 1.0)
+  loss = aux.ce / n_tok
   grad_norm = optax.tree.norm(grads)
 
   updates, new_opt = optimizer.update(grads, state.opt_state, params)
@@ -208,9 +238,9 @@ def train_step(
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
   new_carry = None
-  if carry_MxR is not None:
+  if carry_micro is not None:
     merge = lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
-    new_carry = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_MxR)
+    new_carry = jax.tree.map(lambda c: jnp.where(ok, merge(c), jnp.zeros((), c.dtype)), carry_micro)
   new_state = TrainState(
     params=keep(new_params, params),
     opt_state=keep(new_opt, state.opt_state),
@@ -219,16 +249,15 @@ def train_step(
     bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
     carry=new_carry,
   )
-  metrics = {
-    "loss": loss,
-    "z_loss": aux["z"] / n_tok,
-    "grad_norm": grad_norm,
-    "tokens": aux["tokens"],
-    "skipped": ~ok,
-    "bad_steps": new_state.bad_steps,
-  }
-  if lr_schedule is not None:
-    metrics["lr"] = jnp.asarray(lr_schedule(state.step), F32)
+  metrics = StepMetrics(
+    loss=loss,
+    z_loss=aux.z / n_tok,
+    grad_norm=grad_norm,
+    tokens=aux.tokens,
+    skipped=~ok,
+    bad_steps=new_state.bad_steps,
+    lr=None if lr_schedule is None else jnp.asarray(lr_schedule(state.step), F32),
+  )
   return new_state, metrics
 
 

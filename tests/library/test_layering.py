@@ -246,10 +246,6 @@ def test_no_private_name_crosses_modules():
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 450
 # Still over the bounds, to be split (the list only shrinks).
 OVERSIZED = {
-  "laplace_jax/model/config.py:LaplaceConfig.__post_init__",
-  "train/loop.py:_run",
-  "train/prepare.py:prepare",
-  "train/recall.py:main",
   "serve/engine/engine.py:Engine",
   "serve/engine/engine.py:Engine.__init__",
 }

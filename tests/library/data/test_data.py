@@ -37,7 +37,7 @@ def _take(it, n):
 
 def _examples(batch):
   """The (seq_len+1)-token examples x behind a batch: inputs = x[:-1], targets = x[1:]."""
-  return np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+  return np.concatenate([batch.inputs, batch.targets[:, -1:]], axis=1)
 
 
 def _train(corpus_dir, **kw):
@@ -110,8 +110,8 @@ def test_packing_matches_numpy_reference(corpus):
   x = np.stack([_examples(b) for b in got])
   np.testing.assert_array_equal(x, ref)
   for b in got:
-    assert b["inputs"].shape == b["targets"].shape == (4, 16) and b["inputs"].dtype == np.int32
-    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+    assert b.inputs.shape == b.targets.shape == (4, 16) and b.inputs.dtype == np.int32
+    np.testing.assert_array_equal(b.inputs[:, 1:], b.targets[:, :-1])
 
 
 def test_each_document_once_per_epoch(corpus):
@@ -129,7 +129,7 @@ def test_each_document_once_per_epoch(corpus):
 def test_deterministic_by_seed(corpus):
   path = corpus[0]
   with _train(path) as a, _train(path) as b, _train(path, seed=4) as c:
-    xa, xb, xc = (np.stack([x["inputs"] for x in _take(it, 10)]) for it in (a, b, c))
+    xa, xb, xc = (np.stack([x.inputs for x in _take(it, 10)]) for it in (a, b, c))
   np.testing.assert_array_equal(xa, xb)
   assert not np.array_equal(xa, xc)
 
@@ -148,9 +148,9 @@ def test_resume_from_state_matches_uninterrupted(corpus, prefetch):
     resumed.set_state(state)
     rest = _take(resumed, 23)
   for want, got in zip(straight[17:], rest):
-    assert want.keys() == got.keys() == {"inputs", "targets", "segment_ids"}
-    for key in want:
-      np.testing.assert_array_equal(want[key], got[key])
+    for name in ("inputs", "targets", "segment_ids"):
+      np.testing.assert_array_equal(getattr(want, name), getattr(got, name))
+    assert want.weights is got.weights is want.positions is got.positions is None
 
 
 def _check_segments(inputs, ids):
@@ -171,18 +171,18 @@ def test_segment_ids_mark_each_document_and_leave_the_stream(corpus, contiguous)
     segmented = _take(it, 12)
   last = None
   for a, b in zip(plain, segmented):
-    np.testing.assert_array_equal(a["inputs"], b["inputs"])
-    np.testing.assert_array_equal(a["targets"], b["targets"])
-    _check_segments(b["inputs"], b["segment_ids"])
+    np.testing.assert_array_equal(a.inputs, b.inputs)
+    np.testing.assert_array_equal(a.targets, b.targets)
+    _check_segments(b.inputs, b.segment_ids)
     if last is not None:  # a row's ids go on rising across its examples
-      first = b["segment_ids"][:, 0]
+      first = b.segment_ids[:, 0]
       assert (first >= last).all()
       if contiguous:  # the next step's first input is this one's last target: same document unless EOS
-        np.testing.assert_array_equal(first == last, b["inputs"][:, 0] != EOS)
-    last = b["segment_ids"][:, -1]
+        np.testing.assert_array_equal(first == last, b.inputs[:, 0] != EOS)
+    last = b.segment_ids[:, -1]
   evals = data.make_eval_batches(path, seq_len=8, global_batch_size=4, segment_ids=True, process_count=1)
   for b in evals:
-    _check_segments(b["inputs"], b["segment_ids"])
+    _check_segments(b.inputs, b.segment_ids)
 
 
 def test_grain_checkpoint_handler_restores_the_stream(corpus, tmp_path):
@@ -197,7 +197,7 @@ def test_grain_checkpoint_handler_restores_the_stream(corpus, tmp_path):
     handler.restore(epath.Path(tmp_path), it)
     got = _take(it, 3)
   for w, g in zip(want, got):
-    np.testing.assert_array_equal(w["inputs"], g["inputs"])
+    np.testing.assert_array_equal(w.inputs, g.inputs)
 
 
 def test_state_from_another_layout_is_refused(corpus):
@@ -218,13 +218,13 @@ def test_process_shards_are_disjoint_and_form_the_global_batch(corpus, n_proc):
     with _train(path, process_index=p, process_count=n_proc) as it:
       parts.append(_take(it, 60))
   for step, batch in enumerate(whole):
-    joined = np.concatenate([parts[p][step]["inputs"] for p in range(n_proc)])
-    np.testing.assert_array_equal(joined, batch["inputs"])
-  docs_of = [{int(t) // 100 for b in part[:3] for t in b["inputs"].ravel() if t != EOS} for part in parts]
+    joined = np.concatenate([parts[p][step].inputs for p in range(n_proc)])
+    np.testing.assert_array_equal(joined, batch.inputs)
+  docs_of = [{int(t) // 100 for b in part[:3] for t in b.inputs.ravel() if t != EOS} for part in parts]
   for p in range(n_proc):
     for q in range(p):
       assert not docs_of[p] & docs_of[q]  # within the first epoch processes read different documents
-  seen = {int(t) // 100 for part in parts for b in part for t in b["inputs"].ravel() if t != EOS}
+  seen = {int(t) // 100 for part in parts for b in part for t in b.inputs.ravel() if t != EOS}
   assert seen == set(range(N_TRAIN))
 
 
@@ -252,13 +252,13 @@ def test_eval_batches_pack_the_held_out_split_in_order(corpus):
   ref = stream[: n * 36].reshape(n, 4, 9)
   assert len(whole) == n
   for b, x in zip(whole, ref):
-    np.testing.assert_array_equal(b["inputs"], x[:, :-1])
-    np.testing.assert_array_equal(b["targets"], x[:, 1:])
+    np.testing.assert_array_equal(b.inputs, x[:, :-1])
+    np.testing.assert_array_equal(b.targets, x[:, 1:])
   halves = [data.make_eval_batches(path, process_index=p, process_count=2, **kw) for p in (0, 1)]
   for b, h0, h1 in zip(whole, *halves):
-    np.testing.assert_array_equal(np.concatenate([h0["inputs"], h1["inputs"]]), b["inputs"])
+    np.testing.assert_array_equal(np.concatenate([h0.inputs, h1.inputs]), b.inputs)
   assert len(data.make_eval_batches(path, max_batches=1, process_index=0, process_count=1, **kw)) == 1
-  val_ids = {int(t) // 100 for b in whole for t in b["inputs"].ravel() if t != EOS}
+  val_ids = {int(t) // 100 for b in whole for t in b.inputs.ravel() if t != EOS}
   assert val_ids and val_ids.isdisjoint(range(N_TRAIN))
 
 
@@ -297,13 +297,13 @@ def test_contiguous_rows_continue_across_steps(corpus):
   with _train(path, contiguous=True) as it:
     got = _take(it, steps)
   ref = _reference_rows(train_docs, seed=3, batch=4, seq_len=steps * T, rows=range(4), steps=1)[0]
-  np.testing.assert_array_equal(np.concatenate([b["inputs"] for b in got], axis=1), ref[:, :-1])
-  np.testing.assert_array_equal(np.concatenate([b["targets"] for b in got], axis=1), ref[:, 1:])
+  np.testing.assert_array_equal(np.concatenate([b.inputs for b in got], axis=1), ref[:, :-1])
+  np.testing.assert_array_equal(np.concatenate([b.targets for b in got], axis=1), ref[:, 1:])
   with _train(path, contiguous=True) as it:
     _take(it, 23)
     state = json.loads(json.dumps(it.get_state()))
   with _train(path, contiguous=True) as resumed:
     resumed.set_state(state)
-    np.testing.assert_array_equal(next(resumed)["inputs"], got[23]["inputs"])
+    np.testing.assert_array_equal(next(resumed).inputs, got[23].inputs)
   with _train(path) as packed, pytest.raises(ValueError, match="contiguous"):
     packed.set_state(state)

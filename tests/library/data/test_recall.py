@@ -1,5 +1,6 @@
 """Recall task generators and scoring: shapes, determinism, answers where they belong, errors."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -9,7 +10,7 @@ from laplace_jax.data import recall_tasks as recall
 @pytest.mark.parametrize("T, N", recall.MQAR_SETTINGS)
 def test_mqar_shapes_answers_and_causality(T, N):
   b = recall.mqar_batch(3, 6, T, N)
-  x, y, w = b["inputs"], b["targets"], b["weights"]
+  x, y, w = b.inputs, b.targets, b.weights
   assert x.shape == y.shape == w.shape == (6, T) and x.dtype == np.int32
   np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next inputs
   half = recall.MQAR_VOCAB // 2
@@ -27,7 +28,7 @@ def test_mqar_shapes_answers_and_causality(T, N):
 @pytest.mark.parametrize("T, N", [(64, 4), (256, 16)])
 def test_zoology_layout_zero_filler_labels_only_at_queries(T, N):
   b = recall.zoology_batch(3, 50, T, N)
-  x, y, w = b["inputs"], b["targets"], b["weights"]
+  x, y, w = b.inputs, b.targets, b.weights
   assert x.shape == y.shape == w.shape == (50, T) and x.dtype == y.dtype == np.int32
   half = recall.MQAR_VOCAB // 2
   for r in range(50):
@@ -42,8 +43,9 @@ def test_zoology_layout_zero_filler_labels_only_at_queries(T, N):
     rest[: 2 * N], rest[q] = False, False
     assert not x[r, rest].any() and not y[r, w[r] == 0].any()  # zero filler, no other labels
   again, other = recall.zoology_batch(3, 50, T, N), recall.zoology_batch(4, 50, T, N)
-  assert all(np.array_equal(b[k], again[k]) for k in b) and not np.array_equal(x, other["inputs"])
-  assert recall.task_batch(f"zoology:{T},{N}", 3, 50)["inputs"].tolist() == x.tolist()
+  assert all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(b), jax.tree.leaves(again), strict=True))
+  assert not np.array_equal(x, other.inputs)
+  assert recall.task_batch(f"zoology:{T},{N}", 3, 50).inputs.tolist() == x.tolist()
 
 
 def test_zoology_gaps_follow_numpy_choice_without_replacement():
@@ -51,7 +53,7 @@ def test_zoology_gaps_follow_numpy_choice_without_replacement():
   how often each gap is asked, over 4,000 sequences each."""
   T, N, a = 64, 4, 0.01
   space = (T - 2 * N) // 2
-  w = recall.zoology_batch(0, 4000, T, N)["weights"]
+  w = recall.zoology_batch(0, 4000, T, N).weights
   ours = w[:, 2 * N :: 2].mean(0)
   p = np.arange(1, space + 1) ** (a - 1.0)
   rng = np.random.default_rng(0)
@@ -64,13 +66,13 @@ def test_zoology_gaps_follow_numpy_choice_without_replacement():
 
 def test_mqar_deterministic_by_seed():
   a, b, c = (recall.mqar_batch(s, 4, 64, 4) for s in (1, 1, 2))
-  for k in a:
-    np.testing.assert_array_equal(a[k], b[k])
-  assert not np.array_equal(a["inputs"], c["inputs"])
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(u, v)
+  assert not np.array_equal(a.inputs, c.inputs)
 
 
 def test_mqar_gaps_favour_short_offsets():
-  w = recall.mqar_batch(0, 400, 512, 16)["weights"]
+  w = recall.mqar_batch(0, 400, 512, 16).weights
   gaps = (np.flatnonzero(w.sum(0)) - 32) // 2
   counts = w.sum(0)[32::2]
   assert counts[:10].sum() > counts[-10:].sum()  # power law: near slots are asked more often
@@ -121,10 +123,10 @@ def test_passkey_at_a_distance_from_the_question():
 def test_passkey_batch_scores_exactly_the_answer():
   b = recall.passkey_batch(0, 4, 128)
   for r in range(4):
-    q = np.flatnonzero(b["weights"][r])
+    q = np.flatnonzero(b.weights[r])
     assert len(q) == 5 and q[-1] == 127
-    assert all(recall.PASSKEY_WORDS[t] in recall.DIGITS for t in b["targets"][r, q])
-    assert [recall.PASSKEY_WORDS[t] for t in b["inputs"][r, q[0] - 3 : q[0] + 1]] == [
+    assert all(recall.PASSKEY_WORDS[t] in recall.DIGITS for t in b.targets[r, q])
+    assert [recall.PASSKEY_WORDS[t] for t in b.inputs[r, q[0] - 3 : q[0] + 1]] == [
       "the",
       "pass",
       "key",
@@ -149,10 +151,10 @@ def test_stream_resumes_where_it_stopped_and_splits_processes():
   state = s.get_state()
   again = recall.RecallStream("mqar:64,4", seq_len=64, global_batch=8, seed=1)
   again.set_state(state)
-  np.testing.assert_array_equal(next(again)["inputs"], next(s)["inputs"])
+  np.testing.assert_array_equal(next(again).inputs, next(s).inputs)
   half = recall.RecallStream(
     "mqar:64,4", seq_len=64, global_batch=8, seed=1, process_index=1, process_count=2
   )
-  np.testing.assert_array_equal(next(half)["inputs"], first[0]["inputs"][4:])
+  np.testing.assert_array_equal(next(half).inputs, first[0].inputs[4:])
   with pytest.raises(ValueError, match="seq_len"):
     recall.RecallStream("mqar:64,4", seq_len=128, global_batch=8)

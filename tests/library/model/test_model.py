@@ -396,7 +396,7 @@ def test_forward_at_positions_equals_full_logits_gathered(params):
   pos = jnp.array([[0, 5, 39], [7, 7, 12]])
   full = model.forward(params, toks, cfg=CFG)
   np.testing.assert_allclose(
-    model.forward(params, toks, cfg=CFG, positions_BxK=pos),
+    model.forward(params, toks, cfg=CFG, positions_BxJ=pos),
     np.take_along_axis(np.asarray(full), np.asarray(pos)[..., None], 1),
     atol=1e-5,
   )

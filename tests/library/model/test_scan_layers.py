@@ -86,7 +86,7 @@ def test_sharded_train_step_loss_and_grads_equal():
     opt = optax.sgd(1.0)
     comp = ts.compile_train_step(cfg, opt, mesh, global_batch=8, seq_len=64)
     state, metrics = comp(ts.init_train_state_on_mesh(cfg, opt, mesh, seed=0), batch)
-    out[cfg.scan_layers] = (float(metrics["loss"]), float(metrics["grad_norm"]), state.params)
+    out[cfg.scan_layers] = (float(metrics.loss), float(metrics.grad_norm), state.params)
   np.testing.assert_allclose(out["false"][:2], out["true"][:2], rtol=1e-6)
   _assert_trees_equal(out["false"][2], out["true"][2], rtol=1e-6, atol=1e-7)
 

@@ -98,7 +98,7 @@ def test_context_parallel_step_equals_the_unsplit_loss_and_gradients(segmented):
   host = jax.jit(jax.value_and_grad(lambda p, b: ts.loss_sums(p, b, cfg=CFG), has_aux=True))
   carry = ts.init_carry(CFG, ROWS, segmented)
   (_, aux), _ = host(params, _batch(rng, segmented).replace(carry=carry))
-  batch = _batch(rng, segmented, first_id=6).replace(carry=aux["carry"])  # rows go on or begin anew
+  batch = _batch(rng, segmented, first_id=6).replace(carry=aux.carry)  # rows go on or begin anew
   (want_loss, want_aux), want_grads = host(params, batch)
 
   grad_fn = ts.fsdp_grad_fn(params, cfg=CFG, mesh=mesh, carry=True)
@@ -116,9 +116,7 @@ def test_context_parallel_step_equals_the_unsplit_loss_and_gradients(segmented):
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
     rel = float(jnp.linalg.norm(g - w) / jnp.maximum(jnp.linalg.norm(w), 1e-30))
     assert rel < 1e-5, f"grad{jax.tree_util.keystr(path)}: rel {rel:.2e}"
-  for (path, c), w in zip(
-    jax.tree_util.tree_leaves_with_path(aux["carry"]), jax.tree.leaves(want_aux["carry"])
-  ):
+  for (path, c), w in zip(jax.tree_util.tree_leaves_with_path(aux.carry), jax.tree.leaves(want_aux.carry)):
     np.testing.assert_allclose(c, w, rtol=1e-5, atol=1e-6, err_msg=f"carry{jax.tree_util.keystr(path)}")
 
 

@@ -171,11 +171,11 @@ def test_sharded_step_on_packed_rows_equals_the_unsharded_loss_and_lowers_clean_
     host = jax.device_get(state)
     (loss, aux), grads = host_loss(host.params, batch.replace(carry=host.carry))
     state, m = step(state, batch)
-    np.testing.assert_allclose(float(m["loss"]), float(loss / aux["tokens"]), rtol=1e-5)
-    want_norm = float(optax.tree.norm(grads) / aux["tokens"])
-    np.testing.assert_allclose(float(m["grad_norm"]), want_norm, rtol=1e-5)
+    np.testing.assert_allclose(float(m.loss), float(loss / aux.tokens), rtol=1e-5)
+    want_norm = float(optax.tree.norm(grads) / aux.tokens)
+    np.testing.assert_allclose(float(m.grad_norm), want_norm, rtol=1e-5)
     np.testing.assert_array_equal(state.carry.segment, ids[:, -1])
-    np.testing.assert_allclose(state.carry.gla, aux["carry"].gla, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.carry.gla, aux.carry.gla, rtol=1e-5, atol=1e-6)
   with platform.lowering_for("neuron"):
     lowered = ts.lower_train_step(
       cfg, opt, mesh, global_batch=B, seq_len=T, segmented=True, state_passing=True

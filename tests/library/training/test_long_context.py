@@ -24,7 +24,7 @@ def test_step_at_16k_tokens_per_sequence_compiles_and_trains():
   losses = []
   for _ in range(4):
     state, m = compiled(state, batch)
-    losses.append(float(m["loss"]))
+    losses.append(float(m.loss))
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
   assert int(state.step) == 4
 

@@ -45,14 +45,14 @@ def test_two_segments_with_carried_state_equal_the_full_sequence():
   for s in range(2):
     seg = tokens[:, s * T : (s + 1) * T + 1]
     state, m = step(state, ts.Batch(inputs=seg[:, :-1], targets=seg[:, 1:]))
-    losses.append(float(m["loss"]))
+    losses.append(float(m.loss))
   assert np.asarray(state.carry.pos).tolist() == [2 * T] * B  # batch-major like every carry leaf
   ce = _per_token_ce(jax.device_get(state.params), tokens, CFG)
   np.testing.assert_allclose(losses, [ce[:, :T].mean(), ce[:, T:].mean()], rtol=2e-5)
   # Without the carry the second segment scores differently (the test can tell the two apart).
   fresh = ts.init_train_state_on_mesh(CFG, opt, mesh, seed=0, carry_batch=B)
   _, m = step(fresh, ts.Batch(inputs=tokens[:, T : 2 * T], targets=tokens[:, T + 1 :]))
-  assert abs(float(m["loss"]) - ce[:, T:].mean()) > 20 * 2e-5 * ce[:, T:].mean()
+  assert abs(float(m.loss) - ce[:, T:].mean()) > 20 * 2e-5 * ce[:, T:].mean()
 
 
 def test_attention_layers_carry_nothing():
@@ -69,7 +69,7 @@ def test_attention_layers_carry_nothing():
   tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 17)).astype(np.int32)
   for _ in range(2):
     state, m = step(state, ts.Batch(inputs=tok[:, :-1], targets=tok[:, 1:]))
-    assert np.isfinite(float(m["loss"]))
+    assert np.isfinite(float(m.loss))
   assert float(np.abs(np.asarray(state.carry.conv)).max()) > 0
 
 

@@ -44,7 +44,7 @@ def _run(opt, mesh, batches, micro=1, cfg=CFG, state=None, comp=None):
   losses = []
   for b in batches:
     state, m = comp(state, jax.device_put(b, batch_sh))
-    losses.append(float(m["loss"]))
+    losses.append(float(m.loss))
   return state, losses
 
 
@@ -84,7 +84,7 @@ def test_loss_matches_plain_cross_entropy():
   logits = model.forward(params, b.inputs, cfg=CFG)
   ref = optax.softmax_cross_entropy_with_integer_labels(logits, b.targets).sum()
   np.testing.assert_allclose(total, ref, rtol=1e-5)
-  assert float(aux["tokens"]) == 2 * T
+  assert float(aux.tokens) == 2 * T
 
 
 def test_accumulation_equals_one_big_batch():
@@ -111,7 +111,7 @@ def test_weights_make_accumulation_token_weighted():
   total, aux = ts.loss_sums(params, b, cfg=CFG)
   logits = model.forward(params, b.inputs, cfg=CFG)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, b.targets)
-  np.testing.assert_allclose(total / aux["tokens"], (ce * w).sum() / w.sum(), rtol=1e-5)
+  np.testing.assert_allclose(total / aux.tokens, (ce * w).sum() / w.sum(), rtol=1e-5)
 
 
 def test_sharded_step_matches_single_device():
@@ -131,7 +131,7 @@ def test_non_finite_step_is_skipped_and_counted():
   before = jax.tree.map(np.asarray, state.params)
   for i in range(2):
     state, m = comp(state, _batch(16, i))
-    assert bool(m["skipped"]) and int(m["bad_steps"]) == i + 1
+    assert bool(m.skipped) and int(m.bad_steps) == i + 1
   assert int(state.step) == 0
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
     np.testing.assert_array_equal(a, b)
@@ -150,7 +150,7 @@ def test_no_recompilation_over_a_run():
   n = len(compiles)
   for s in range(5):
     state, m = comp(state, jax.device_put(_batch(16, s), batch_sh))
-    float(m["loss"])
+    float(m.loss)
   assert len(compiles) == n
 
 

@@ -218,7 +218,7 @@ def test_builtin_kjv_corpus_end_to_end(tmp_path, capsys):
   with data.make_train_iterator(
     out, seq_len=64, global_batch_size=2, process_index=0, process_count=1, vocab_size=50304
   ) as it:
-    text = tokenizer.decode(next(it)["inputs"][0])
+    text = tokenizer.decode(next(it).inputs[0])
   assert re.search(r"\b(the|and|of)\b", text)
   assert data.make_eval_batches(out, seq_len=64, global_batch_size=2, process_index=0, process_count=1)
 

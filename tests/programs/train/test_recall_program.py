@@ -243,13 +243,13 @@ def test_zoology_within_window_control_unscores_only_queries_beyond_the_window()
 
   d = recall.zoology_batch(5, 12, 64, 4)
   brute = []  # the reference: walk each row, find the key the query repeats, count back to its value
-  for x, w in zip(d["inputs"], d["weights"]):
+  for x, w in zip(d.inputs, d.weights):
     brute.append([q - (list(x[:8:2]).index(x[q]) * 2 + 1) for q in np.nonzero(w)[0]])
   assert zoology.value_distance(d).tolist() == brute
   far = np.array(brute) >= 16
   assert far.any() and (~far).any()  # the batch holds both kinds
   (every,) = zoology.train_batches(d, 12, "all", 16)
   (near,) = zoology.train_batches(d, 12, "within_window", 16)
-  assert (every["positions"] == near["positions"]).all() and d["weights"].sum() == 48  # the data is untouched
-  assert np.take_along_axis(near["weights"], near["positions"], 1).tolist() == (~far).astype(float).tolist()
-  assert (near["weights"].sum() == (~far).sum()) and (every["weights"] == d["weights"]).all()
+  assert (every.positions == near.positions).all() and d.weights.sum() == 48  # the data is untouched
+  assert np.take_along_axis(near.weights, near.positions, 1).tolist() == (~far).astype(float).tolist()
+  assert (near.weights.sum() == (~far).sum()) and (every.weights == d.weights).all()

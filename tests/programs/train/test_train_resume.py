@@ -276,8 +276,8 @@ def test_checkpoint_from_before_the_typed_state_restores_and_resumes(tmp_path):
   assert int(got.step) == 1 and got.carry.gla.shape[0] == 8
   got, m_got = step(got, _fixture_batch(1))
   want, m_want = step(want, _fixture_batch(1))
-  assert int(got.step) == int(want.step) == 2 and not bool(m_got["skipped"])
-  np.testing.assert_allclose(float(m_got["loss"]), float(m_want["loss"]), rtol=1e-6)
+  assert int(got.step) == int(want.step) == 2 and not bool(m_got.skipped)
+  np.testing.assert_allclose(float(m_got.loss), float(m_want.loss), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   # What this code saves is laid out on disk as the old checkpoint is: same leaves, keys and shapes.
