@@ -39,6 +39,23 @@ def _engine_flag(group, name: str, flag: str | None = None):
   )
 
 
+def engine_config(args) -> EngineConfig:
+  """The EngineConfig of the parsed engine flags (n_slots as given: None for the model's default)."""
+  return EngineConfig(
+    n_slots=args.n_slots or None,
+    prefill_batch=args.prefill_batch,
+    prefill_chunks_per_step=args.prefill_chunks_per_step,
+    max_queue=args.max_queue,
+    snapshot_every=args.state_snapshot_every,
+    speculative_tokens=args.speculative_tokens,
+    prompt_lookup=args.prompt_lookup,
+    decode_steps=args.decode_steps,
+    slot_buckets=args.slot_buckets,
+    speculative_rule=args.speculative_rule,
+    max_context=args.max_context,
+  )
+
+
 def _limits_default(name: str):
   return next(f.default for f in dataclasses.fields(Limits) if f.name == name)
 
@@ -354,25 +371,8 @@ def build(args):
     cache = StateCache(ident, int(args.state_cache_gb * 1e9), args.state_cache_dir, layout=layout_for(cfg))
   # Several tenants: each may fill only its share of the queue, so one tenant's burst leaves room to wait.
   share = -(-args.max_queue // max(1, len(tenants.names)))
-  engine = Engine(
-    params,
-    cfg,
-    n_slots=n_slots,
-    prefill_batch=args.prefill_batch,
-    prefill_chunks_per_step=args.prefill_chunks_per_step,
-    speculative_tokens=args.speculative_tokens,
-    prompt_lookup=args.prompt_lookup,
-    speculative_rule=args.speculative_rule,
-    slot_buckets=args.slot_buckets,
-    decode_steps=args.decode_steps,
-    max_queue=args.max_queue,
-    max_queue_per_tenant=share,
-    valid_vocab=tok.vocab_size,
-    mesh=mesh,
-    state_cache=cache,
-    snapshot_every=args.state_snapshot_every,
-    max_context=args.max_context,
-  )
+  config = dataclasses.replace(engine_config(args), n_slots=n_slots, max_queue_per_tenant=share)
+  engine = Engine(params, cfg, config, valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache)
   t = time.perf_counter()
   engine.warmup()
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", name, n_slots, time.perf_counter() - t)

@@ -24,6 +24,7 @@ from serve.api.response_store import ResponseStore
 from serve.api.tenants import Tenants, name_of_key
 from serve.api.text import TextStream
 from serve.engine.engine import Engine, EngineStopped, QueueFull, Request
+from serve.engine.request import TokenLogprob
 
 TENANT = web.RequestKey("tenant", str)  # set by Server.check_key
 ENGINE_REQUESTS = web.RequestKey("engine_requests", list)  # set by Server.run_completion: what it submitted
@@ -261,15 +262,15 @@ class Server:
       ),
       ("open_connections", "gauge", "Open HTTP connections.", [("", self.open_connections)]),
       ("queue_depth", "gauge", "Requests waiting for a slot.", [("", e.queue_depth)]),
-      ("generated_tokens_total", "counter", "Output tokens produced.", [("", s["tokens"])]),
-      ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prefill_tokens"])]),
-      ("decode_steps_total", "counter", "Compiled generate and verify calls run.", [("", s["steps"])]),
-      ("drafted_tokens_total", "counter", "Drafted tokens verified.", [("", s["drafted_tokens"])]),
+      ("generated_tokens_total", "counter", "Output tokens produced.", [("", s.tokens)]),
+      ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s.prefill_tokens)]),
+      ("decode_steps_total", "counter", "Compiled generate and verify calls run.", [("", s.steps)]),
+      ("drafted_tokens_total", "counter", "Drafted tokens verified.", [("", s.drafted_tokens)]),
       (
         "accepted_draft_tokens_total",
         "counter",
         "Drafted tokens the output took.",
-        [("", s["accepted_tokens"])],
+        [("", s.accepted_tokens)],
       ),
       (
         "verify_cost_ratio",
@@ -278,9 +279,9 @@ class Server:
         "them (1 until measured).",
         [(f'{{bucket="{b}"}}', round(e.drafter.cost.ratio(b), 3)) for b in e.fns.buckets],
       ),
-      ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s["requests"])]),
-      ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s["finished"])]),
-      ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s["rejected"])]),
+      ("engine_requests_total", "counter", "Requests admitted to the engine queue.", [("", s.requests)]),
+      ("engine_finished_total", "counter", "Requests finished (any reason).", [("", s.finished)]),
+      ("engine_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", s.rejected)]),
       *self._cache_rows(tenant),
       (
         "http_responses_total",
@@ -547,7 +548,7 @@ class Server:
     if c.logprobs is None:
       return None
     ids: list[int] = []
-    pairs: list = []  # per token: None (the first prompt token) or (logprob, [(id, logprob)])
+    pairs: list[TokenLogprob | None] = []  # per token (None: the first prompt token)
     if with_prompt and c.echo:
       ids += list(ch.req.prompt_ids)
       pairs += ch.req.progress.prompt_logprobs or [None] * len(ch.req.prompt_ids)
@@ -560,8 +561,10 @@ class Server:
       out["tokens"].append(w)
       out["text_offset"].append(ch.offset)
       ch.offset += len(w)
-      out["token_logprobs"].append(None if pair is None else pair[0])
-      out["top_logprobs"].append(None if pair is None else {word(i): v for i, v in pair[1][: c.logprobs]})
+      out["token_logprobs"].append(None if pair is None else pair.logprob)
+      out["top_logprobs"].append(
+        None if pair is None else {word(t.id): t.logprob for t in pair.top[: c.logprobs]}
+      )
     return out
 
   def usage(self, c, choices):
