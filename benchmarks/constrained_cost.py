@@ -28,6 +28,7 @@ from laplace_jax.data.tokenizer import EOS_ID, VOCAB_SIZE
 from laplace_jax.model.config import get_config
 from serve.api import grammar
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.slots import SlotSettings
 
 LONG = {"type": "array", "items": SCHEMA, "minItems": 16}
@@ -74,9 +75,7 @@ def main():
   engine = Engine(
     laplace_params(cfg, "compute"),
     cfg,
-    n_slots=a.slots,
-    prefill_batch=a.prefill_batch,
-    max_queue=0,
+    EngineConfig(n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0),
     valid_vocab=VOCAB_SIZE,
   )
   t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import PRESETS, get_config
 from serve.engine import loading
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.slots import SlotFunctions, bucket_sizes, step_rows
 
 
@@ -97,7 +98,7 @@ def main(argv=None):
   )
   print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for S in args.tables:
-    eng = Engine(params, cfg, n_slots=S, valid_vocab=VOCAB_SIZE)
+    eng = Engine(params, cfg, EngineConfig(n_slots=S), valid_vocab=VOCAB_SIZE)
     t = time.perf_counter()
     eng.warmup()
     startup = time.perf_counter() - t

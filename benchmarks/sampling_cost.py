@@ -26,6 +26,7 @@ from benchmarks.serve_bench_common import laplace_params, timed_steps
 from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import get_config
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.slots import SlotSettings
 
 # name: (temperature, top_k, top_p)
@@ -82,7 +83,10 @@ def main():
   params = laplace_params(cfg, "compute")
   engines = {
     "this": Engine(
-      params, cfg, n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0, valid_vocab=VOCAB_SIZE
+      params,
+      cfg,
+      EngineConfig(n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0),
+      valid_vocab=VOCAB_SIZE,
     )
   }
   if a.baseline:
@@ -90,7 +94,10 @@ def main():
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     engines["baseline"] = Engine(
-      params, cfg, n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0, valid_vocab=VOCAB_SIZE
+      params,
+      cfg,
+      EngineConfig(n_slots=a.slots, prefill_batch=a.prefill_batch, max_queue=0),
+      valid_vocab=VOCAB_SIZE,
     )
     engines["baseline"].fns.sample = functools.partial(
       old.sample, valid_vocab=VOCAB_SIZE

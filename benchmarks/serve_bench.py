@@ -42,6 +42,7 @@ from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import PRESETS, get_config
 from laplace_jax.model.counts import param_counts, state_bytes_per_sequence
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.loading import cast_params
 from serve.engine.sampling import argmax_rows
 
@@ -182,16 +183,14 @@ class BaselineStep:
 
 def _engine(params, cfg, slots, args) -> Engine:
   """The throughput and overhead sections' engine: every prompt admitted at once, greedy requests."""
-  return Engine(
-    params,
-    cfg,
+  config = EngineConfig(
     n_slots=slots,
     prefill_batch=min(slots, 64),
     max_queue=0,
-    valid_vocab=VOCAB_SIZE,
     speculative_tokens=args.speculative_tokens,
     decode_steps=args.decode_steps,
   )
+  return Engine(params, cfg, config, valid_vocab=VOCAB_SIZE)
 
 
 # ---- sections ----
@@ -219,16 +218,16 @@ def run_throughput(args, out):
     t0 = time.perf_counter()
     for r in reqs:
       engine.submit(r)
-    while engine.queue or engine.prefill is not None:  # admission: every prompt prefilled and inserted
+    while engine.queue_depth or engine.prefill is not None:  # admission: every prompt prefilled and inserted
       engine.step()
     engine.step()
     admit_s = time.perf_counter() - t0
     engine.read_back_all()  # the timed window starts and ends with nothing in flight
-    tok0, t0 = engine.stats["tokens"], time.perf_counter()
+    tok0, t0 = engine.stats.tokens, time.perf_counter()
     for _ in range(args.steps):
       engine.step()
     engine.read_back_all()
-    engine_tps = (engine.stats["tokens"] - tok0) / (time.perf_counter() - t0)
+    engine_tps = (engine.stats.tokens - tok0) / (time.perf_counter() - t0)
     for r in reqs:
       engine.cancel(r)
     engine.run_until_idle()
@@ -412,7 +411,7 @@ def run_overhead(args, out):
     ]
     for r in reqs:
       engine.submit(r)
-    while engine.queue or engine.prefill is not None:
+    while engine.queue_depth or engine.prefill is not None:
       engine.step()
     engine.step()
     step, greedy = LaplaceStep(params, cfg, c), LaplaceStep(params, cfg, c, greedy=True)
@@ -443,11 +442,11 @@ def run_overhead(args, out):
     for _ in range(args.overhead_rounds):
       # The window starts and ends with nothing in flight: no call of the window runs before or after it.
       engine.read_back_all()
-      tok0, t0 = engine.stats["tokens"], time.perf_counter()
+      tok0, t0 = engine.stats.tokens, time.perf_counter()
       for _ in range(n_calls):
         engine.step()
       engine.read_back_all()
-      eng_s.append((time.perf_counter() - t0) * c / (engine.stats["tokens"] - tok0))
+      eng_s.append((time.perf_counter() - t0) * c / (engine.stats.tokens - tok0))
       t0 = time.perf_counter()
       for _ in range(args.steps):
         step()

@@ -27,6 +27,7 @@ from laplace_jax.data.tokenizer import VOCAB_SIZE as GPT2
 from laplace_jax.model.config import get_config
 from laplace_jax.model.counts import state_bytes_per_sequence
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.state_cache import StateCache, model_identity
 
 
@@ -46,16 +47,8 @@ def add_args(p):
 
 def _engine(params, cfg, n_slots, cache_on, **kw):
   cache = StateCache(model_identity(cfg, params), 64 << 30) if cache_on else None
-  eng = Engine(
-    params,
-    cfg,
-    n_slots=n_slots,
-    prefill_batch=kw.pop("prefill_batch", 4),
-    max_queue=100_000,
-    valid_vocab=GPT2,
-    state_cache=cache,
-    **kw,
-  )
+  config = EngineConfig(n_slots=n_slots, prefill_batch=kw.pop("prefill_batch", 4), max_queue=100_000, **kw)
+  eng = Engine(params, cfg, config, valid_vocab=GPT2, state_cache=cache)
   eng.warmup()
   return eng
 
@@ -81,7 +74,7 @@ def run_agent(args, out):
         reqs.append(
           Request(prompt_ids=list(convs[i]), max_tokens=args.gen_tokens, temperature=0.0, stop_ids=())
         )
-      before = eng.stats["prefill_tokens"]
+      before = eng.stats.prefill_tokens
       t0 = time.perf_counter()
       eng.submit_all(reqs)
       eng.run_until_idle()
@@ -91,7 +84,7 @@ def run_agent(args, out):
         {
           "turn": t + 1,
           "context": len(convs[0]),
-          "prefill_tokens": eng.stats["prefill_tokens"] - before,
+          "prefill_tokens": eng.stats.prefill_tokens - before,
           "mean_ttft_s": ttft,
           "wall_s": wall,
         }
@@ -136,7 +129,7 @@ def run_prefix(args, out):
     eng.submit_all(reqs)
     eng.run_until_idle()
     res["on" if on else "off"] = {
-      "prefill_tokens": eng.stats["prefill_tokens"],
+      "prefill_tokens": eng.stats.prefill_tokens,
       "wall_s": time.perf_counter() - t0,
       "mean_ttft_s": float(np.mean([r.progress.first_token_at - r.progress.submitted_at for r in reqs])),
     }
@@ -200,11 +193,11 @@ def run_cache_overhead(args, out):
       for _ in range(S)
     ]
     eng.submit_all(reqs)
-    while eng.prefill is not None or eng.queue:  # prefill everything first; time the decode steps
+    while eng.prefill is not None or eng.queue_depth:  # prefill everything first; time the decode steps
       eng.step()
-    t0, tok0 = time.perf_counter(), eng.stats["tokens"]
+    t0, tok0 = time.perf_counter(), eng.stats.tokens
     eng.run_until_idle()
-    rate = (eng.stats["tokens"] - tok0) / (time.perf_counter() - t0)
+    rate = (eng.stats.tokens - tok0) / (time.perf_counter() - t0)
     res.setdefault("on" if on else "off", []).append(rate)
     if on:
       res["copied_states"] = eng.cache.stats.stored

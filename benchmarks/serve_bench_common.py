@@ -23,7 +23,7 @@ def timed_steps(engine, reqs, steps: int) -> tuple[float, list[int]]:
   made in them). The window starts and ends with nothing in flight; the requests are cancelled after."""
   for r in reqs:
     engine.submit(r)
-  while engine.queue or engine.prefill is not None:  # admission: every prompt prefilled and inserted
+  while engine.queue_depth or engine.prefill is not None:  # admission: every prompt prefilled and inserted
     engine.step()
   engine.step()
   engine.read_back_all()

@@ -28,6 +28,7 @@ must reproduce `none`'s tokens exactly (checked). Times are ratios within one ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import time
 
@@ -38,7 +39,7 @@ from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import PRESETS
 from serve.engine import loading
 from serve.engine.engine import Engine, Request
-from serve.engine.engine_config import SPECULATIVE_RULES
+from serve.engine.engine_config import SPECULATIVE_RULES, EngineConfig
 
 
 def prompts(n: int, passage_tokens: int) -> list[list[int]]:
@@ -54,19 +55,19 @@ def prompts(n: int, passage_tokens: int) -> list[list[int]]:
 
 def run_case(eng: Engine, specs: list[dict], predictions, lookup: bool, rule: str = "always"):
   eng.drafter.prompt_lookup, eng.drafter.rule = lookup, rule
-  before = dict(eng.stats)
+  before = dataclasses.replace(eng.stats)
   reqs = [Request(**s, prediction_ids=p) for s, p in zip(specs, predictions)]
   eng.generate(reqs)
   end = time.perf_counter()
   first = max(r.progress.first_token_at for r in reqs)
   n_out = [len(r.progress.output_ids) for r in reqs]
-  steps = eng.stats["steps"] - before["steps"]
+  steps = eng.stats.steps - before.steps
   return {
     "outputs": [r.progress.output_ids for r in reqs],
     "ms_per_token": 1e3 * (end - first) / (min(n_out) - 1),
     "tokens_per_call": sum(n_out) / len(reqs) / steps,
-    "drafted": eng.stats["drafted_tokens"] - before["drafted_tokens"],
-    "accepted": eng.stats["accepted_tokens"] - before["accepted_tokens"],
+    "drafted": eng.stats.drafted_tokens - before.drafted_tokens,
+    "accepted": eng.stats.accepted_tokens - before.accepted_tokens,
   }
 
 
@@ -105,14 +106,8 @@ def main(argv=None):
       dict(prompt_ids=p, max_tokens=args.max_tokens, temperature=0.0) for p in prompts(B, args.passage_tokens)
     ]
     for K in args.drafts:
-      eng = Engine(
-        params,
-        cfg,
-        n_slots=max(B, args.n_slots),
-        prefill_batch=min(B, 8),
-        valid_vocab=VOCAB_SIZE,
-        speculative_tokens=K,
-      )
+      config = EngineConfig(n_slots=max(B, args.n_slots), prefill_batch=min(B, 8), speculative_tokens=K)
+      eng = Engine(params, cfg, config, valid_vocab=VOCAB_SIZE)
       eng.warmup()
       run_case(eng, [{**s, "max_tokens": 8} for s in specs], [()] * B, lookup=False)  # the first batch's
       # allocations and caches, not timed (the first timed case ran 1.0-1.5x slower without this)

@@ -179,7 +179,7 @@ def build(args):
   mesh = loading.make_serving_mesh(sc.mesh_devices)
   tok = loading.gpt2_tokenizer()
   template = ChatTemplate.from_file(sc.chat_template, tok)  # a bad file fails before the weights load
-  check_max_context(model_config(sc), sc.max_context)  # before the weights load
+  check_max_context(model_config(sc), engine_config.max_context)  # before the weights load
   params, cfg = loading.load_model(
     checkpoint=sc.checkpoint, preset=sc.preset, seed=sc.seed, mesh=mesh, dtype=sc.params_dtype
   )
@@ -193,23 +193,15 @@ def build(args):
   cache = state_cache(sc, cfg, params)
   # Several tenants: each may fill only its share of the queue, so one tenant's burst leaves room to wait.
   share = -(-engine_config.max_queue // max(1, len(tenants.names)))
-  engine = Engine(
-    params,
-    cfg,
-    **dataclasses.asdict(engine_config),
-    max_queue_per_tenant=share,
-    valid_vocab=tok.vocab_size,
-    mesh=mesh,
-    state_cache=cache,
-    max_context=sc.max_context,
-  )
+  engine_config = dataclasses.replace(engine_config, max_queue_per_tenant=share)
+  engine = Engine(params, cfg, engine_config, valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache)
   t = time.perf_counter()
   engine.warmup()
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", name, n_slots, time.perf_counter() - t)
   logging.info(
     "state: mixers=%r%s, %s per slot, slot table %s",
     cfg.mixers,
-    "" if sc.max_context is None else f", --max_context={sc.max_context}",
+    "" if engine_config.max_context is None else f", --max_context={engine_config.max_context}",
     _size(engine.fns.state_bytes_per_slot),
     _size(engine.fns.table_bytes),
   )

@@ -414,8 +414,10 @@ class Chat:
     tb = self.server.tok.token_bytes
     entry = lambda t, v: {"token": tb([t]).decode("utf-8", "replace"), "logprob": v, "bytes": list(tb([t]))}
     out = []
-    for t, (chosen, top) in zip(ch.out_ids[first:], ch.req.progress.token_logprobs[first : len(ch.out_ids)]):
-      out.append({**entry(t, chosen), "top_logprobs": [entry(i, v) for i, v in top[: c.logprobs]]})
+    for t, lp in zip(ch.out_ids[first:], ch.req.progress.token_logprobs[first : len(ch.out_ids)]):
+      out.append(
+        {**entry(t, lp.logprob), "top_logprobs": [entry(x.id, x.logprob) for x in lp.top[: c.logprobs]]}
+      )
     return {"content": out}
 
   async def _whole(self, choices, c, meta):

@@ -16,6 +16,7 @@ from serve.api import grammar, protocol
 from serve.api.protocol import ApiError
 from serve.api.text import TextStream
 from serve.engine.engine import Engine, EngineStopped, QueueFull, Request
+from serve.engine.request import TokenLogprob
 
 TENANT = web.RequestKey("tenant", str)  # set by Server.check_key
 ENGINE_REQUESTS = web.RequestKey("engine_requests", list)  # set by CompletionRunner.run: what it submitted
@@ -216,7 +217,7 @@ class CompletionRunner:
     if c.logprobs is None:
       return None
     ids: list[int] = []
-    pairs: list = []  # per token: None (the first prompt token) or (logprob, [(id, logprob)])
+    pairs: list[TokenLogprob | None] = []  # per token (None: the first prompt token)
     if with_prompt and c.echo:
       ids += list(ch.req.prompt_ids)
       pairs += ch.req.progress.prompt_logprobs or [None] * len(ch.req.prompt_ids)
@@ -229,8 +230,10 @@ class CompletionRunner:
       out["tokens"].append(w)
       out["text_offset"].append(ch.offset)
       ch.offset += len(w)
-      out["token_logprobs"].append(None if pair is None else pair[0])
-      out["top_logprobs"].append(None if pair is None else {word(i): v for i, v in pair[1][: c.logprobs]})
+      out["token_logprobs"].append(None if pair is None else pair.logprob)
+      out["top_logprobs"].append(
+        None if pair is None else {word(t.id): t.logprob for t in pair.top[: c.logprobs]}
+      )
     return out
 
   def usage(self, c, choices):

@@ -56,11 +56,6 @@ class ServerConfig:
   max_reply_entries: int = Limits.max_reply_entries
   """most token entries one reply may hold: choices x (max_tokens + echoed prompt tokens), x (3 + logprobs)
   with logprobs; a request that could exceed it gets 400 before it runs"""
-  max_context: int | None = None
-  """models with attention layers (mixers with 'A'; required for them, refused otherwise): the most tokens,
-  prompt + output, a sequence may hold; each slot keeps a KV cache of N tokens. A longer prompt gets 400; a
-  reply that reaches N ends with finish_reason 'length'. GLA ('G') and sliding-window ('S') layers need no
-  bound"""
   mesh_devices: int | None = None
   """devices that split the slots (default 1: no mesh; with --target, 64: a trn2.48xlarge)"""
 

@@ -52,7 +52,8 @@ class TokenizerRoutes:
   @property
   def max_model_len(self) -> int:
     most = self.server.limits.max_prompt_tokens + self.server.limits.max_tokens
-    context = getattr(self.server.engine, "max_context", None)  # attention layers' KV cache per slot
+    config = getattr(self.server.engine, "config", None)  # (an EngineConfig; a stub engine may have none)
+    context = None if config is None else config.max_context  # attention layers' KV cache per slot
     return most if context is None else min(most, context)
 
   def _tokenize(self, obj: dict) -> dict:

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serve.engine.engine_config import SPECULATIVE_RULES
-
 LOOKUP_WINDOW = 4096  # prompt lookup searches this many of a sequence's latest tokens
 
 
@@ -198,8 +196,6 @@ class Drafter:
   verify taught the request's record. The engine owns one and hands it its slots' requests."""
 
   def __init__(self, k: int, *, prompt_lookup: bool, rule: str, max_context: int | None):
-    if rule not in SPECULATIVE_RULES:
-      raise ValueError(f"speculative_rule={rule!r}: expected one of {SPECULATIVE_RULES}.")
     self.k, self.prompt_lookup, self.rule, self.max_context = k, prompt_lookup, rule, max_context
     self.cost = VerifyCost()  # what a verify and a generate step cost here, measured as they run
     self._last_read: tuple[int, float] | None = None  # the last generate or verify read back: (step, when)
@@ -280,3 +276,25 @@ class Drafter:
     """A verify fed a request `drafted` drafts and it emitted `emitted` tokens (emitted - 1 drafts taken)."""
     if drafted:
       progress.drafts.add_verify(emitted - 1, len(progress.output_ids) + emitted)
+
+
+def draft_masks(reqs: Sequence, drafts_BxJ: np.ndarray, n_B: np.ndarray, words: int) -> np.ndarray | None:
+  """A verify's masks of allowed tokens, int32 [B, J, G] (drafts_BxJ: [B, J - 1], each row's drafts; G: 32-bit
+  words of a bitmask), for rows whose requests are `reqs`; None: no row is constrained. Position j of a constrained row
+  allows what its grammar allows after its first j drafts (its matcher advanced through them, then rolled
+  back). Its drafts are cut (n_B, in place) before the first its grammar forbids, which could never be
+  accepted."""
+  if not any(r is not None and r.constraint is not None for r in reqs):
+    return None
+  allowed_BxJxG = np.full((len(reqs), drafts_BxJ.shape[1] + 1, words), -1, np.int32)
+  for i, r in enumerate(reqs):
+    if r is None or r.constraint is None:
+      continue
+    m, n = r.constraint, 0
+    m.fill(allowed_BxJxG[i, 0])
+    while n < n_B[i] and m.advance([int(drafts_BxJ[i, n])]) == 1:
+      n += 1
+      m.fill(allowed_BxJxG[i, n])
+    m.rollback(n)
+    n_B[i] = n
+  return allowed_BxJxG

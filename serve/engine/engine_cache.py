@@ -15,13 +15,17 @@ prompt's state in a request of its own (`Request.cache_only`) whose prompt-end s
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 
 import jax
 import numpy as np
 
 from laplace_jax.model.state import DecodeState
+from serve.engine.engine_config import EngineConfig
+from serve.engine.readback import CallKind, Pending
+from serve.engine.request import Request
 from serve.engine.slots import PrefillRows, SlotBackend
-from serve.engine.state_cache import StateCache
+from serve.engine.state_cache import StateCache, layout_of
 
 
 class StateCacheIO:
@@ -29,19 +33,12 @@ class StateCacheIO:
   and prefill batches, and the copies in flight. The engine owns one when it has a cache and calls it from
   its own thread; requests are read (prompt, scope, progress) and their `cached_tokens` set."""
 
-  def __init__(
-    self,
-    cache: StateCache,
-    fns: SlotBackend,
-    *,
-    prefill_batch: int,
-    min_tokens: int,
-    snapshot_every: int,
-    chunk_size: int,
-  ):
+  def __init__(self, cache: StateCache, fns: SlotBackend, config: EngineConfig, chunk_size: int):
+    """Checks that the cache holds states of the slot functions' layout (ValueError naming the fix)."""
+    cache.check_layout(layout_of(fns.state_shape))
     self.cache, self.fns = cache, fns
-    self.prefill_batch, self.min_tokens = prefill_batch, min_tokens
-    self.snapshot_every, self.chunk_size = snapshot_every, chunk_size
+    self.prefill_batch, self.min_tokens = config.prefill_batch, config.cache_min_tokens
+    self.snapshot_every, self.chunk_size = config.snapshot_every, chunk_size
     self.copies: collections.deque = collections.deque()  # (ids, gathered rows) on their way to the host
     self._fresh_rows: DecodeState | None = None  # a fresh prefill batch's state on the host, made once
 
@@ -97,6 +94,42 @@ class StateCacheIO:
       rows.append(r.progress.slot)
       ids.append(((r.tenant, r.cache_salt), list(r.prompt_ids) + r.progress.output_ids[:fed]))
     self._gather_async(table_model, rows, ids)
+
+  def keep(self, table_model: DecodeState, reqs, fed, keep) -> list[Request]:
+    """Copy these requests' slot states into the cache. fed(r): how many output tokens r's state has
+    consumed; keep(r): how many its conversation goes on from (None: fed(r)). Where the state ran past them,
+    returns a cache-only request that prefills the prompt and those tokens again (the engine queues it
+    first)."""
+    exact, again = [], []
+    for r in reqs:
+      n, k = fed(r), keep(r)
+      if k is None or k >= n:
+        exact.append((r, n))
+      elif k > 0:  # (0: the prompt's own state is kept at the end of its prefill)
+        ids = list(r.prompt_ids) + r.progress.output_ids[:k]
+        again.append(
+          Request(prompt_ids=ids, max_tokens=0, tenant=r.tenant, cache_salt=r.cache_salt, cache_only=True)
+        )
+    self.copy_out(table_model, exact)
+    return again
+
+  def keep_finished(self, table_model: DecodeState, finished: list[Request], pending: Iterable[Pending]):
+    """`keep` the states of requests a read-back finished, with `pending` the calls still in flight behind it.
+    A finished slot's state holds its prompt and every output token but the last, and the last too once the
+    call in flight has fed it (a verify does; a single step does unless the slot functions hold ended slots,
+    as they do with a state cache; a call of several steps does not). A conversation goes on without a stop
+    id that ended it."""
+    later = [x for x in pending if x.kind is not CallKind.INSERT]
+    if len(later) > 1:  # (one call at most is ever in flight behind the one read back)
+      return []
+    extra = int(bool(later) and later[0].runs_finished_slots_on(self.fns.hold_ended))
+    fed = lambda r: len(r.progress.output_ids) - 1 + extra
+    return self.keep(
+      table_model,
+      finished,
+      fed,
+      keep=lambda r: len(r.progress.output_ids) - (r.progress.finish_reason == "stop"),
+    )
 
   def copy_prompt_ends(self, pf):
     """At the end of a prefill each row's state has consumed exactly its prompt: keep it, so that a later

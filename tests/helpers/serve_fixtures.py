@@ -4,6 +4,7 @@ counter (imported by tests/test_serve_*.py; fixtures stay in each file, built fr
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 
@@ -17,6 +18,7 @@ from serve.api import protocol
 from serve.api.server import InThread, Server
 from serve.engine import loading
 from serve.engine.engine import Engine
+from serve.engine.engine_config import EngineConfig
 from serve.engine.slots import SlotFunctions
 
 KEY = "test-key"
@@ -29,12 +31,21 @@ def tiny(seed: int):
   return cfg, model.init_params(cfg, jax.random.key(seed))
 
 
+def split_config(kw: dict) -> tuple[EngineConfig, dict]:
+  """Keyword arguments as (the EngineConfig of those that name its fields, the rest: Engine's own)."""
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  return EngineConfig(**{k: v for k, v in kw.items() if k in fields}), {
+    k: v for k, v in kw.items() if k not in fields
+  }
+
+
 def engine(params, cfg, **kw):
-  """A warmed-up engine (GPT-2 vocabulary) with the Engine's keyword arguments; unless told otherwise, one
+  """A warmed-up engine (GPT-2 vocabulary) with EngineConfig's fields and Engine's keyword arguments; unless told otherwise, one
   compiled program over the whole slot table (`slot_buckets="table"`: each bucket is a compile of its own,
   and the buckets' own behaviour is tested over the fake and in tests/programs/serve/engine/test_slot_writes.py)."""
   kw.setdefault("slot_buckets", "table")
-  eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, **kw)
+  config, rest = split_config(kw)
+  eng = Engine(params, cfg, config, valid_vocab=GPT2_VOCAB, **rest)
   eng.warmup()
   return eng
 

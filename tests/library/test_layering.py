@@ -245,10 +245,7 @@ def test_no_private_name_crosses_modules():
 
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 450
 # Still over the bounds, to be split (the list only shrinks).
-OVERSIZED = {
-  "serve/engine/engine.py:Engine",
-  "serve/engine/engine.py:Engine.__init__",
-}
+OVERSIZED = {}
 
 
 def _oversized(path: pathlib.Path) -> list[str]:

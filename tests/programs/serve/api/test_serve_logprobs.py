@@ -106,7 +106,7 @@ def test_n_choices_share_a_prefill_and_follow_their_own_seeds(engine):
   alone = [
     engine.generate([Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=s)])[0] for s in seeds
   ]
-  before = engine.stats["prefill_tokens"]
+  before = engine.stats.prefill_tokens
   lead = Request(
     prompt_ids=prompt,
     max_tokens=8,
@@ -115,7 +115,7 @@ def test_n_choices_share_a_prefill_and_follow_their_own_seeds(engine):
     siblings=[Request(prompt_ids=prompt, max_tokens=8, temperature=1.0, seed=s) for s in seeds[1:]],
   )
   engine.generate([lead])
-  assert engine.stats["prefill_tokens"] - before == len(prompt)  # one prefill for three choices
+  assert engine.stats.prefill_tokens - before == len(prompt)  # one prefill for three choices
   assert [lead.progress.output_ids] + [s.progress.output_ids for s in lead.siblings] == alone
   assert len({tuple(a) for a in alone}) > 1
 

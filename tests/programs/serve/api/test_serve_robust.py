@@ -16,7 +16,7 @@ from helpers import serve_fixtures as sf
 from helpers.serve_fixtures import AUTH, KEY, call
 
 from serve.api.text import TextStream
-from serve.engine import engine as engine_mod
+from serve.engine import prefill
 
 MAX_CHOICES = 6
 MAX_REPLY = 20_000
@@ -89,14 +89,14 @@ def test_a_failure_inside_the_engine_fails_only_the_requests_it_touches(served, 
   """A request whose insert raises (here: a planted fault on seed 4242) gets a 500 error object, or an
   error event when streaming; a request decoding meanwhile finishes untouched, and the engine serves on."""
   url, server = served
-  real = engine_mod.host_settings
+  real = prefill.host_settings
 
   def faulty(rows, *a, **kw):
     if any(r.seed == 4242 for r in rows):
       raise RuntimeError("planted fault")
     return real(rows, *a, **kw)
 
-  monkeypatch.setattr(engine_mod, "host_settings", faulty)
+  monkeypatch.setattr(prefill, "host_settings", faulty)
 
   async def go():
     async with aiohttp.ClientSession() as s:
@@ -150,7 +150,7 @@ def test_a_dead_engine_answers_503_at_once_and_health_shows_no_internals(served,
   finally:
     monkeypatch.undo()
     eng.stop()
-    eng.error = None
+    eng.loop.error = None
     eng.start()
   _still_serving(url)
 

@@ -201,14 +201,19 @@ def test_one_tenants_burst_does_not_hold_every_slot(eng):
     eng.submit(r)
   while eng.active_slots < 4:
     eng.step()
-  assert {r.id for r in eng.slot_req} == {a[0].id, a[1].id, b[0].id, b[1].id}  # first come would be a[0:4]
+  assert {r.id for r in eng.slot_map.req} == {
+    a[0].id,
+    a[1].id,
+    b[0].id,
+    b[1].id,
+  }  # first come would be a[0:4]
   eng.run_until_idle()
   assert all(r.progress.finish_reason == "length" for r in a + b)
 
 
 def test_a_tenant_fills_only_its_share_of_the_queue(eng):
   eng.on_deliver = lambda deliveries: None
-  eng.max_queue_per_tenant = 2
+  eng.admission.per_tenant = 2
   try:
     mine = [Request(prompt_ids=[1, i], max_tokens=8, tenant="alice") for i in range(6)]
     for r in mine:  # 4 free slots + 2 queued
@@ -218,7 +223,7 @@ def test_a_tenant_fills_only_its_share_of_the_queue(eng):
     eng.submit(Request(prompt_ids=[2], max_tokens=8, tenant="bob"))  # Bob still finds room to wait
     eng.run_until_idle()
   finally:
-    eng.max_queue_per_tenant = eng.max_queue
+    eng.admission.per_tenant = eng.admission.max_queue
 
 
 def test_a_planted_state_of_the_wrong_shape_is_never_restored(eng, tok):

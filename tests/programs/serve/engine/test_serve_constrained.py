@@ -16,6 +16,7 @@ from benchmarks.openai_tools_check import ADD, FUNCTIONS, SCHEMA, WEATHER, check
 from laplace_jax.data.tokenizer import EOS_ID, get_tokenizer
 from serve.api import grammar, toolcalls
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 
 COMPILER = grammar.Compiler()
 TOOLS = tuple(grammar.Tool(n, s, strict=True) for n, s in FUNCTIONS.items())
@@ -125,7 +126,7 @@ def test_verified_drafts_follow_the_grammar():
   newline = get_tokenizer().encode("\n")[0]  # never allowed in strict JSON without flexible whitespace
   eng, got = run(True, plain[:6] + [newline] + plain[7:])
   assert got == plain
-  assert eng.stats["accepted_tokens"] >= 7 + 5  # the free request's at most 7, the constrained one's too
+  assert eng.stats.accepted_tokens >= 7 + 5  # the free request's at most 7, the constrained one's too
 
 
 def test_a_constrained_request_needs_its_stop_id():
@@ -188,7 +189,7 @@ def test_constrained_replies_over_http_validate_whole_and_streamed():
 
 def test_a_real_engine_constrained_reply_validates_with_random_weights():
   cfg, params = sf.tiny(0)
-  eng = Engine(params, cfg, valid_vocab=GPT2_VOCAB, n_slots=2, prefill_batch=2, max_queue=4, state_cache=None)
+  eng = Engine(params, cfg, EngineConfig(n_slots=2, prefill_batch=2, max_queue=4), valid_vocab=GPT2_VOCAB)
   reqs = [
     constrained([11, 12], matcher("json_schema", schema=SCHEMA), temperature=t, seed=1) for t in (0.0, 1.0)
   ]

@@ -16,6 +16,7 @@ from laplace_jax import model
 from laplace_jax.inference import generate
 from serve.engine import state_cache
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.state_cache import StateCache
 
 CONTEXT = 170  # the attention engine's --max_context; every reference call spans it (one compile each)
@@ -171,11 +172,16 @@ def test_a_cached_sliding_window_state_gives_the_tokens_of_a_full_prefill(engine
 def test_patterns_are_checked_at_start():
   cfg, params = _model("G")  # refused before any parameter is read
   with pytest.raises(ValueError, match="--max_context N"):
-    Engine(params, cfg.replace(mixers="GA"), n_slots=2)
+    Engine(params, cfg.replace(mixers="GA"), EngineConfig(n_slots=2))
   with pytest.raises(ValueError, match="leave --max_context unset"):
-    Engine(params, cfg.replace(mixers="GS", window=WINDOW), n_slots=2, max_context=64)
+    Engine(params, cfg.replace(mixers="GS", window=WINDOW), EngineConfig(n_slots=2, max_context=64))
   with pytest.raises(ValueError, match="state cache"):
-    Engine(params, cfg.replace(mixers="GA"), n_slots=2, max_context=64, state_cache=StateCache("m", 1 << 20))
+    Engine(
+      params,
+      cfg.replace(mixers="GA"),
+      EngineConfig(n_slots=2, max_context=64),
+      state_cache=StateCache("m", 1 << 20),
+    )
 
 
 def test_the_server_refuses_max_context_without_attention_before_loading_weights():

@@ -71,7 +71,7 @@ def test_requests_arriving_at_any_time_get_their_tokens_alone(engine):
   for s, r in zip(specs, reqs):
     assert r.progress.output_ids == _alone(s), s
     assert r.progress.finish_reason == "length" and r.progress.done.is_set()
-  assert engine.active_slots == 0 and not engine.reserved and not engine.pending
+  assert engine.active_slots == 0 and not engine.slot_map.reserved and not engine.pending
 
 
 def test_each_step_runs_the_smallest_bucket_that_holds_the_live_slots(engine):
@@ -127,8 +127,8 @@ def test_cancels_in_the_queue_in_prefill_and_decoding_free_everything(engine):
   engine.run_until_idle()
   assert all(r.progress.finish_reason == "cancelled" for r in decoding + queued)
   assert bystander.progress.output_ids == _alone(dict(prompt_ids=[9, 9], max_tokens=3))
-  assert engine.active_slots == 0 and engine.queue_depth == 0 and not engine.reserved
-  assert all(r is None for r in engine.slot_req) and not engine.pending and engine.prefill is None
+  assert engine.active_slots == 0 and engine.queue_depth == 0 and not engine.slot_map.reserved
+  assert all(r is None for r in engine.slot_map.req) and not engine.pending and engine.prefill is None
 
 
 def test_queue_bound_and_cancel_free_slots(engine):
@@ -144,7 +144,7 @@ def test_queue_bound_and_cancel_free_slots(engine):
   engine.run_until_idle()
   assert engine.active_slots == 0 and engine.queue_depth == 0
   assert all(r.progress.finish_reason == "cancelled" and r.progress.done.is_set() for r in reqs)
-  assert not engine.reserved and not engine.pending and engine.prefill is None
+  assert not engine.slot_map.reserved and not engine.pending and engine.prefill is None
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -217,7 +217,7 @@ def test_a_conversation_keeps_states_where_its_prompt_and_its_reply_text_end(ste
   eng.run_until_idle()
   eng.state_io.collect(block=True)
   assert ended.progress.finish_reason == "stop" and len(ended.progress.output_ids) == 7
-  assert len(cut.progress.output_ids) > 4 and eng.stats["requests"] == eng.stats["finished"] == 2
+  assert len(cut.progress.output_ids) > 4 and eng.stats.requests == eng.stats.finished == 2
   for r, keep in ((cut, 3), (ended, 6)):
     for ids in (list(r.prompt_ids), list(r.prompt_ids) + r.progress.output_ids[:keep]):
       n, state = cache.lookup(ids + [1, 2], len(ids))

@@ -2,6 +2,7 @@
 bytes, atomic files that survive a restart (a damaged one is skipped), and restored states that equal a
 full prefill within fp32 rounding, so the tokens are the same with the cache on and off."""
 
+import dataclasses
 import os
 
 import jax
@@ -208,12 +209,12 @@ def test_a_conversation_resumes_from_the_cache_with_the_same_tokens(engines, kin
       dict(prompt_ids=c, max_tokens=int(rng.integers(2, 12)), seed=int(rng.integers(2**32)), **sampling)
       for c in convs
     ]
-    before = dict(cached.stats)
+    before = dataclasses.replace(cached.stats)
     got = cached.generate([Request(**s) for s in specs])
     want = plain.generate([Request(**s) for s in specs])
     assert got == want
-    reused = cached.stats["cached_prompt_tokens"] - before["cached_prompt_tokens"]
-    prefilled = cached.stats["prefill_tokens"] - before["prefill_tokens"]
+    reused = cached.stats.cached_prompt_tokens - before.cached_prompt_tokens
+    prefilled = cached.stats.prefill_tokens - before.prefill_tokens
     assert reused + prefilled == sum(len(c) for c in convs)
     if turn:
       assert reused >= sum(len(c) for c in convs) - 3 * 40  # all but the new turn's text

@@ -18,6 +18,7 @@ from laplace_jax.model.config import get_config
 from serve.engine import drafting
 from serve.engine.drafting import FORGET, DraftRecord, LookupIndex, PredictionIndex, VerifyCost
 from serve.engine.engine import Engine, Request
+from serve.engine.engine_config import EngineConfig
 from serve.engine.slots import SlotFunctions, SlotSettings, StepOutput, StepsOutput, host_settings
 
 CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
@@ -249,7 +250,7 @@ def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts(re
   ]
   plain = [Request(**spec) for spec in specs]
   eng.generate(plain)
-  steps_plain = eng.stats["steps"]
+  steps_plain = eng.stats.steps
   specs[3]["stop_ids"] = [plain[3].progress.output_ids[5]]  # ends at its 6th token (or earlier)
   plain[3] = Request(**specs[3])
   eng.generate([plain[3]])
@@ -265,7 +266,7 @@ def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts(re
     outs[3] + outs[3],
     rng.integers(0, GPT2_VOCAB, 14).tolist(),
   ]
-  before, drafts_before = eng.stats["steps"], (eng.stats["drafted_tokens"], eng.stats["accepted_tokens"])
+  before, drafts_before = eng.stats.steps, (eng.stats.drafted_tokens, eng.stats.accepted_tokens)
   spec_reqs = [Request(**spec, prediction_ids=pred) for spec, pred in zip(specs, predictions)]
   eng.generate(spec_reqs)
   for want, got in zip(plain, spec_reqs):
@@ -281,12 +282,12 @@ def test_engine_gives_the_same_outputs_with_predictions_and_counts_the_drafts(re
   # the two edited tokens and the one after them, where the output finds its place again, are not counted
   assert accepted[2] == len(outs[2]) - 3 and accepted[3] == len(outs[3]) and accepted[4] == 0, accepted
   drafted, taken = (
-    eng.stats["drafted_tokens"] - drafts_before[0],
-    eng.stats["accepted_tokens"] - drafts_before[1],
+    eng.stats.drafted_tokens - drafts_before[0],
+    eng.stats.accepted_tokens - drafts_before[1],
   )
   assert 0 < taken < drafted, (taken, drafted)
-  if eng.decode_steps == 1:
-    assert eng.stats["steps"] - before < steps_plain  # right drafts: fewer model calls for the same tokens
+  if eng.config.decode_steps == 1:
+    assert eng.stats.steps - before < steps_plain  # right drafts: fewer model calls for the same tokens
 
 
 def test_prediction_over_http_same_reply_and_usage_counts(spec_engine):
@@ -392,17 +393,15 @@ def test_prompt_lookup_gives_the_same_outputs(served):
   something): the same tokens and logprobs as without, and drafts are verified. The engine runs on the
   slot functions the tests above compiled (same model, slots and K)."""
   fns, params = served[:2]
-  eng = Engine(
-    params,
-    CFG,
+  config = EngineConfig(
     n_slots=S,
     prefill_batch=S,
     max_stop_ids=fns.n_stop,
     speculative_tokens=K,
     speculative_rule="always",
     max_context=MAX_CONTEXT,
-    make_slots=lambda *args, **kw: fns,
   )
+  eng = Engine(params, CFG, config, make_slots=lambda *args, **kw: fns)
   eng.warmup()
   rng = np.random.default_rng(5)
   passage = rng.integers(0, CFG.vocab_size, 40).tolist()
@@ -412,11 +411,11 @@ def test_prompt_lookup_gives_the_same_outputs(served):
   ]
   plain = [Request(**spec) for spec in specs]
   eng.generate(plain)
-  assert eng.stats["drafted_tokens"] == 0
+  assert eng.stats.drafted_tokens == 0
   eng.drafter.prompt_lookup = True
   looked = [Request(**spec) for spec in specs]
   eng.generate(looked)
-  assert eng.stats["drafted_tokens"] > 0
+  assert eng.stats.drafted_tokens > 0
   for want, got in zip(plain, looked):
     assert got.progress.output_ids == want.progress.output_ids
     assert got.progress.finish_reason == want.progress.finish_reason
