@@ -29,7 +29,7 @@ from laplace_jax.model.config import get_config
 from serve.api import grammar
 from serve.engine.engine import Engine, Request
 from serve.engine.engine_config import EngineConfig
-from serve.engine.slots import SlotSettings
+from serve.slots.slot_functions import SlotSettings
 
 LONG = {"type": "array", "items": SCHEMA, "minItems": 16}
 

@@ -242,13 +242,13 @@ def grammar_rows(args, enc, words):
 
 
 def sampler_rows(args, words):
-  """serve.engine.sampling.sample over 64 rows of tiny's vocabulary, the logits made by a matmul as the LM head
+  """serve.slots.sampling.sample over 64 rows of tiny's vocabulary, the logits made by a matmul as the LM head
   makes them (logits that are a jitted call's argument cost the masked select a pass of its own): without
   a mask, with an all-ones mask (a free slot's), with 1 row in 8 masked; calls interleaved, medians."""
   import jax
   import jax.numpy as jnp
 
-  from serve.engine import sampling
+  from serve.slots import sampling
 
   S, V, D = 64, get_config("tiny").vocab_size, 16
   rng = np.random.default_rng(0)

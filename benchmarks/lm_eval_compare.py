@@ -15,7 +15,7 @@ import numpy as np
 
 from laplace_jax import model
 from laplace_jax.data import tokenizer as gpt2
-from serve.engine import loading
+from serve.slots import loading
 
 
 def loglikelihood(params, cfg, encode, context, continuation):

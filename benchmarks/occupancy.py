@@ -1,5 +1,5 @@
 """What a step costs against its live sequences: the engine's generate calls run the smallest bucket of rows
-that holds the live slots (serve.engine.slots.step_rows), not the whole slot table.
+that holds the live slots (serve.slots.slot_functions.step_rows), not the whole slot table.
 
     python -m benchmarks occupancy [--preset small] [--tables 64] [--live 1 8 64] [--max-tokens 32]
     python -m benchmarks occupancy --bytes-only --preset laplace-3b --tables 1280 --live 64 1280
@@ -29,10 +29,10 @@ from laplace_jax.analysis import hlo_bytes
 from laplace_jax.analysis.timing import median_seconds
 from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import PRESETS, get_config
-from serve.engine import loading
 from serve.engine.engine import Engine, Request
 from serve.engine.engine_config import EngineConfig
-from serve.engine.slots import SlotFunctions, bucket_sizes, step_rows
+from serve.slots import loading
+from serve.slots.slot_functions import SlotFunctions, bucket_sizes, step_rows
 
 
 def decode_bytes(cfg, n_slots: int, rows: int) -> int:

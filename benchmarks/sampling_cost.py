@@ -3,11 +3,11 @@ read-back) on a 64-slot table with random weights, `c` concurrent requests that 
 token relative to greedy's at the same `c`. Settings, concurrencies and rounds interleave in one process
 (each round times every (c, setting) once, in turn), so the shared machine's drift hits all of them alike;
 the figures are medians over rounds of each round's ratio (docs/BENCHMARKS.md, "What sampling costs").
-`--baseline PATH` also times an engine whose sampler is `sample` from another copy of serve/engine/sampling.py
+`--baseline PATH` also times an engine whose sampler is `sample` from another copy of serve/slots/sampling.py
 (the code before a change), interleaved with this one's in the same rounds.
 
     python -m benchmarks sampling_cost [--preset small] [--concurrency 1,16,64] [--rounds 5] [--steps 16]
-        [--baseline /path/to/old/serve/engine/sampling.py]
+        [--baseline /path/to/old/serve/slots/sampling.py]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import get_config
 from serve.engine.engine import Engine, Request
 from serve.engine.engine_config import EngineConfig
-from serve.engine.slots import SlotSettings
+from serve.slots.slot_functions import SlotSettings
 
 # name: (temperature, top_k, top_p)
 SETTINGS = {
@@ -75,7 +75,7 @@ def main():
     "--prefill-batch", type=int, default=16, help="prompts per prefill call (admission is untimed)"
   )
   ap.add_argument(
-    "--baseline", default=None, help="another serve/engine/sampling.py whose sampler to time as well"
+    "--baseline", default=None, help="another serve/slots/sampling.py whose sampler to time as well"
   )
   a = ap.parse_args()
   cfg = get_config(a.preset)

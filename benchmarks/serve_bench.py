@@ -43,8 +43,8 @@ from laplace_jax.model.config import PRESETS, get_config
 from laplace_jax.model.counts import param_counts, state_bytes_per_sequence
 from serve.engine.engine import Engine, Request
 from serve.engine.engine_config import EngineConfig
-from serve.engine.loading import cast_params
-from serve.engine.sampling import argmax_rows
+from serve.slots.loading import cast_params
+from serve.slots.sampling import argmax_rows
 
 
 def parse_args(argv=None):
@@ -145,7 +145,7 @@ def baseline_params(cfg, how):
 
 class LaplaceStep:
   """Jitted Laplace decode_step over a donated state of `batch` rows; with `greedy`, the step also picks
-  each row's next token (the engine's argmax, serve.engine.sampling.argmax_rows) and returns only the tokens."""
+  each row's next token (the engine's argmax, serve.slots.sampling.argmax_rows) and returns only the tokens."""
 
   def __init__(self, params, cfg, batch, greedy: bool = False):
     self.params, self.cfg = params, cfg

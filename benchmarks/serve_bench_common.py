@@ -9,7 +9,7 @@ import time
 import jax
 
 from laplace_jax import model
-from serve.engine.loading import cast_params
+from serve.slots.loading import cast_params
 
 
 def laplace_params(cfg, how):

@@ -37,9 +37,9 @@ import numpy as np
 
 from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import PRESETS
-from serve.engine import loading
 from serve.engine.engine import Engine, Request
 from serve.engine.engine_config import SPECULATIVE_RULES, EngineConfig
+from serve.slots import loading
 
 
 def prompts(n: int, passage_tokens: int) -> list[list[int]]:

@@ -101,13 +101,13 @@ def lower_target(args) -> int:
 
   with platform.lowering_for(args.target):
     platform.use_prng(args.prng)  # the target's PRNG, before any key is made
-  from serve.engine import lowering
   from serve.engine.engine import check_max_context
+  from serve.slots import lowering
 
   cfg = get_config(args.preset)
   check_max_context(cfg, args.max_context)
   n_slots = args.n_slots or slots_for(cfg)
-  from serve.engine import loading
+  from serve.slots import loading
 
   mesh = loading.make_serving_mesh(args.mesh_devices)
   t = time.perf_counter()
@@ -170,8 +170,8 @@ def build(args):
   from serve.api.chat import ChatTemplate
   from serve.api.response_store import SUBDIR, ResponseStore
   from serve.api.server import Server
-  from serve.engine import loading
   from serve.engine.engine import Engine, check_max_context
+  from serve.slots import loading
 
   engine_config, sc = server_config.configs(args)
   tenants = tenant_keys(sc)  # a bad keys file fails before the weights load

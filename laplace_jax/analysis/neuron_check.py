@@ -50,7 +50,7 @@ FIXES = {
   "Python-int bounds; a data-dependent loop needs a fixed bound and a mask.",
   "threefry": "Threefry is not fully supported by jax-neuronx: set jax_default_prng_impl to 'rbg' (--prng rbg) "
   "and draw without split/fold_in inside compiled steps ('rbg' still runs Threefry there); "
-  "per-row streams need a counter-based hash such as serve/engine/philox.py (vmapped rbg/unsafe_rbg "
+  "per-row streams need a counter-based hash such as serve/slots/philox.py (vmapped rbg/unsafe_rbg "
   "draws every row from the first key on jax 0.10.0).",
   "dtype": "not a Trn2 data type (FP32, TF32, BF16, FP16, FP8, INT8/UINT8, INT32/UINT32): keep jax_enable_x64 "
   "off and compute in int32/uint32 or f32 (bf16 bits move as bf16, not uint16).",

@@ -1,2 +1,3 @@
-"""The serving engine: the compiled slot-table programs, sampling, drafting, the state cache and the
-continuous-batching loop. Knows nothing of HTTP; serve/api sits on it."""
+"""The serving engine on the host: requests and their admission across tenants, prefill batching, the step
+loop over the slot functions (serve/slots), read-back into deliveries, drafting, the state cache and the
+engine's counters. Knows nothing of HTTP; serve/api sits on it."""

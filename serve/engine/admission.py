@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from serve.engine.request import Request, members
-from serve.engine.slots import step_rows
+from serve.slots.slot_functions import step_rows
 
 
 class QueueFull(Exception):
@@ -174,7 +174,7 @@ class SlotMap:
     return [s for _, s in sorted(order)]
 
   def rows(self) -> np.ndarray:
-    """The slots the next generate or verify runs (serve.engine.slots.step_rows): the live ones, in the smallest
+    """The slots the next generate or verify runs (serve.slots.slot_functions.step_rows): the live ones, in the smallest
     compiled bucket that holds them; none when no slot is live."""
     if not self.live:
       return np.zeros((0,), np.int32)

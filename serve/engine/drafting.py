@@ -159,7 +159,7 @@ class VerifyCost:
   decides between them: verify when the tokens it is expected to give per second beat a generate step's,
   (active slots + Σ DraftRecord.expected_extra) · t_generate >= active slots · t_verify. Each time is the
   median of the last `window` the engine measured (Drafter.time_call) for calls over the same bucket of
-  rows (serve.engine.slots.step_rows): the two calls' costs and their ratio change with it. Until a bucket's calls
+  rows (serve.slots.slot_functions.step_rows): the two calls' costs and their ratio change with it. Until a bucket's calls
   each have `min_samples` of them a verify is taken to cost a generate step's, so the first verifies are
   tried and measured in service (calls timed at warm-up run on cold caches, several times slower than in
   steady serving)."""

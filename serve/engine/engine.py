@@ -30,8 +30,8 @@ from serve.engine.engine_stats import EngineStats, TokenRate
 from serve.engine.prefill import PrefillBatch, insert_inputs, token_budget
 from serve.engine.readback import CallKind, Pending, advance_grammars, read_call, score_prompts
 from serve.engine.request import Constraint, Delivery, Progress, Request, check_request, members
-from serve.engine.slots import SlotBackend, SlotFunctions
 from serve.engine.state_cache import StateCache
+from serve.slots.slot_functions import SlotBackend, SlotFunctions
 
 # What callers import from here: the engine and the types it takes and gives.
 __all__ = [
@@ -114,7 +114,7 @@ class StepLoop:
 
 
 class Engine:
-  """Slots, queue and loop around the compiled prefill / insert / generate of `serve.engine.slots`: the engine
+  """Slots, queue and loop around the compiled prefill / insert / generate of `serve.slots.slot_functions`: the engine
   schedules, and meets the model only through the `SlotBackend` interface `make_slots` builds (by default
   `SlotFunctions`; tests pass a fake that needs no compile)."""
 

@@ -24,8 +24,8 @@ from laplace_jax.model.state import DecodeState
 from serve.engine.engine_config import EngineConfig
 from serve.engine.readback import CallKind, Pending
 from serve.engine.request import Request
-from serve.engine.slots import PrefillRows, SlotBackend
 from serve.engine.state_cache import StateCache, layout_of
+from serve.slots.slot_functions import PrefillRows, SlotBackend
 
 
 class StateCacheIO:

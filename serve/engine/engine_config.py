@@ -14,9 +14,6 @@ SPECULATIVE_RULES = ("cost", "always")
 SLOT_BUCKETS = ("doubling", "table")
 """EngineConfig.slot_buckets' values"""
 
-PARAMS_DTYPES = ("compute", "param")
-"""how the served weights are held (`serve.engine.loading.cast_params`): the preset's compute dtype, or as stored"""
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:

@@ -11,7 +11,7 @@ import numpy as np
 
 from serve.engine.engine_cache import StateCacheIO
 from serve.engine.request import Request, members
-from serve.engine.slots import PrefillRows, PromptScores, SlotBackend, SlotSettings, host_settings
+from serve.slots.slot_functions import PrefillRows, PromptScores, SlotBackend, SlotSettings, host_settings
 
 
 @dataclasses.dataclass

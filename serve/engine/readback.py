@@ -14,7 +14,7 @@ import numpy as np
 
 from serve.engine.drafting import Drafter, follow_prediction
 from serve.engine.request import Delivery, Request, TokenLogprob, TopLogprob, members
-from serve.engine.slots import StepOutput, StepsOutput
+from serve.slots.slot_functions import StepOutput, StepsOutput
 
 log = logging.getLogger(__name__)
 

@@ -162,7 +162,7 @@ def check_request(req: Request, valid_vocab: int, n_slots: int, n_stop: int, max
         "siblings themselves."
       )
     check_request(sib, valid_vocab, n_slots, n_stop, max_context)
-  # Every setting must fit the slot table's dtypes (serve.engine.slots.SlotSettings): a value that does not
+  # Every setting must fit the slot table's dtypes (serve.slots.slot_functions.SlotSettings): a value that does not
   # would fail inside the engine's step.
   if not (
     0 <= req.temperature < float("inf")

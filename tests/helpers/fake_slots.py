@@ -1,4 +1,4 @@
-"""A fake of `serve.engine.slots.SlotFunctions` in numpy: the engine's scheduling, fairness, cancellation, state
+"""A fake of `serve.slots.slot_functions.SlotFunctions` in numpy: the engine's scheduling, fairness, cancellation, state
 cache and HTTP paths run over it without compiling a model (`Engine(..., make_slots=FakeSlots)`).
 
 Its "model" is a hash: a sequence's state is the number of tokens it consumed and a rolling hash of them,
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from laplace_jax.model.state import DecodeState
-from serve.engine.slots import (
+from serve.slots.slot_functions import (
   N_TOP,
   PrefillRows,
   PromptScores,
@@ -75,7 +75,7 @@ def uniforms(seed, seed_hi, index):
 
 
 def allowed_bits(allowed_SxG, n: int) -> np.ndarray:
-  """bool [S, n]: the tokens < n each row of an int32 bitmask allows (serve.engine.sampling.masked's layout)."""
+  """bool [S, n]: the tokens < n each row of an int32 bitmask allows (serve.slots.sampling.masked's layout)."""
   return np.unpackbits(np.ascontiguousarray(allowed_SxG, np.int32).view(np.uint8), -1, bitorder="little")[
     :, :n
   ].astype(bool)
@@ -110,7 +110,7 @@ def sample(h, settings: SlotSettings, index, valid_vocab: int, allowed_SxG=None)
 
 
 def logprobs(h, tok, valid_vocab: int):
-  """(logprob of tok, top-N logprobs, top-N ids) after states of hash h, as `serve.engine.sampling.logprobs`."""
+  """(logprob of tok, top-N logprobs, top-N ids) after states of hash h, as `serve.slots.sampling.logprobs`."""
   cand = candidates(h, valid_vocab)
   lse = np.log(np.exp(LOGITS).sum() + (valid_vocab - CANDIDATES) * np.exp(FLOOR))
   lp = LOGITS - lse
@@ -157,7 +157,7 @@ def _keep(ended_S, new, old, axis: int):
 
 
 class FakeSlots:
-  """`serve.engine.slots.SlotFunctions`' interface (the engine's prefill / insert / generate, the state cache's
+  """`serve.slots.slot_functions.SlotFunctions`' interface (the engine's prefill / insert / generate, the state cache's
   gather and load) over hash states in numpy; constructed with SlotFunctions' arguments."""
 
   def __init__(

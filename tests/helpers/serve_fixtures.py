@@ -16,10 +16,10 @@ from laplace_jax import get_config, model
 from laplace_jax.data.tokenizer import VOCAB_SIZE as GPT2_VOCAB
 from serve.api import protocol
 from serve.api.server import InThread, Server
-from serve.engine import loading
 from serve.engine.engine import Engine
 from serve.engine.engine_config import EngineConfig
-from serve.engine.slots import SlotFunctions
+from serve.slots import loading
+from serve.slots.slot_functions import SlotFunctions
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,7 +42,7 @@ def split_config(kw: dict) -> tuple[EngineConfig, dict]:
 def engine(params, cfg, **kw):
   """A warmed-up engine (GPT-2 vocabulary) with EngineConfig's fields and Engine's keyword arguments; unless told otherwise, one
   compiled program over the whole slot table (`slot_buckets="table"`: each bucket is a compile of its own,
-  and the buckets' own behaviour is tested over the fake and in tests/programs/serve/engine/test_slot_writes.py)."""
+  and the buckets' own behaviour is tested over the fake and in tests/programs/serve/slots/test_slot_writes.py)."""
   kw.setdefault("slot_buckets", "table")
   config, rest = split_config(kw)
   eng = Engine(params, cfg, config, valid_vocab=GPT2_VOCAB, **rest)

@@ -145,6 +145,7 @@ TIERS = (
   ("laplace_jax.model",),
   ("laplace_jax.inference", "laplace_jax.training"),
   ("serve.files",),
+  ("serve.slots",),
   ("serve.engine",),
   ("serve.api",),
   ("serve.__main__",),
@@ -244,8 +245,6 @@ def test_no_private_name_crosses_modules():
 
 
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 450
-# Still over the bounds, to be split (the list only shrinks).
-OVERSIZED = {}
 
 
 def _oversized(path: pathlib.Path) -> list[str]:
@@ -265,8 +264,5 @@ def _oversized(path: pathlib.Path) -> list[str]:
 
 
 def test_no_function_over_80_lines_or_class_over_450():
-  found = {o for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) for o in _oversized(p)}
-  assert not found - OVERSIZED, (
-    f"over {MAX_FUNCTION_LINES} lines (functions) or {MAX_CLASS_LINES} (classes): {found - OVERSIZED}"
-  )
-  assert not OVERSIZED - found, f"no longer oversized, take them off OVERSIZED: {OVERSIZED - found}"
+  found = [o for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) for o in _oversized(p)]
+  assert not found, f"over {MAX_FUNCTION_LINES} lines (functions) or {MAX_CLASS_LINES} (classes): {found}"

@@ -104,7 +104,7 @@ def test_a_conversation_resumes_after_kill_9(tmp_path):
   try:
     got = _post(url, _turn(second))["choices"][0]["token_ids"]
     assert _metric(url, "state_cache_hits_total") == 1
-    # A finished slot's state holds every output token but its last (serve.engine.slots: hold_ended).
+    # A finished slot's state holds every output token but its last (serve.slots.slot_functions: hold_ended).
     assert _metric(url, "prompt_tokens_cached_total") == len(first) + len(out1) - 1
     assert _metric(url, "prompt_tokens_total") == 41
     # The reference: both turns prefilled in full, each under a salt of its own (never stored, so a miss)

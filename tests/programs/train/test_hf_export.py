@@ -12,7 +12,7 @@ from helpers.hf_fixtures import assert_same_export, make_export
 
 from laplace_jax.data import tokenizer
 from laplace_jax.model.config import get_config
-from serve.engine import loading
+from serve.slots import loading
 from train import export_hf, hf, import_hf
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

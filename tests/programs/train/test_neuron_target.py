@@ -30,7 +30,7 @@ SERVE_PROGRAMS = {
 
 
 def serve_programs(slots_per_device: int, n_dev: int) -> set[str]:
-  """Every engine program: the decode and sampling calls once per bucket of rows (serve.engine.slots.bucket_sizes:
+  """Every engine program: the decode and sampling calls once per bucket of rows (serve.slots.slot_functions.bucket_sizes:
   each device's share doubling from 1 to all its slots)."""
   buckets = {n_dev * min(1 << i, slots_per_device) for i in range(slots_per_device.bit_length() + 1)}
   return SERVE_PROGRAMS | {f"{p}_b{b}" for p in ("decode", "sample") for b in buckets}

@@ -1,6 +1,6 @@
 """serve.api.grammar and serve.api.constraints: a request's constraint compiled by llguidance into per-choice Matchers
 whose masks, walked with GPT-2's tokens, let valid documents through and stop at their end; rollback undoes
-advances; with random logits sampled under the masks (serve.engine.sampling, the engine's sampler) every reply
+advances; with random logits sampled under the masks (serve.slots.sampling, the engine's sampler) every reply
 parses and validates; the limits, the library's refusals and the compile time limit are 400s naming them;
 compiled grammars are cached per tenant scope, never across."""
 
@@ -18,7 +18,7 @@ from laplace_jax import get_config
 from laplace_jax.data.tokenizer import EOS_ID, VOCAB_SIZE, get_tokenizer
 from serve.api import constraints, grammar, toolcalls
 from serve.api.protocol import ApiError
-from serve.engine import sampling
+from serve.slots import sampling
 
 V = get_config("tiny").vocab_size
 W = -(-V // 32)

@@ -1,4 +1,4 @@
-"""serve.engine.engine / serve.engine.sampling over the compiled model: batching never changes a request's tokens, nothing
+"""serve.engine.engine / serve.slots.sampling over the compiled model: batching never changes a request's tokens, nothing
 recompiles after warm-up, sampling draws from the exact filtered distribution. Scheduling alone (the queue
 bound, cancels): tests/programs/serve/engine/test_serve_scheduler.py, over the fake."""
 
@@ -12,8 +12,8 @@ from helpers import serve_fixtures as sf
 from helpers.serve_fixtures import GPT2_VOCAB
 
 from laplace_jax import model, sharding
-from serve.engine import sampling
 from serve.engine.engine import Request
+from serve.slots import sampling
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_sampling_draws_from_the_filtered_distribution():
 
 def test_exported_params_load_onto_the_serving_mesh(cfg, params, tmp_path):
   from laplace_jax.training import checkpoint
-  from serve.engine import loading
+  from serve.slots import loading
 
   checkpoint.export_params(params, tmp_path / "export", config=cfg)
   mesh = loading.make_serving_mesh(8)

@@ -19,7 +19,7 @@ from serve.engine import drafting
 from serve.engine.drafting import FORGET, DraftRecord, LookupIndex, PredictionIndex, VerifyCost
 from serve.engine.engine import Engine, Request
 from serve.engine.engine_config import EngineConfig
-from serve.engine.slots import SlotFunctions, SlotSettings, StepOutput, StepsOutput, host_settings
+from serve.slots.slot_functions import SlotFunctions, SlotSettings, StepOutput, StepsOutput, host_settings
 
 CFG = get_config("tiny", vocab_size=256, n_layers=3, mixers="GSA", window=4)  # G, S and A pieces; rings wrap
 S, K, MAX_CONTEXT, STEPS = 4, 4, 96, 30

@@ -1,4 +1,4 @@
-"""serve.engine.sampling without `cond` (the Neuron form): every path computed, the same predicates select. It must give
+"""serve.slots.sampling without `cond` (the Neuron form): every path computed, the same predicates select. It must give
 the cond form's tokens and logprob rows exactly, for every kind of batch (including batches where the cond form
 skips a path that the branch-free form computes), and its lowered program must hold no `case`."""
 
@@ -12,8 +12,8 @@ import pytest
 from laplace_jax import model
 from laplace_jax.analysis import neuron_check
 from laplace_jax.model.config import get_config
-from serve.engine import sampling
-from serve.engine.slots import SlotFunctions, SlotSettings, SlotTable, StepOutput
+from serve.slots import sampling
+from serve.slots.slot_functions import SlotFunctions, SlotSettings, SlotTable, StepOutput
 
 V, VALID, S = 300, 290, 8  # TOPK_CAP = 64 < VALID: top-k 100 and wide nuclei take the bisection path
 # (temperature, top_k, top_p) per batch of S rows

@@ -12,7 +12,6 @@ from laplace_jax import model, sharding
 from laplace_jax.data import tokenizer as gpt2
 from laplace_jax.model.config import get_config
 from laplace_jax.training import checkpoint as ckpt
-from serve.engine.engine_config import PARAMS_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +22,12 @@ class Tokenizer:
   token_bytes: Callable[[Sequence[int]], bytes]
   vocab_size: int
   eos_id: int
+
+
+PARAMS_DTYPES = (
+  "compute",
+  "param",
+)  # how the served weights are held (cast_params): the preset's compute dtype, or as stored
 
 
 def gpt2_tokenizer() -> Tokenizer:

@@ -1,8 +1,8 @@
 """Philox-4x32-R (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC11), a
 counter-based generator: the output is a pure function of (counter, key), computed with 32-bit integer
-multiplies, xors and shifts, elementwise over arrays. serve/engine/sampling.py draws each slot's number from it under
+multiplies, xors and shifts, elementwise over arrays. serve/slots/sampling.py draws each slot's number from it under
 the rbg PRNGs, where no Threefry may run (Neuron) and `rng_bit_generator` cannot draw one stream per slot.
-Checked against Random123's known-answer vectors (tests/programs/serve/engine/test_sampling_prng.py).
+Checked against Random123's known-answer vectors (tests/programs/serve/slots/test_sampling_prng.py).
 """
 
 from __future__ import annotations

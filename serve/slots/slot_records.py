@@ -18,7 +18,7 @@ from flax import struct
 from laplace_jax import sharding
 from laplace_jax.array_types import Array
 from laplace_jax.model.state import DecodeState
-from serve.engine import sampling
+from serve.slots import sampling
 
 N_TOP = sampling.TOP_LOGPROBS
 

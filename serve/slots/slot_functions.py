@@ -2,8 +2,8 @@
 advance every slot by one sampled token. All shapes are fixed at construction; nothing here recompiles.
 
 `SlotBackend` is the interface the engine calls, `SlotFunctions` its compiled implementation. The typed
-pytrees they take and return live in serve.engine.slot_records, the bucket of rows a step runs over in
-serve.engine.slot_rows, and the per-bucket lowering and compiling in serve.engine.slot_programs; their names
+pytrees they take and return live in serve.slots.slot_records, the bucket of rows a step runs over in
+serve.slots.slot_rows, and the per-bucket lowering and compiling in serve.slots.slot_programs; their names
 are also this module's (the engine's imports).
 """
 
@@ -20,9 +20,9 @@ import numpy as np
 
 from laplace_jax import sharding
 from laplace_jax.inference import speculative
-from serve.engine import sampling, slot_programs
-from serve.engine.slot_programs import SlotPrograms
-from serve.engine.slot_records import (
+from serve.slots import sampling, slot_programs
+from serve.slots.slot_programs import SlotPrograms
+from serve.slots.slot_records import (
   N_TOP,
   PrefillRows,
   PromptScores,
@@ -34,7 +34,7 @@ from serve.engine.slot_records import (
   slot_table_shardings,
   table_axes,
 )
-from serve.engine.slot_rows import bucket_sizes, entry_writes, put_rows, step_rows, take_rows
+from serve.slots.slot_rows import bucket_sizes, entry_writes, put_rows, step_rows, take_rows
 
 __all__ = [  # the engine's, the fake's and the tests' names from before the records and rows moved out
   "N_TOP",
@@ -59,7 +59,7 @@ __all__ = [  # the engine's, the fake's and the tests' names from before the rec
 class SlotBackend(Protocol):
   """What the engine calls to run the model over its slots (JetStream's prefill / insert / generate split):
   `SlotFunctions` compiles them; tests/helpers/fake_slots.py fakes them in numpy. Tables and batches are the typed
-  pytrees of serve.engine.slot_records; every call returns new ones (the arguments may be donated). Packed outputs are
+  pytrees of serve.slots.slot_records; every call returns new ones (the arguments may be donated). Packed outputs are
   `StepOutput.pack`'s, read on the host with `StepOutput.unpack`."""
 
   n_slots: int
@@ -212,7 +212,7 @@ class SlotFunctions:
     self.mesh = mesh
     self.words = -(-cfg.vocab_size // 32)  # G: a row of an allowed-token bitmask (the padded vocabulary's)
     self._all_ones: dict[tuple[tuple[int, ...], bool], jax.Array] = {}  # per (rows, split): all allowed
-    # Abstract shapes of the slot table and a prefill batch (what serve.engine.lowering lowers from).
+    # Abstract shapes of the slot table and a prefill batch (what serve.slots.lowering lowers from).
     self.table_shape = jax.eval_shape(self._empty_table)
     self.prefill_shape = jax.eval_shape(self._empty_prefill)
     # Measured from the real layout (not a formula): one slot's decode state, and the whole slot table.
@@ -225,7 +225,7 @@ class SlotFunctions:
     jit every program with its outputs placed so."""
     mesh = self.mesh
     # Without a mesh, the tables and batches made from nothing are placed on the default device as the
-    # served params are (serve.engine.loading): a jit output is committed when an input is, and a prefill
+    # served params are (serve.slots.loading): a jit output is committed when an input is, and a prefill
     # chunk fed an uncommitted batch, then its own committed output, would compile twice (the second at
     # request time).
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -270,7 +270,7 @@ class SlotFunctions:
     self, params, table, *, decode_steps: int = 1, speculative_tokens: int = 0, rows_sharding=None
   ) -> dict[tuple[str, int], Any]:
     """{(name, bucket): jax Lowered} of every bucket's programs (`slot_programs.bucket_programs`): the engine's
-    start-up compiles them (`precompile`); `python -m serve --target` checks them (serve.engine.lowering)."""
+    start-up compiles them (`precompile`); `python -m serve --target` checks them (serve.slots.lowering)."""
     return slot_programs.bucket_programs(
       self,
       params,
@@ -451,7 +451,7 @@ class SlotFunctions:
       where = sharding.replicated(self.mesh)
     return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=where)
 
-  # ---- a bucket of rows: gathered from the table by index, written back in place (serve.engine.slot_rows) ----
+  # ---- a bucket of rows: gathered from the table by index, written back in place (serve.slots.slot_rows) ----
 
   def _rows(self, table: SlotTable, rows_B) -> SlotTable:
     """The bucket's rows of the table, a table of B slots."""

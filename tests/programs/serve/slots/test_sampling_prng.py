@@ -1,5 +1,5 @@
 """Per-slot random numbers under each PRNG: Threefry (JAX's default) keeps its streams bit for bit; under rbg /
-unsafe_rbg (Neuron) they come from Philox-4x32-10 (serve/engine/philox.py, checked against Random123's known answers
+unsafe_rbg (Neuron) they come from Philox-4x32-10 (serve/slots/philox.py, checked against Random123's known answers
 and a plain-Python reference), depend on the slot's own (seed, position) only, and lower without Threefry."""
 
 import functools
@@ -11,7 +11,7 @@ import pytest
 
 from laplace_jax import platform
 from laplace_jax.analysis import neuron_check
-from serve.engine import philox, sampling
+from serve.slots import philox, sampling
 
 M32 = 0xFFFFFFFF
 

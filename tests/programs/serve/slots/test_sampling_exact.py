@@ -1,4 +1,4 @@
-"""serve.engine.sampling draws exactly the distribution its settings define: thousands of seeded draws per setting in
+"""serve.slots.sampling draws exactly the distribution its settings define: thousands of seeded draws per setting in
 one call, against a float64 numpy reference of the rule (top-k: fewer than k larger scaled logits; nucleus:
 top-k-renormalised mass of strictly larger logits < top_p), whichever path serves the row (the candidates'
 rejection, the capped top-k, the bisection), with the boundary itself exact, ties kept or dropped together,
@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from laplace_jax import platform
-from serve.engine import sampling
+from serve.slots import sampling
 
 V, VALID, N = 300, 290, 4000  # N draws per setting: one row per draw, seeds 0..N-1, one position
 

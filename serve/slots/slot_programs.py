@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
-  from serve.engine.slots import SlotFunctions
+  from serve.slots.slot_functions import SlotFunctions
 
 
 class SlotPrograms(NamedTuple):

@@ -11,7 +11,7 @@ from helpers.hlo_compile import compile_as_benchmarks
 from laplace_jax import model
 from laplace_jax.analysis import hlo_bytes
 from laplace_jax.model.config import get_config
-from serve.engine.slots import (
+from serve.slots.slot_functions import (
   N_TOP,
   SlotFunctions,
   SlotSettings,

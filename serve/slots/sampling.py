@@ -24,7 +24,7 @@ exactly that distribution (up to fp32 rounding of the weights), by these paths:
 
 Batch-level `lax.cond`s skip the work no slot needs: an all-greedy batch costs one blocked argmax, and a later
 candidate's test or the bisection runs on the few rows that need it, gathered (FEW_ROWS). The engine samples
-only its live slots' rows (serve.engine.slots.step_rows), so a few sampling requests are a batch of a few rows. Neuron does not support
+only its live slots' rows (serve.slots.slot_functions.step_rows), so a few sampling requests are a batch of a few rows. Neuron does not support
 `cond`, so there (`branch_free`, by default when `platform.backend()` is "neuron") both sides of each are
 computed over every row and the same predicate selects: the tokens are the conds' (tests/test_sampling_*.py),
 at the cost of every path on every step, the bisection's ~70 passes over the logits included
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax import platform
-from serve.engine import philox
+from serve.slots import philox
 
 F32 = jnp.float32
 TOPK_CAP = 64  # the largest top_k the capped path serves (from TOPK_CAP + 1 candidates: a static shape)
@@ -449,7 +449,7 @@ def _sample(
     return _sample_rows(x, xb, block_max, greedy, *settings, u, valid_vocab, branch_free)
 
   # A batch-level cond skips the work no slot needs: an all-greedy batch costs one blocked argmax. (The
-  # engine's steps run only the live slots' rows, serve.engine.slots.step_rows: a lone sampling request is a batch
+  # engine's steps run only the live slots' rows, serve.slots.slot_functions.step_rows: a lone sampling request is a batch
   # of one.) Each row's result depends on its own row alone, whichever branch runs. Branch-free, both.
   return when_any(hot, all_rows, lambda: greedy, branch_free)
 

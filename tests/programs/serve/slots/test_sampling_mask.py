@@ -1,4 +1,4 @@
-"""serve.engine.sampling with a per-row allowed-token bitmask (`allowed_SxG`, serve/api/grammar.py's rows): a masked row
+"""serve.slots.sampling with a per-row allowed-token bitmask (`allowed_SxG`, serve/api/grammar.py's rows): a masked row
 only ever yields an allowed token, greedy is the argmax over the allowed tokens, sampling draws the settings'
 distribution renormalised over them (against the float64 reference of test_sampling_exact), and an all-ones
 mask changes no token."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_sampling_exact import VALID, N, V, assert_follows, reference
 
-from serve.engine import sampling
+from serve.slots import sampling
 
 W = -(-V // 32)
 # Every call has N rows (test_sampling_exact's shape): one compile with a mask, one without.

@@ -1,7 +1,7 @@
 """`python -m serve --target neuron`: every program the engine compiles, lowered (never compiled) from abstract
 shapes with the choices made on the target, and checked by laplace_jax.analysis.neuron_check.
 
-The programs are the jitted functions of `serve.engine.slots.SlotFunctions` (`SlotPrograms`) as the engine calls them: the slot table
+The programs are the jitted functions of `serve.slots.slot_functions.SlotFunctions` (`SlotPrograms`) as the engine calls them: the slot table
 and prefill batch made at start, a prefill chunk (plain and scored for echo/logprobs), insert (first token
 sampled, rows written into slots), the generate step's two calls (decode, then sampling with the logprob rows;
 insert and sampling take each row's allowed-token bitmask),
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import model, platform, sharding
-from serve.engine import loading
-from serve.engine.engine_config import PARAMS_DTYPES
-from serve.engine.slots import SlotFunctions, host_settings
+from serve.slots import loading
+from serve.slots.loading import PARAMS_DTYPES
+from serve.slots.slot_functions import SlotFunctions, host_settings
 
 
 def _sds(tree, shardings=None):
