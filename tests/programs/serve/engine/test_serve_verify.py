@@ -36,8 +36,15 @@ SETTINGS = [  # slot 0 greedy and done at its 7th token; the others seeded, one 
 def served():
   """(fns, params, the table after inserting 4 prompts, the reference: each generate step's output and table)."""
   params = model.init_params(CFG, jax.random.key(0))
-  fns = SlotFunctions(
-    model, CFG, n_slots=S, prefill_batch=S, n_stop=2, valid_vocab=CFG.vocab_size, max_context=MAX_CONTEXT
+  fns = SlotFunctions(  # one program over the whole table (an engine's warmup over it compiles one bucket)
+    model,
+    CFG,
+    n_slots=S,
+    prefill_batch=S,
+    n_stop=2,
+    valid_vocab=CFG.vocab_size,
+    max_context=MAX_CONTEXT,
+    buckets="table",
   )
   rng = np.random.default_rng(0)
   tokens = np.zeros((S, 32), np.int32)
@@ -400,6 +407,7 @@ def test_prompt_lookup_gives_the_same_outputs(served):
     speculative_tokens=K,
     speculative_rule="always",
     max_context=MAX_CONTEXT,
+    slot_buckets="table",
   )
   eng = Engine(params, CFG, config, make_slots=lambda *args, **kw: fns)
   eng.warmup()
