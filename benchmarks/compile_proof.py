@@ -40,7 +40,7 @@ from collections import defaultdict  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from laplace_jax import sharding
+from laplace_jax import param_names, sharding
 from laplace_jax.analysis import hlo_traffic
 from laplace_jax.model import config, counts  # noqa: E402
 from laplace_jax.ops import context_parallel
@@ -180,7 +180,7 @@ def abstract_muon_params(cfg, mesh):
   shapes = counts.param_shapes(cfg)["layer"]
   tree = {
     "layers": {
-      n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32) for n in sharding.MUON_PARAM_NAMES
+      n: jax.ShapeDtypeStruct((cfg.n_layers,) + shapes[n], jnp.float32) for n in param_names.MUON_PARAM_NAMES
     }
   }
   shardings = sharding.param_shardings(tree, mesh)

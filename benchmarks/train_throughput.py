@@ -25,7 +25,7 @@ from laplace_jax.analysis import timing
 from laplace_jax.data.tokenizer import VOCAB_SIZE
 from laplace_jax.model.config import get_config
 from laplace_jax.model.counts import flops_per_token, param_shapes
-from laplace_jax.sharding import MUON_PARAM_NAMES
+from laplace_jax.param_names import MUON_PARAM_NAMES
 from laplace_jax.training import train_step as ts
 from laplace_jax.training.muon import ns_flops
 from laplace_jax.training.optimizer import OptimizerConfig, make_optimizer

@@ -25,6 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from laplace_jax.param_names import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
+
 DATA, FSDP, CONTEXT = "data", "fsdp", "context"
 BATCH_AXES = (DATA, FSDP)  # batch dims are split over these axes (every device but the context axis's)
 MIN_SHARD_ELEMENTS = 2**16  # 256 KiB of fp32: smaller non-Muon leaves are replicated
@@ -32,10 +34,6 @@ _SIMULATE_HINT = (
   "To simulate N CPU devices, call laplace_jax.platform.simulate_cpu_devices(N) (or set JAX_NUM_CPU_DEVICES=N "
   "in the environment) before JAX's first use of a device."
 )
-
-
-MUON_PARAM_NAMES = ("w_qkvg", "w_out", "w1", "w2", "w3")  # the 2-D hidden matrices of each GLA layer
-ATTENTION_MUON_NAMES = ("w_qkv", "w_o")  # an attention layer's instead of w_qkvg, w_out
 
 
 def _is_pos_int(v) -> bool:

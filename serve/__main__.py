@@ -245,7 +245,11 @@ async def serve_forever(server, host, port):
 
 
 def main(argv=None):
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  # force: a library that installed a root handler on import (absl's, through orbax) would otherwise make
+  # this a no-op and leave the root at WARNING, hiding the "serving ... on URL" line clients wait for.
+  logging.basicConfig(
+    level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+  )
   args = parse_args(argv)
   cli.set_verbosity(args.verbose)
   logging.getLogger("serve.access").disabled = not args.access_log

@@ -12,7 +12,7 @@ import numpy as np
 
 from laplace_jax import model
 from laplace_jax.model.config import LaplaceConfig
-from laplace_jax.sharding import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
+from laplace_jax.param_names import ATTENTION_MUON_NAMES, MUON_PARAM_NAMES
 
 
 def layer_shapes(cfg: LaplaceConfig, mixer: str = "G") -> dict[str, tuple[int, ...]]:

@@ -14,7 +14,7 @@ from laplace_jax.model.config import PRESETS
 from laplace_jax.platform import LOWERING_TARGETS, PRNG_CHOICES
 from serve.api.protocol import Limits
 from serve.engine.engine_config import SLOT_BUCKETS, SPECULATIVE_RULES, EngineConfig
-from serve.slots.loading import PARAMS_DTYPES
+from serve.slots.dtypes import PARAMS_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

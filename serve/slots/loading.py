@@ -12,6 +12,7 @@ from laplace_jax import model, sharding
 from laplace_jax.data import tokenizer as gpt2
 from laplace_jax.model.config import get_config
 from laplace_jax.training import checkpoint as ckpt
+from serve.slots.dtypes import PARAMS_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +23,6 @@ class Tokenizer:
   token_bytes: Callable[[Sequence[int]], bytes]
   vocab_size: int
   eos_id: int
-
-
-PARAMS_DTYPES = (
-  "compute",
-  "param",
-)  # how the served weights are held (cast_params): the preset's compute dtype, or as stored
 
 
 def gpt2_tokenizer() -> Tokenizer:

@@ -18,7 +18,7 @@ import numpy as np
 
 from laplace_jax import model, platform, sharding
 from serve.slots import loading
-from serve.slots.loading import PARAMS_DTYPES
+from serve.slots.dtypes import PARAMS_DTYPES
 from serve.slots.slot_functions import SlotFunctions, host_settings
 
 

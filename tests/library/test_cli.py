@@ -149,3 +149,17 @@ def test_dashed_flag_definition_is_refused_and_values_are_left_alone():
   # a value that looks like a dashed flag is no known flag, so it stays as written; after `--` nothing changes
   assert p.parse_args(["--prompt=--x-y", "--", "--prompt"]).rest == ["--prompt"]
   assert p.parse_args(["--prompt=--x-y"]).prompt == "--x-y"
+
+
+def test_serve_flags_load_no_jax():
+  """`python -m serve --help` stays quick: its flags (EngineConfig, ServerConfig, the presets) import neither
+  JAX nor Flax, and logging is configured however a library set up its root logger on import."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys, serve.__main__ as m; m.build_parser().format_help(); "
+    "print(sorted({n.split('.')[0] for n in sys.modules} & {'jax', 'flax', 'orbax'}))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax import sharding
+from laplace_jax import param_names, sharding
 from laplace_jax.model import config, counts
 
 
@@ -42,7 +42,7 @@ def test_laplace_3b_specs_on_64_devices():
     _abstract_params(config.get_config("laplace-3b")), AbstractMesh((1, 64), ("data", "fsdp"))
   )
   layers = specs["layers"]
-  for name in sharding.MUON_PARAM_NAMES:  # fan_in over fsdp, never the layer axis
+  for name in param_names.MUON_PARAM_NAMES:  # fan_in over fsdp, never the layer axis
     assert layers[name] == P(None, "fsdp", None), name
   assert specs["embed"] == P("fsdp", None) and specs["lm_head"] == P(None, "fsdp")  # vocab is the larger dim
   assert layers["ln1_scale"] == P(None, "fsdp") and layers["conv_kernel"] == P(None, None, "fsdp")

@@ -9,7 +9,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import muon as optax_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-from laplace_jax import sharding
+from laplace_jax import param_names, sharding
 from laplace_jax.analysis import hlo_traffic
 from laplace_jax.model import config, counts
 from laplace_jax.training.muon import (
@@ -261,7 +261,7 @@ def test_hlo_uses_two_all_to_alls_and_no_gather():
 
 def test_plan_owns_every_matrix_once_and_balances_laplace_3b():
   shapes = counts.param_shapes(config.get_config("laplace-3b"))["layer"]
-  stacks = [(24,) + shapes[n] for n in sharding.MUON_PARAM_NAMES]
+  stacks = [(24,) + shapes[n] for n in param_names.MUON_PARAM_NAMES]
   plan = make_plan(stacks, 64)
   owned = sorted(i for o in plan.owned for i in o)
   assert owned == list(range(120))

@@ -8,7 +8,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib import muon as optax_muon
 
-from laplace_jax import sharding
+from laplace_jax import param_names, sharding
 from laplace_jax.model import config, counts
 from laplace_jax.training.adamw import adamw as own_adamw
 from laplace_jax.training.optimizer import (
@@ -35,7 +35,7 @@ def _params(seed, scale=1.0):
 def test_labels_send_exactly_the_hidden_matrices_to_muon():
   labels = param_labels(_params(0))
   muon = {n for n, l in labels["layers"].items() if l == "muon"}
-  assert muon == set(sharding.MUON_PARAM_NAMES)
+  assert muon == set(param_names.MUON_PARAM_NAMES)
   assert {labels[n] for n in ("embed", "lm_head", "final_norm_scale")} == {"adamw"}
   with pytest.raises(ValueError, match="layers/w1 has shape"):
     param_labels({"layers": {"w1": jnp.ones((4, 4))}})
@@ -68,7 +68,7 @@ def _reference(ocfg, clip=True):
     mask=mask,
   )
   labels = lambda p: jax.tree_util.tree_map_with_path(
-    lambda path, _: "muon" if path[-1].key in sharding.MUON_PARAM_NAMES else "adamw", p
+    lambda path, _: "muon" if path[-1].key in param_names.MUON_PARAM_NAMES else "adamw", p
   )
   parts = optax.partition({"muon": muon, "adamw": adamw}, labels)
   return optax.chain(optax.clip_by_global_norm(ocfg.clip_norm), parts) if clip else parts

@@ -5,10 +5,12 @@ restored, as with no cache; the metrics show no hit)."""
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -45,10 +47,17 @@ def _start(*flags):
     stderr=subprocess.PIPE,
     text=True,
   )
+  # stderr read on a thread: a server that never prints its URL fails the test at the deadline, not hangs it
+  lines: queue.Queue = queue.Queue()
+  threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr] + [lines.put("")], daemon=True).start()
   deadline, log = time.time() + 240, []
   while time.time() < deadline:
-    line = proc.stderr.readline()
-    if not line and proc.poll() is not None:
+    try:
+      line = lines.get(timeout=max(0.0, deadline - time.time()))
+    except queue.Empty:
+      break
+    if not line:
+      proc.wait()
       raise AssertionError("server exited:\n" + "".join(log))
     log.append(line)
     m = re.search(r"serving \S+ on (http://\S+)", line)
