@@ -245,11 +245,10 @@ async def serve_forever(server, host, port):
 
 
 def main(argv=None):
-  # force: a library that installed a root handler on import (absl's, through orbax) would otherwise make
-  # this a no-op and leave the root at WARNING, hiding the "serving ... on URL" line clients wait for.
-  logging.basicConfig(
-    level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-  )
+  # A no-op where the root logger already has a handler: a library that installs one on import (absl's,
+  # through orbax) would leave the root at WARNING and hide the "serving ... on URL" line clients wait for,
+  # so nothing imported above may load JAX or Orbax (tests/library/test_cli.py checks it).
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
   cli.set_verbosity(args.verbose)
   logging.getLogger("serve.access").disabled = not args.access_log

@@ -153,7 +153,9 @@ def test_dashed_flag_definition_is_refused_and_values_are_left_alone():
 
 def test_serve_flags_load_no_jax():
   """`python -m serve --help` stays quick: its flags (EngineConfig, ServerConfig, the presets) import neither
-  JAX nor Flax, and logging is configured however a library set up its root logger on import."""
+  JAX, Flax nor Orbax. And its log reaches stderr: a library that set up the root logger on import (absl's
+  handler, through Orbax) would make main's logging.basicConfig a no-op and hide the "serving ... on URL"
+  line clients wait for."""
   import subprocess
   import sys
 
