@@ -85,7 +85,7 @@ FILE_SECONDS = {
   "test_context_parallel.py": 33,
   "test_serve_state_cache.py": 31,
   "test_scan_layers.py": 28,
-  "test_serve_verify.py": 70,
+  "test_serve_verify.py": 40,
   "test_serve_engine.py": 24,
   "test_gla_decode.py": 21,
   "test_gla.py": 21,
