@@ -9,8 +9,9 @@ The library in tiers, each importing only those before it (tests/library/test_la
                                   context parallelism
   model/                          config and presets, mixers, decode state, the decoder, counts
   inference/, training/           completion and speculative forward; optimizers, train step, checkpoints
-The modules gla, config, generate, checkpoint and tokenizer at this level are deprecated aliases of their new
-homes (ops.gla, model.config, inference.generate, training.checkpoint, data.tokenizer).
+The modules gla, config, generate, checkpoint, tokenizer, state and muon at this level are deprecated aliases
+of their new homes (ops.gla, model.config, inference.generate, training.checkpoint, data.tokenizer,
+model.state, training.muon).
 """
 
 from laplace_jax.model.config import PRESETS, LaplaceConfig, get_config  # noqa: F401

@@ -119,7 +119,7 @@ class Engine:
   `SlotFunctions`; tests pass a fake that needs no compile)."""
 
   # A request's constraint (Request.constraint) masks every token it samples: the server's hook
-  # (Server.run_completion) serves constrained requests only from an engine that says so.
+  # (serve.api.completions.CompletionRunner.run) serves constrained requests only from an engine that says so.
   applies_constraints = True
 
   def __init__(

@@ -151,7 +151,7 @@ TIERS = (
   ("serve.__main__",),
 )
 FACADES = {"laplace_jax", "laplace_jax.gla", "laplace_jax.config", "laplace_jax.generate"}
-FACADES |= {"laplace_jax.checkpoint", "laplace_jax.tokenizer"}
+FACADES |= {"laplace_jax.checkpoint", "laplace_jax.tokenizer", "laplace_jax.muon", "laplace_jax.state"}
 
 
 def _tier(module: str) -> tuple[int, str] | None:

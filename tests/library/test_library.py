@@ -84,9 +84,9 @@ def test_old_module_paths_are_deprecated_aliases():
 
   from laplace_jax.data import tokenizer
   from laplace_jax.inference import generate
-  from laplace_jax.model import config
+  from laplace_jax.model import config, state
   from laplace_jax.ops import gla
-  from laplace_jax.training import checkpoint
+  from laplace_jax.training import checkpoint, muon
 
   moved = {
     "gla": (gla, "chunk_simple_gla"),
@@ -94,6 +94,7 @@ def test_old_module_paths_are_deprecated_aliases():
     "generate": (generate, "complete"),
   }
   moved |= {"checkpoint": (checkpoint, "load_export"), "tokenizer": (tokenizer, "encode")}
+  moved |= {"muon": (muon, "muon"), "state": (state, "DecodeState")}
   for old, (new, name) in moved.items():
     sys.modules.pop(f"laplace_jax.{old}", None)
     with pytest.warns(DeprecationWarning, match=f"laplace_jax.{old} moved to {new.__name__}"):
