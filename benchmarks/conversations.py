@@ -17,7 +17,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,8 @@ import urllib.request
 import numpy as np
 import openai
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.server_process import ROOT, start_server
+
 CHATML = (
   "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -37,23 +37,6 @@ WORDS = (
   "son up there hath then people came had house into on her come one we children s before your also day "
   "land men shalt against"
 ).split()
-
-
-def start(python, args, log):
-  proc = subprocess.Popen(
-    [python, "-m", "serve", "--port", "0", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True
-  )
-  deadline = time.time() + 600
-  while time.time() < deadline:
-    line = proc.stderr.readline()
-    if not line and proc.poll() is not None:
-      raise SystemExit("server exited:\n" + "".join(log))
-    log.append(line)
-    m = re.search(r"serving \S+ on (http://\S+)", line)
-    if m:
-      return proc, m.group(1)
-  proc.kill()
-  raise SystemExit("server did not start")
 
 
 def metric(url, name):
@@ -160,7 +143,7 @@ def run(args):
       extra += [] if template == "default" else ["--chat_template", chatml]
       extra += [] if cache == "on" else ["--state_cache_gb", "0"]
       log: list[str] = []
-      proc, url = start(args.python, extra, log)
+      proc, url = start_server(args.python, extra, log=log)
       try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         model = client.models.list().data[0].id

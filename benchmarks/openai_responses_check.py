@@ -15,15 +15,14 @@ import argparse
 import os
 import re
 import signal
-import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 
 import openai
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.server_process import ROOT, start_server
+
 KEYS = ("key-a", "key-b")
 LONG = (
   "The lighthouse keeper wrote in his log every evening: the height of the waves, the colour of the sky, "
@@ -32,22 +31,14 @@ LONG = (
 
 
 def start(python: str, cache_dir: str):
-  cmd = [python, "-m", "serve", "--preset", "tiny", "--random_init", "--port", "0", "--n_slots", "8"]
-  cmd += ["--state_cache_dir", cache_dir, "--api_key", KEYS[0], "--api_key", KEYS[1]]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 600
-  while time.time() < deadline:
-    line = proc.stderr.readline()
-    if not line and proc.poll() is not None:
-      raise SystemExit("the server exited")
-    m = re.search(r"serving \S+ on (http://\S+)", line)
-    if m:  # keep reading its log, or a full pipe would stall it
-      threading.Thread(target=proc.stderr.read, daemon=True).start()
-      return proc, m.group(1)
+  flags = ["--preset", "tiny", "--random_init", "--n_slots", "8", "--state_cache_dir", cache_dir]
+  flags += ["--api_key", KEYS[0], "--api_key", KEYS[1]]
+
+  def show(line: str):
     if "stored responses" in line:
       print("  server:", line.strip().split(": ", 1)[-1])
-  proc.kill()
-  raise SystemExit("the server did not start")
+
+  return start_server(python, flags, on_line=show)
 
 
 def metric(url: str, name: str) -> float:
