@@ -183,8 +183,6 @@ def build(args):
   params, cfg = loading.load_model(
     checkpoint=sc.checkpoint, preset=sc.preset, seed=sc.seed, mesh=mesh, dtype=sc.params_dtype
   )
-  n_slots = engine_config.n_slots or slots_for(cfg)
-  engine_config = dataclasses.replace(engine_config, n_slots=n_slots)
   name = sc.model_name or (
     f"laplace-{sc.preset}"
     if sc.random_init
@@ -195,6 +193,7 @@ def build(args):
   share = -(-engine_config.max_queue // max(1, len(tenants.names)))
   engine_config = dataclasses.replace(engine_config, max_queue_per_tenant=share)
   engine = Engine(params, cfg, engine_config, valid_vocab=tok.vocab_size, mesh=mesh, state_cache=cache)
+  n_slots = engine.n_slots  # the flag's, or the model's default (EngineConfig.for_model)
   t = time.perf_counter()
   engine.warmup()
   logging.info("engine ready: %s, %d slots, compiled in %.1f s", name, n_slots, time.perf_counter() - t)

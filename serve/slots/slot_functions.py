@@ -353,18 +353,8 @@ class SlotFunctions:
     del params
     zero = jnp.zeros_like(slot_E)
     logits = pf.logits[row_E]
-    tok = self.sample(
-      logits,
-      settings.temperature,
-      settings.top_k,
-      settings.top_p,
-      settings.seed,
-      zero,
-      seed_hi_S=settings.seed_hi,
-      allowed_SxG=allowed_ExG,
-      free_path=False,  # a few entries per prefill: one sampler to compile
-    )
-    done = _done(tok, zero, settings.max_tokens, settings.stop_ids)
+    # A few entries per prefill: one sampler to compile (free_path=False).
+    tok, done = self._draw(logits, settings, zero, allowed_ExG, free_path=False)
     src, slot_w, any_real = entry_writes(slot_E, self.n_slots)
 
     def put(big, small, axis):  # small: the values of the writes, already indexed by src
@@ -492,6 +482,24 @@ class SlotFunctions:
     sub, out = self._sample_step(logits_BxY, sub, allowed_SxG=allowed_BxG)
     return self._write_back(table, rows_B, sub, model=False), out.pack()
 
+  def _draw(self, logits, s: SlotSettings, index, allowed, *, temperature=None, free_path: bool = True):
+    """Each row's token drawn by its settings `s` at output `index` (also its position in the row's random
+    stream) among the tokens `allowed` allows, and whether that token finishes the row; `temperature`
+    overrides the settings' own."""
+    t = s.temperature if temperature is None else temperature
+    tok = self.sample(
+      logits,
+      t,
+      s.top_k,
+      s.top_p,
+      s.seed,
+      index,
+      seed_hi_S=s.seed_hi,
+      allowed_SxG=allowed,
+      free_path=free_path,
+    )
+    return tok, _done(tok, index, s.max_tokens, s.stop_ids)
+
   def _sample_step(
     self, logits_SxY, table: SlotTable, greedy: bool = False, allowed_SxG=None
   ) -> tuple[SlotTable, StepOutput]:
@@ -507,11 +515,8 @@ class SlotFunctions:
       out = self._step_output(logits_SxY, tok, _done(tok, index, s.max_tokens, s.stop_ids), None)
     else:
       temperature = jnp.where(ended_S, 0.0, s.temperature)
-      tok = self.sample(
-        logits_SxY, temperature, s.top_k, s.top_p, s.seed, index, seed_hi_S=s.seed_hi, allowed_SxG=allowed_SxG
-      )
-      want = jnp.where(ended_S, -1, s.logprobs)
-      out = self._step_output(logits_SxY, tok, _done(tok, index, s.max_tokens, s.stop_ids), want)
+      tok, done = self._draw(logits_SxY, s, index, allowed_SxG, temperature=temperature)
+      out = self._step_output(logits_SxY, tok, done, jnp.where(ended_S, -1, s.logprobs))
     return dataclasses.replace(
       table,
       tokens=jnp.where(ended_S, table.tokens, tok),
@@ -564,18 +569,8 @@ class SlotFunctions:
     st = jax.tree.map(lambda x: jnp.repeat(x, J, axis=0), sub.settings)  # each slot's settings, J times
     index = index_SxJ.reshape(-1)
     allowed = allowed_SxJxG.reshape(S * J, -1)
-    tok = self.sample(
-      flat,
-      st.temperature,
-      st.top_k,
-      st.top_p,
-      st.seed,
-      index,
-      seed_hi_S=st.seed_hi,
-      allowed_SxG=allowed,
-      free_path=False,  # a verify's positions: one sampler to compile (their mask is a pass over the logits)
-    )
-    done = _done(tok, index, st.max_tokens, st.stop_ids)
+    # A verify's positions: one sampler to compile (free_path=False; their mask is a pass over the logits).
+    tok, done = self._draw(flat, st, index, allowed, free_path=False)
     tok_SxJ, done_SxJ = tok.reshape(S, J), done.reshape(S, J)
     agree = (tok_SxJ[:, :n] == drafts_SxJ) & real_SxJ & ~done_SxJ[:, :n]
     accepted = jnp.cumprod(agree.astype(jnp.int32), axis=1).sum(1)  # leading drafts that agree
